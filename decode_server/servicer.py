@@ -1,0 +1,84 @@
+"""DecodeService: reserve pages for a handoff, then decode the request in the continuous batch."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from engine.errors import EngineError
+from engine.request import StepOutput
+from server_runtime.convert import finish_to_proto, layout_to_proto, sampling_from_proto, token_to_proto
+from server_runtime.errors import abort_with
+from server_runtime.worker import WorkerContext
+from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+
+    async def Reserve(self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
+                      ) -> decode_pb2.ReserveResponse:
+        ttl_s = self.ctx.config.reservation_ttl_s
+        try:
+            page_ids = await self.ctx.loop.call(
+                lambda engine: engine.reserve(request.request_id, request.prompt_len, ttl_s))
+        except EngineError as exc:
+            await abort_with(context, exc)
+        engine = self.ctx.engine
+        target = common_pb2.KvTarget(session_id=self.ctx.transport.session_id,
+                                     base_addr=engine.runner.kv_pool.base_addr,
+                                     layout=layout_to_proto(engine.runner.layout), page_ids=page_ids)
+        return decode_pb2.ReserveResponse(request_id=request.request_id, kv_target=target, ttl_ms=int(ttl_s * 1000))
+
+    async def Generate(self, request: decode_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        rid = request.request_id
+        try:
+            sink = await self.ctx.loop.admit(rid, list(request.prompt_token_ids), request.first_token.token_id,
+                                             request.first_token.logprob,
+                                             sampling_from_proto(request.sampling_params))
+        except EngineError as exc:
+            await self.ctx.loop.abort(rid)   # a rejected admission must not keep its reservation
+            await abort_with(context, exc)
+        finished = False
+        try:
+            while not finished:
+                outputs = [await sink.get()]
+                while not sink.empty():
+                    outputs.append(sink.get_nowait())
+                finished = outputs[-1].finish_reason is not None
+                yield _response(rid, outputs)
+        finally:
+            if not finished:     # the client went away: free the request's pages now
+                await asyncio.shield(self.ctx.loop.abort(rid, "client cancelled"))
+
+    async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
+                    ) -> common_pb2.AbortResponse:
+        return common_pb2.AbortResponse(found=await self.ctx.loop.abort(request.request_id, "aborted by client"))
+
+    async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+                           ) -> common_pb2.GetModelInfoResponse:
+        return self.ctx.model_info(common_pb2.WORKER_ROLE_DECODE)
+
+    async def GetLoad(self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+                      ) -> common_pb2.GetLoadResponse:
+        return await self.ctx.load()
+
+
+def _response(rid: str, outputs: list[StepOutput]) -> decode_pb2.GenerateResponse:
+    last = outputs[-1]
+    response = decode_pb2.GenerateResponse(
+        request_id=rid, tokens=[token_to_proto(o) for o in outputs if o.token_id is not None],
+        finish_reason=finish_to_proto(last.finish_reason), message=last.abort_message)
+    if last.matched_token_id is not None:
+        response.matched_token_id = last.matched_token_id
+    return response
+
+
+def add_decode_servicer(server: grpc.aio.Server, ctx: WorkerContext) -> str:
+    decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(ctx), server)
+    return decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name

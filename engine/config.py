@@ -1,0 +1,135 @@
+"""Frozen configuration records for the model runtime.
+
+`ModelConfig` describes an architecture (read from an HF `config.json` or GGUF metadata);
+`EngineConfig` describes how one engine instance runs it (dtype, KV pool size, batching limits).
+Values discovered at run time (the number of pages that fit, eos ids found in a tokenizer) live in
+runtime state, never in these records.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or invalid."""
+
+
+class Architecture(enum.Enum):
+    LLAMA = "LlamaForCausalLM"
+    QWEN2 = "Qwen2ForCausalLM"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder.
+
+    `qkv_bias` is True for Qwen2 and for Llama configs with `attention_bias`; `o_proj_bias` only for
+    the latter. `eos_token_ids` holds every token id that ends generation by default.
+    """
+
+    architecture: Architecture
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_proj_bias: bool
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    rope_scaling: tuple[tuple[str, Any], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ConfigError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        scaling = dict(self.rope_scaling)
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in (None, "default", "llama3", "linear"):
+            raise ConfigError(f"unsupported rope_scaling type {kind!r}")
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any]) -> "ModelConfig":
+        """Build from the dict of an HF `config.json`."""
+        archs = config.get("architectures") or []
+        try:
+            architecture = Architecture(archs[0])
+        except (IndexError, ValueError):
+            supported = ", ".join(a.value for a in Architecture)
+            raise ConfigError(f"unsupported architectures {archs!r}; supported: {supported}") from None
+        num_heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        eos = config.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        rope_scaling = config.get("rope_scaling") or {}
+        rope_theta = config.get("rope_theta")
+        if rope_theta is None:  # transformers 5 moved rope settings into rope_parameters
+            rope_theta = (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        return cls(
+            architecture=architecture,
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+            head_dim=int(config.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=(architecture is Architecture.QWEN2) or bool(config.get("attention_bias", False)),
+            o_proj_bias=architecture is Architecture.LLAMA and bool(config.get("attention_bias", False)),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            rope_scaling=tuple(sorted((k, v) for k, v in rope_scaling.items()
+                                      if not isinstance(v, (list, dict)))),
+        )
+
+
+_DTYPES = ("bfloat16", "float32", "float16")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How one engine runs a model.
+
+    The KV pool holds `max_total_tokens` tokens when set, else as many as fit `kv_cache_gib`.
+    `context_len` overrides the model's `max_position_embeddings` (it may only shrink it).
+    """
+
+    dtype: str = "bfloat16"
+    page_size: int = 16
+    max_total_tokens: int | None = None
+    kv_cache_gib: float = 1.0
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 8192
+    context_len: int | None = None
+    attention_backend: str = "torch"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise ConfigError(f"page_size must be a positive power of two, got {self.page_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ConfigError(f"max_total_tokens must be >= page_size, got {self.max_total_tokens}")
+        if self.kv_cache_gib <= 0:
+            raise ConfigError(f"kv_cache_gib must be positive, got {self.kv_cache_gib}")
+        if self.max_running_requests <= 0 or self.max_prefill_tokens <= 0:
+            raise ConfigError("max_running_requests and max_prefill_tokens must be positive")
+        if self.context_len is not None and self.context_len <= 1:
+            raise ConfigError(f"context_len must be > 1, got {self.context_len}")

@@ -1,0 +1,195 @@
+"""Engine: one model on one KV pool. `step()` is schedule -> run -> postprocess.
+
+Single-threaded by contract: every method must be called from the same thread (the server
+runtime's engine loop). Three ways in:
+- `add_request`: a prompt to prefill (and decode, unless `is_prefill_only`);
+- `reserve` + `admit`: a decode server takes a request whose prompt KV another process wrote
+  into the reserved pages;
+- `abort` / `release` / `expire_reservations`: end requests and return their pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.errors import ContextLengthExceededError, InvalidRequestError, RequestNotFoundError
+from engine.page_allocator import PageAllocator
+from engine.request import FinishReason, Request, SamplingParams, StepOutput
+from engine.runner import ModelRunner
+from engine.scheduler import Scheduler
+from engine.weights import Checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Reservation:
+    page_ids: list[int]
+    prompt_len: int
+    expires_at: float
+
+
+class Engine:
+    def __init__(self, checkpoint: Checkpoint, config: EngineConfig, progress: bool = True) -> None:
+        mc = checkpoint.config
+        self.model_config = mc
+        self.config = config
+        self.context_len = min(config.context_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.eos_token_ids = frozenset(mc.eos_token_ids)
+        self.runner = ModelRunner(checkpoint, config, self.context_len, progress=progress)
+        self.allocator = PageAllocator(self.runner.kv_pool.num_pages)
+        self.scheduler = Scheduler(self.allocator, config.page_size, config.max_running_requests,
+                                   config.max_prefill_tokens)
+        self._requests: dict[str, Request] = {}
+        self._held: dict[str, Request] = {}
+        self._reservations: dict[str, _Reservation] = {}
+
+    # ---- ways in -------------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        """Queue a prompt. Raises InvalidRequestError / ContextLengthExceededError / CapacityError."""
+        self._validate(req.request_id, req.prompt_ids)
+        self.scheduler.check_capacity(req.prompt_len)
+        self._requests[req.request_id] = req
+        self.scheduler.add_waiting(req)
+
+    def reserve(self, request_id: str, prompt_len: int, ttl_s: float) -> list[int]:
+        """Hold pages for a prompt whose KV will be written from outside; dropped after `ttl_s`."""
+        if request_id in self._requests or request_id in self._reservations:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if prompt_len < 1:
+            raise InvalidRequestError("prompt_len must be >= 1")
+        if prompt_len >= self.context_len:
+            raise ContextLengthExceededError(
+                f"prompt has {prompt_len} tokens; the context length is {self.context_len}")
+        page_ids = self.scheduler.reserve(prompt_len)
+        self._reservations[request_id] = _Reservation(page_ids, prompt_len, time.monotonic() + ttl_s)
+        return page_ids
+
+    def admit(self, request_id: str, prompt_ids: list[int], first_token: int, first_logprob: float,
+              sampling: SamplingParams) -> StepOutput | None:
+        """Start decoding a reserved request from its first token. Returns a finish output if the
+        first token already ends it (its pages are then freed)."""
+        reservation = self._reservations.get(request_id)
+        if reservation is None:
+            raise RequestNotFoundError(f"no reservation for request {request_id!r} (expired or never made)")
+        if len(prompt_ids) != reservation.prompt_len:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt_ids)} tokens but {reservation.prompt_len} were reserved")
+        self._validate(request_id, prompt_ids + [first_token], allow_full_context=True)
+        del self._reservations[request_id]
+        req = Request(request_id, list(prompt_ids), sampling, page_ids=reservation.page_ids,
+                      num_computed=len(prompt_ids))
+        self._requests[request_id] = req
+        self.scheduler.add_running(req)
+        return self._append_token(req, first_token, first_logprob, emit_token=False)
+
+    def abort(self, request_id: str, message: str = "aborted") -> StepOutput | None:
+        """End a request or drop a reservation, freeing its pages. None if nothing was held."""
+        if (reservation := self._reservations.pop(request_id, None)) is not None:
+            self.allocator.free(reservation.page_ids)
+            return None
+        if (held := self._held.pop(request_id, None)) is not None:
+            self.scheduler.release_pages(held)
+            return None
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req, FinishReason.ABORT, message)
+        return StepOutput(request_id, None, None, FinishReason.ABORT, abort_message=message)
+
+    def release(self, request_id: str) -> None:
+        """Free the pages a finished prefill-only request kept for its KV transfer."""
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            self.scheduler.release_pages(held)
+
+    def holds(self, request_id: str) -> bool:
+        """Whether a request, reservation or held KV exists under this id."""
+        return request_id in self._requests or request_id in self._reservations or request_id in self._held
+
+    def is_awaiting_release(self, request_id: str) -> bool:
+        """A finished prefill-only request whose pages wait for `release`."""
+        return request_id in self._held
+
+    def held_pages(self, request_id: str) -> list[int]:
+        return list(self._held[request_id].page_ids)
+
+    def expire_reservations(self, now: float) -> list[str]:
+        expired = [rid for rid, r in self._reservations.items() if r.expires_at <= now]
+        for rid in expired:
+            self.allocator.free(self._reservations.pop(rid).page_ids)
+            logger.warning("reservation for %s expired unused; pages freed", rid)
+        return expired
+
+    # ---- the step ------------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[StepOutput]:
+        batch, evicted = self.scheduler.schedule()
+        outputs = [self._finished_output(self._requests.pop(r.request_id)) for r in evicted]
+        if batch is None:
+            return outputs
+        sampled = self.runner.run(batch.requests, batch.is_decode)
+        for req, token_id, logprob in zip(batch.requests, sampled.token_ids, sampled.logprobs):
+            if not batch.is_decode:
+                self.scheduler.after_prefill(req)
+            if req.is_prefill_only:
+                outputs.append(self._finish_prefill_only(req, token_id, logprob))
+            else:
+                outputs.append(self._append_token(req, token_id, logprob, emit_token=True))
+        return outputs
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _finish_prefill_only(self, req: Request, token_id: int, logprob: float) -> StepOutput:
+        req.output_ids.append(token_id)
+        req.output_logprobs.append(logprob)
+        self.scheduler.finish(req, None, keep_pages=True)
+        self._held[req.request_id] = self._requests.pop(req.request_id)
+        return StepOutput(req.request_id, token_id, logprob)
+
+    def _append_token(self, req: Request, token_id: int, logprob: float, emit_token: bool) -> StepOutput | None:
+        req.output_ids.append(token_id)
+        req.output_logprobs.append(logprob)
+        reason = self._finish_reason(req, token_id)
+        if reason is not None:
+            matched = token_id if reason is FinishReason.STOP else None
+            req.matched_token_id = matched
+            self.scheduler.finish(req, reason)
+            del self._requests[req.request_id]
+        if not emit_token and reason is None:
+            return None
+        return StepOutput(req.request_id, token_id if emit_token else None, logprob if emit_token else None,
+                          reason, matched_token_id=req.matched_token_id)
+
+    def _finish_reason(self, req: Request, token_id: int) -> FinishReason | None:
+        params = req.sampling
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            return FinishReason.STOP
+        if len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.context_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finished_output(self, req: Request) -> StepOutput:
+        return StepOutput(req.request_id, None, None, req.finish_reason, abort_message=req.abort_message)
+
+    def _validate(self, request_id: str, token_ids: list[int], allow_full_context: bool = False) -> None:
+        if request_id in self._requests or request_id in self._held:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not (0 <= t < vocab)), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        limit = self.context_len if allow_full_context else self.context_len - 1
+        if len(token_ids) > limit:
+            raise ContextLengthExceededError(
+                f"prompt has {len(token_ids)} tokens; the context length is {self.context_len}")

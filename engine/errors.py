@@ -1,0 +1,29 @@
+"""Errors the engine raises. `server_runtime.errors` maps each to a gRPC status code."""
+
+
+class EngineError(Exception):
+    """Base class for errors a request can fail with inside the engine."""
+
+
+class InvalidRequestError(EngineError):
+    """The request's values are invalid (bad sampling parameters, empty prompt, token out of range)."""
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    """Prompt plus requested tokens do not fit the model's context."""
+
+
+class CapacityError(EngineError):
+    """Not enough KV pages or queue slots to take the request now."""
+
+
+class RequestNotFoundError(EngineError):
+    """No request or reservation with this id exists (it may have expired)."""
+
+
+class RequestAbortedError(EngineError):
+    """The request was aborted before it finished."""
+
+
+class EngineDeadError(EngineError):
+    """The engine loop stopped after an unrecoverable error; nothing more will run."""

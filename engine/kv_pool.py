@@ -1,0 +1,59 @@
+"""The paged KV pool: one contiguous tensor, page-major, registered once with the KV transport."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shape of one page: `page_bytes` bytes holding K and V of `page_size` tokens in every layer."""
+
+    num_layers: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def page_bytes(self) -> int:
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * element_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.page_bytes // self.page_size
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, page_size: int, dtype: torch.dtype) -> "KVLayout":
+        return cls(config.num_layers, page_size, config.num_kv_heads, config.head_dim, dtype)
+
+
+class KVPool:
+    """`tensor[page, layer, 0 | 1, offset, kv_head, head_dim]`; page i spans bytes
+    [base_addr + i * page_bytes, base_addr + (i + 1) * page_bytes)."""
+
+    def __init__(self, layout: KVLayout, num_pages: int) -> None:
+        self.layout = layout
+        self.num_pages = num_pages
+        self.tensor = torch.zeros(num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads,
+                                  layout.head_dim, dtype=layout.dtype)
+
+    @property
+    def base_addr(self) -> int:
+        return self.tensor.data_ptr()
+
+    @property
+    def num_bytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def read_tokens(self, page_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """KV of the first `num_tokens` tokens held in `page_ids`: [L, 2, num_tokens, Hkv, D] (a copy)."""
+        pages = self.tensor[page_ids]                       # [n, L, 2, S, H, D]
+        kv = pages.permute(1, 2, 0, 3, 4, 5).reshape(self.layout.num_layers, 2, -1,
+                                                     self.layout.num_kv_heads, self.layout.head_dim)
+        return kv[:, :, :num_tokens].clone()

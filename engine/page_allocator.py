@@ -1,0 +1,54 @@
+"""Free-list bookkeeping of KV pages. Plain Python: the tensors live in `engine.kv_pool`."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable
+
+from engine.errors import CapacityError
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    """Pages that hold `num_tokens` tokens."""
+    return -(-num_tokens // page_size)
+
+
+class PageAllocator:
+    """Hands out page ids in [0, num_pages); every id is either free or owned by one holder."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {num_pages}")
+        self.num_pages = num_pages
+        self._free: deque[int] = deque(range(num_pages))
+        self._is_used = [False] * num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def can_allocate(self, num: int) -> bool:
+        return num <= len(self._free)
+
+    def allocate(self, num: int) -> list[int]:
+        """Take `num` pages; raises CapacityError (taking none) when fewer are free."""
+        if num > len(self._free):
+            raise CapacityError(f"need {num} KV pages, {len(self._free)} free of {self.num_pages}")
+        ids = [self._free.popleft() for _ in range(num)]
+        for page_id in ids:
+            self._is_used[page_id] = True
+        return ids
+
+    def free(self, page_ids: Iterable[int]) -> None:
+        """Return pages; freeing a page that is not in use is a bug and raises ValueError."""
+        ids = list(page_ids)
+        for page_id in ids:
+            if not (0 <= page_id < self.num_pages) or not self._is_used[page_id]:
+                raise ValueError(f"page {page_id} is not allocated")
+        for page_id in ids:
+            self._is_used[page_id] = False
+            self._free.append(page_id)

@@ -1,0 +1,118 @@
+"""ModelRunner: owns the model, the KV pool tensor and the attention backend; runs one batch.
+
+It turns a list of scheduled requests into input tensors and attention metadata, runs one
+forward pass, samples one token per request and returns them. It never changes request state.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_pool import KVLayout, KVPool
+from engine.model import CausalLM
+from engine.request import Request
+from engine.weights import Checkpoint
+from kernels.attention import AttentionMetadata, create_attention_backend
+from kernels.layers import RotaryEmbedding
+from kernels.sampling import SamplingBatch, sample
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class SampledTokens:
+    """One token per scheduled request, in batch order."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class ModelRunner:
+    def __init__(self, checkpoint: Checkpoint, config: EngineConfig, context_len: int,
+                 progress: bool = True) -> None:
+        self.model_config: ModelConfig = checkpoint.config
+        self.dtype = _TORCH_DTYPES[config.dtype]
+        self.page_size = config.page_size
+        mc = self.model_config
+        with torch.device("meta"):
+            model = CausalLM(mc)
+        self.model = model.to_empty(device="cpu").to(self.dtype)
+        if mc.tie_word_embeddings:
+            self.model.lm_head.weight = self.model.model.embed_tokens.weight
+        self.model.load_weights(checkpoint.tensors(progress=progress))
+        self.model.eval()
+        self.layout = KVLayout.for_model(mc, config.page_size, self.dtype)
+        num_pages = self._num_pages(config)
+        self.kv_pool = KVPool(self.layout, num_pages)
+        self.rotary = RotaryEmbedding(mc.head_dim, context_len, mc.rope_theta, dict(mc.rope_scaling), self.dtype)
+        self.attention = create_attention_backend(
+            config.attention_backend, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim, page_size=config.page_size)
+        logger.info("KV pool: %d pages x %d tokens (%.1f MiB, %s)", num_pages, config.page_size,
+                    self.kv_pool.num_bytes / 2**20, config.dtype)
+
+    def _num_pages(self, config: EngineConfig) -> int:
+        if config.max_total_tokens is not None:
+            return max(1, config.max_total_tokens // config.page_size)
+        return max(1, int(config.kv_cache_gib * 2**30) // self.layout.page_bytes)
+
+    @torch.inference_mode()
+    def run(self, requests: list[Request], is_decode: bool) -> SampledTokens:
+        """Run the new tokens of `requests` (pages already allocated) and sample one token each.
+
+        Writes the new tokens' KV into the pool. For prefill, the new tokens are
+        prompt_ids[num_computed:]; for decode, the last generated token.
+        """
+        input_ids, positions, meta = self._prepare(requests, is_decode)
+        hidden = self.model(input_ids, positions, self.rotary, self.attention, self.kv_pool.tensor, meta)
+        last_rows = torch.tensor(meta.query_lens).cumsum(0) - 1
+        logits = self.model.compute_logits(hidden[last_rows])
+        token_ids, logprobs = sample(logits, _sampling_batch(requests))
+        return SampledTokens(token_ids.tolist(), logprobs.tolist())
+
+    def _prepare(self, requests: list[Request], is_decode: bool) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        ids: list[int] = []
+        pos: list[int] = []
+        query_lens, seq_lens = [], []
+        for req in requests:
+            tokens = req.prompt_ids + req.output_ids
+            start = req.seq_len - 1 if is_decode else req.num_computed
+            new = tokens[start:req.seq_len] if is_decode else tokens[start:req.prompt_len]
+            ids.extend(new)
+            pos.extend(range(start, start + len(new)))
+            query_lens.append(len(new))
+            seq_lens.append(start + len(new))
+        positions = torch.tensor(pos, dtype=torch.int64)
+        max_pages = max(len(r.page_ids) for r in requests)
+        page_table = torch.tensor([r.page_ids + [0] * (max_pages - len(r.page_ids)) for r in requests],
+                                  dtype=torch.int64)
+        row_of_token = torch.repeat_interleave(torch.arange(len(requests)), torch.tensor(query_lens))
+        write_pages = page_table[row_of_token, positions // self.page_size]
+        meta_args = dict(query_lens=tuple(query_lens), seq_lens=tuple(seq_lens), page_table=page_table,
+                         write_pages=write_pages, write_offsets=positions % self.page_size, is_decode=is_decode)
+        if is_decode:
+            slots = torch.arange(max(seq_lens))
+            meta_args["gather_pages"] = page_table.gather(1, (slots // self.page_size).expand(len(requests), -1)
+                                                          .clamp(max=max_pages - 1))
+            meta_args["gather_offsets"] = (slots % self.page_size).expand(len(requests), -1)
+            meta_args["key_mask"] = (slots.unsqueeze(0) < torch.tensor(seq_lens).unsqueeze(1))[:, None, None, :]
+        return torch.tensor(ids, dtype=torch.int64), positions, AttentionMetadata(**meta_args)
+
+
+def _sampling_batch(requests: list[Request]) -> SamplingBatch:
+    params = [r.sampling for r in requests]
+    return SamplingBatch(
+        temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+        top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        top_ks=torch.tensor([p.top_k for p in params], dtype=torch.int64),
+        min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32),
+        is_greedy=torch.tensor([p.is_greedy for p in params], dtype=torch.bool),
+        seeds=tuple(p.seed for p in params),
+        steps=tuple(len(r.output_ids) for r in requests),
+    )

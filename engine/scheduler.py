@@ -1,0 +1,125 @@
+"""Chooses what runs each step and owns page bookkeeping for requests. No torch here.
+
+Policy: new prompts are prefilled first (FCFS, up to `max_prefill_tokens` per step, and only
+while their pages fit); otherwise every running request decodes together in one batch. A running
+request that needs a new page when none is free is aborted (the newest first) rather than
+blocking the batch forever.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.errors import CapacityError
+from engine.page_allocator import PageAllocator, pages_needed
+from engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledBatch:
+    requests: list[Request]
+    is_decode: bool
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, page_size: int, max_running_requests: int,
+                 max_prefill_tokens: int) -> None:
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_running_requests = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_waiting(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def add_running(self, req: Request) -> None:
+        """Admit a request whose prompt KV is already in `req.page_ids` (decode after a handoff)."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def schedule(self) -> tuple[ScheduledBatch | None, list[Request]]:
+        """Pick the next batch. Also returns requests aborted for lack of pages (already finished)."""
+        prefill = self._schedule_prefill()
+        if prefill:
+            return ScheduledBatch(prefill, is_decode=False), []
+        evicted = self._grow_decode_pages()
+        if not self.running:
+            return None, evicted
+        return ScheduledBatch(list(self.running), is_decode=True), evicted
+
+    def _schedule_prefill(self) -> list[Request]:
+        batch: list[Request] = []
+        num_tokens = 0
+        while self.waiting and len(self.running) + len(batch) < self.max_running_requests:
+            req = self.waiting[0]
+            new_tokens = req.prompt_len - req.num_computed
+            if batch and num_tokens + new_tokens > self.max_prefill_tokens:
+                break
+            needed = pages_needed(req.prompt_len, self.page_size) - len(req.page_ids)
+            if not self.allocator.can_allocate(needed):
+                break
+            req.page_ids.extend(self.allocator.allocate(needed))
+            self.waiting.popleft()
+            batch.append(req)
+            num_tokens += new_tokens
+        return batch
+
+    def _grow_decode_pages(self) -> list[Request]:
+        """Give each running request room for the token it is about to write."""
+        evicted: list[Request] = []
+        for req in list(self.running):
+            if req.is_finished or pages_needed(req.seq_len, self.page_size) <= len(req.page_ids):
+                continue
+            while not self.allocator.can_allocate(1) and self.running:
+                victim = self.running[-1]
+                self.finish(victim, FinishReason.ABORT,
+                            message=f"KV cache exhausted ({self.allocator.num_pages} pages); request evicted")
+                evicted.append(victim)
+                if victim is req:
+                    break
+            if req.is_finished:
+                continue
+            req.page_ids.extend(self.allocator.allocate(1))
+        return evicted
+
+    def after_prefill(self, req: Request) -> None:
+        """Prefill wrote the whole prompt; the request now decodes (or finishes, if prefill-only)."""
+        req.num_computed = req.prompt_len
+        if not req.is_prefill_only:
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+
+    def finish(self, req: Request, reason: FinishReason | None, message: str = "",
+               keep_pages: bool = False) -> None:
+        """Mark finished and drop from the queues; frees pages unless `keep_pages`."""
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.abort_message = message
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if not keep_pages:
+            self.release_pages(req)
+
+    def release_pages(self, req: Request) -> None:
+        if req.page_ids:
+            self.allocator.free(req.page_ids)
+            req.page_ids = []
+
+    def reserve(self, num_tokens: int) -> list[int]:
+        """Pages for `num_tokens` tokens arriving from elsewhere; raises CapacityError if they don't fit."""
+        return self.allocator.allocate(pages_needed(num_tokens, self.page_size))
+
+    def check_capacity(self, num_tokens: int) -> None:
+        """Raise CapacityError when a prompt could never fit in the whole pool."""
+        needed = pages_needed(num_tokens, self.page_size)
+        if needed > self.allocator.num_pages:
+            raise CapacityError(f"prompt needs {needed} KV pages but the pool has {self.allocator.num_pages}")

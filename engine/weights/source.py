@@ -1,0 +1,26 @@
+"""The interface each checkpoint format implements to hand its tensors to `Checkpoint`."""
+
+from __future__ import annotations
+
+from typing import Iterator, Protocol
+
+import torch
+
+
+class TensorSource(Protocol):
+    """Reads one opened checkpoint's parameters on demand.
+
+    `read()` yields `(HF name, tensor)` pairs one at a time, each tensor freshly materialized
+    (owned by the caller, never a view into a file mapping), so a consumer that copies each
+    tensor to its destination and drops it never holds the whole model twice. `read()` may
+    be called more than once; each call starts over.
+    """
+
+    @property
+    def num_tensors(self) -> int:
+        """How many pairs `read()` yields."""
+        ...
+
+    def read(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield every parameter, in file order."""
+        ...

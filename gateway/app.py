@@ -1,0 +1,71 @@
+"""The FastAPI application: routes, error handlers, start-up (tokenizer, worker pool)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import AsyncIterator
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway import native_api, openai_api
+from gateway.config import GatewayConfig
+from gateway.errors import APIError
+from gateway.state import GatewayState
+from gateway.tokenizer import load_tokenizer
+from gateway.workers import WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    tokenizer = load_tokenizer(config.model_path)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        pool = WorkerPool(config.prefill_addrs, config.decode_addrs)
+        app.state.gateway = GatewayState(config, tokenizer, pool)
+        await pool.probe_all()
+        pool.start()
+        yield
+        await pool.close()
+
+    app = FastAPI(title="Tandem gateway", lifespan=lifespan)
+    app.include_router(openai_api.router)
+    app.include_router(native_api.router)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)
+    return app
+
+
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request body")
+    return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(APIError(exc.status_code, str(exc.detail), kind).body(), status_code=exc.status_code)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error on %s", request.url.path)
+    return JSONResponse(APIError(500, "internal server error", "internal_error").body(), status_code=500)
+
+
+def serve_gateway(config: GatewayConfig) -> None:
+    app = create_app(config)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=5)

@@ -1,0 +1,115 @@
+"""One request's trip through the workers: Reserve (decode) -> Prefill -> Generate (decode).
+
+The gateway only moves token ids and small control messages; the KV goes prefill -> decode
+directly. Whatever ends the trip early (an error, a stop string, a client that went away), the
+`finally` block tells the decode server, so no page stays held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import grpc
+
+from gateway.config import GatewayConfig
+from gateway.errors import APIError
+from gateway.workers import Worker, WorkerPool
+from tandem.v1 import common_pb2, decode_pb2, prefill_pb2
+
+logger = logging.getLogger(__name__)
+
+_FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+                 common_pb2.FINISH_REASON_ABORT: "abort"}
+_ABORT_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffTimings:
+    """Per-phase timings of one request, in milliseconds."""
+
+    reserve_ms: float
+    prefill_queue_ms: float
+    prefill_compute_ms: float
+    transfer_ms: float
+    kv_bytes: int
+    first_token_ms: float
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """Tokens from the workers; the last event of a trip has `finish_reason` set."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None = None     # "stop" | "length" | "abort"
+    matched_token_id: int | None = None
+    message: str = ""
+    timings: HandoffTimings | None = field(default=None)
+
+
+async def run_handoff(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt_ids: list[int],
+                      sampling: common_pb2.SamplingParams) -> AsyncIterator[TokenEvent]:
+    """Yield the first token (with timings), then the decode server's tokens until a finish."""
+    started = time.perf_counter()
+    decode, prefill = pool.pick("decode"), pool.pick("prefill")
+    reserved = await _call(decode, decode.stub.Reserve(
+        decode_pb2.ReserveRequest(request_id=request_id, prompt_len=len(prompt_ids)),
+        timeout=config.reserve_timeout_s))
+    reserve_ms = (time.perf_counter() - started) * 1000
+    generate: grpc.aio.UnaryStreamCall | None = None
+    finished = False
+    try:
+        first = await _call(prefill, prefill.stub.Prefill(
+            prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt_ids, sampling_params=sampling,
+                                       kv_target=reserved.kv_target),
+            timeout=config.prefill_timeout_s))
+        timings = HandoffTimings(reserve_ms, first.queue_ms, first.compute_ms, first.transfer_ms, first.kv_bytes,
+                                 (time.perf_counter() - started) * 1000, first.cached_tokens)
+        yield TokenEvent([first.first_token.token_id], [first.first_token.logprob], timings=timings)
+        generate = decode.stub.Generate(
+            decode_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids,
+                                       first_token=first.first_token, sampling_params=sampling),
+            timeout=config.request_timeout_s)
+        async for message in _stream(decode, generate):
+            reason = _FINISH_NAMES.get(message.finish_reason)
+            finished = reason is not None
+            yield TokenEvent([t.token_id for t in message.tokens], [t.logprob for t in message.tokens], reason,
+                             message.matched_token_id if message.HasField("matched_token_id") else None,
+                             message.message)
+            if finished:
+                return
+        raise APIError(502, f"decode worker {decode.address} ended the stream without a finish reason",
+                       "internal_error")
+    finally:
+        if not finished:
+            await _release(decode, request_id, generate)
+
+
+async def _call(worker: Worker, call):
+    try:
+        return await call
+    except grpc.aio.AioRpcError as exc:
+        raise APIError.from_grpc(exc, f"{worker.role} worker {worker.address}") from None
+
+
+async def _stream(worker: Worker, call: grpc.aio.UnaryStreamCall) -> AsyncIterator[decode_pb2.GenerateResponse]:
+    try:
+        async for message in call:
+            yield message
+    except grpc.aio.AioRpcError as exc:
+        raise APIError.from_grpc(exc, f"{worker.role} worker {worker.address}") from None
+
+
+async def _release(decode: Worker, request_id: str, generate: grpc.aio.UnaryStreamCall | None) -> None:
+    """Free the decode server's pages for an unfinished trip (cancelling the stream does it too)."""
+    if generate is not None:
+        generate.cancel()
+    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+        await asyncio.shield(decode.stub.Abort(common_pb2.AbortRequest(request_id=request_id),
+                                               timeout=_ABORT_TIMEOUT_S))

@@ -1,0 +1,77 @@
+"""Turn HTTP sampling fields into a tandem.v1 SamplingParams, naming the offending param on error."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gateway.errors import APIError, bad_request, context_length_exceeded
+from gateway.workers import ModelLimits
+from tandem.v1 import common_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingFields:
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    max_new_tokens: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+def build_sampling(fields: SamplingFields, prompt_len: int, limits: ModelLimits,
+                   max_tokens_param: str = "max_tokens") -> common_pb2.SamplingParams:
+    """Validate values and the context budget; unset max_new_tokens fills the rest of the context."""
+    _check_range("temperature", fields.temperature, lambda v: math.isfinite(v) and 0 <= v <= 2,
+                 "must be between 0 and 2")
+    _check_range("top_p", fields.top_p, lambda v: 0 < v <= 1, "must be in (0, 1]")
+    _check_range("top_k", fields.top_k, lambda v: v >= -1, "must be -1 (disabled) or a positive integer")
+    _check_range("min_p", fields.min_p, lambda v: 0 <= v <= 1, "must be in [0, 1]")
+    _check_range(max_tokens_param, fields.max_new_tokens, lambda v: v >= 1, "must be >= 1")
+    _check_range("seed", fields.seed, lambda v: 0 <= v < 2**63, "must be in [0, 2^63)")
+    bad_id = next((t for t in fields.stop_token_ids if not (0 <= t < limits.vocab_size)), None)
+    if bad_id is not None:
+        raise bad_request(f"stop_token_ids: {bad_id} is outside the vocabulary", "stop_token_ids")
+    if prompt_len == 0:
+        raise bad_request("the prompt is empty", "prompt")
+    room = limits.context_len - prompt_len
+    if room < 1 or (fields.max_new_tokens is not None and fields.max_new_tokens > room):
+        raise context_length_exceeded(limits.context_len, prompt_len, fields.max_new_tokens)
+    params = common_pb2.SamplingParams(max_new_tokens=fields.max_new_tokens or room,
+                                       stop_token_ids=list(fields.stop_token_ids), ignore_eos=fields.ignore_eos)
+    if fields.temperature is not None:
+        params.temperature = fields.temperature
+    if fields.top_p is not None:
+        params.top_p = fields.top_p
+    if fields.top_k is not None and fields.top_k > 0:
+        params.top_k = fields.top_k
+    if fields.min_p is not None:
+        params.min_p = fields.min_p
+    if fields.seed is not None:
+        params.seed = fields.seed
+    return params
+
+
+def check_token_ids(token_ids: list[int], limits: ModelLimits, param: str) -> None:
+    bad = next((t for t in token_ids if not (0 <= t < limits.vocab_size)), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})", param)
+
+
+def stop_list(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    if any(not s for s in stops):
+        raise bad_request("stop strings must be non-empty", "stop")
+    if len(stops) > 16:
+        raise bad_request("at most 16 stop strings are allowed", "stop")
+    return stops
+
+
+def _check_range(param: str, value, is_valid, rule: str) -> None:
+    if value is not None and not is_valid(value):
+        raise APIError(400, f"{param} {rule}, got {value}", param=param)

@@ -1,0 +1,234 @@
+"""Tokenizer loading and the gateway's one wrapper around a Hugging Face tokenizer.
+
+The gateway owns all text; every other process sees token ids only. This module turns a
+model path into a :class:`Tokenizer` that encodes prompts, renders chat templates to ids,
+decodes ids and knows which ids end a turn. It never reaches a hub. It imports no torch
+itself, but transformers' AutoTokenizer does when torch is installed, so AutoTokenizer is
+imported only when a tokenizer is loaded, never when this module is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jinja2
+from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+_GGUF_SUFFIX = ".gguf"
+# Keys the wrapper sets itself; letting callers override them would change the return type.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"tokenize", "return_dict", "return_tensors", "add_generation_prompt", "conversation"}
+)
+_EOT_PROBE_CONTENT = "tandem-end-of-turn-probe"
+_TEMPLATE_ERRORS = (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError)
+
+
+class TokenizerError(ValueError):
+    """A tokenizer could not be loaded, or a text/template operation on it failed."""
+
+
+class Tokenizer:
+    """Wraps one Hugging Face tokenizer; every id list it returns is a plain ``list[int]``.
+
+    Decoding never applies ``clean_up_tokenization_spaces``: that post-processing cannot be
+    done incrementally, and streamed and non-streamed outputs must agree exactly.
+    Calls do not mutate the wrapped tokenizer, so one instance may serve many requests.
+    """
+
+    def __init__(
+        self, hf_tokenizer: PreTrainedTokenizerBase, extra_eos_token_ids: Sequence[int] = ()
+    ) -> None:
+        self._hf = hf_tokenizer
+        self._eos_token_ids = _collect_eos_ids(hf_tokenizer, extra_eos_token_ids)
+
+    @property
+    def name_or_path(self) -> str:
+        """The path the tokenizer was loaded from."""
+        return str(self._hf.name_or_path)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids this tokenizer can produce or decode, added tokens included."""
+        return len(self._hf)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Ids that end generation: eos, then the template's end-of-turn token if it differs."""
+        return self._eos_token_ids
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether :meth:`apply_chat_template` can be used."""
+        return bool(self._hf.chat_template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize ``text``; ``add_special_tokens`` adds the model's bos/eos decorations."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"text to encode must be a str, got {type(text).__name__}")
+        return _as_id_list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def render_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render ``messages`` with the model's chat template to text.
+
+        Extra ``template_kwargs`` (``tools``, ``documents``, ...) are passed to the template.
+        Raises TokenizerError if the model has no template or the template fails to render.
+        """
+        if not self.has_chat_template:
+            raise TokenizerError(
+                f"tokenizer {self.name_or_path!r} has no chat template; "
+                "send a raw prompt (completions API) instead of chat messages"
+            )
+        reserved = _RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs)
+        if reserved:
+            raise TokenizerError(f"chat template arguments {sorted(reserved)} are reserved")
+        try:
+            rendered = self._hf.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                **template_kwargs,
+            )
+        except _TEMPLATE_ERRORS as exc:
+            raise TokenizerError(f"chat template failed to render: {exc}") from exc
+        if not isinstance(rendered, str):
+            raise TokenizerError(f"chat template rendered {type(rendered).__name__}, not text")
+        return rendered
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """Render ``messages`` with the chat template and return the prompt's token ids.
+
+        The rendered text is encoded without added special tokens, because templates write
+        their own bos text (as Hugging Face does). Raises TokenizerError like
+        :meth:`render_chat_template`.
+        """
+        text = self.render_chat_template(messages, add_generation_prompt, **template_kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Decode ``ids`` to text; bytes that are not valid UTF-8 become U+FFFD."""
+        return str(
+            self._hf.decode(
+                list(ids), skip_special_tokens=skip_special_tokens,
+                clean_up_tokenization_spaces=False,
+            )
+        )
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """The vocabulary strings (not decoded text) of ``ids``."""
+        return [str(token) for token in self._hf.convert_ids_to_tokens(list(ids))]
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """Load a tokenizer from local files only; never contacts a hub.
+
+    ``path`` is a Hugging Face directory (``tokenizer.json`` or ``tokenizer_config.json``),
+    a ``.gguf`` file, or a directory holding exactly one ``.gguf`` file. A directory's
+    ``generation_config.json`` may add eos ids. Raises TokenizerError for anything else.
+    """
+    if os.path.isfile(path):
+        if not path.endswith(_GGUF_SUFFIX):
+            raise TokenizerError(f"{path!r} is a file but not a {_GGUF_SUFFIX} file")
+        return Tokenizer(_from_pretrained(os.path.dirname(path) or ".", os.path.basename(path)))
+    if not os.path.isdir(path):
+        raise TokenizerError(f"tokenizer path {path!r} does not exist")
+    names = sorted(os.listdir(path))
+    if any(name in names for name in _HF_TOKENIZER_FILES):
+        return Tokenizer(_from_pretrained(path, None), _generation_config_eos_ids(path))
+    ggufs = [name for name in names if name.endswith(_GGUF_SUFFIX)]
+    if len(ggufs) == 1:
+        return Tokenizer(_from_pretrained(path, ggufs[0]), _generation_config_eos_ids(path))
+    if ggufs:
+        raise TokenizerError(
+            f"directory {path!r} holds {len(ggufs)} {_GGUF_SUFFIX} files {ggufs}; "
+            "pass the path of one of them"
+        )
+    raise TokenizerError(
+        f"directory {path!r} has no {' or '.join(_HF_TOKENIZER_FILES)} and no {_GGUF_SUFFIX} file"
+    )
+
+
+def _from_pretrained(directory: str, gguf_file: str | None) -> PreTrainedTokenizerBase:
+    # Imported here, not at the top: transformers' AutoTokenizer (and its GGUF reader) import
+    # torch when it is installed, and importing the gateway must not.
+    from transformers import AutoTokenizer
+
+    source = os.path.join(directory, gguf_file) if gguf_file else directory
+    logger.info("loading tokenizer from %s", source)
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    try:
+        return AutoTokenizer.from_pretrained(directory, **kwargs)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise TokenizerError(f"cannot load tokenizer from {source!r}: {exc}") from exc
+
+
+def _generation_config_eos_ids(directory: str) -> tuple[int, ...]:
+    config_path = os.path.join(directory, "generation_config.json")
+    if not os.path.isfile(config_path):
+        return ()
+    try:
+        with open(config_path, encoding="utf-8") as handle:
+            config = json.load(handle)
+    except (OSError, ValueError) as exc:
+        logger.warning("ignoring unreadable %s: %s", config_path, exc)
+        return ()
+    eos = config.get("eos_token_id") if isinstance(config, Mapping) else None
+    candidates = eos if isinstance(eos, list) else [eos]
+    return tuple(i for i in candidates if isinstance(i, int) and not isinstance(i, bool))
+
+
+def _collect_eos_ids(
+    hf_tokenizer: PreTrainedTokenizerBase, extra_eos_token_ids: Sequence[int]
+) -> tuple[int, ...]:
+    candidates = [hf_tokenizer.eos_token_id, _end_of_turn_id(hf_tokenizer), *extra_eos_token_ids]
+    ids: list[int] = []
+    for token_id in candidates:
+        if isinstance(token_id, int) and token_id not in ids:
+            ids.append(token_id)
+    return tuple(ids)
+
+
+def _end_of_turn_id(hf_tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The special token the chat template writes right after an assistant message, if any."""
+    if not hf_tokenizer.chat_template:
+        return None
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": _EOT_PROBE_CONTENT},
+    ]
+    try:
+        text = hf_tokenizer.apply_chat_template(
+            messages, add_generation_prompt=False, tokenize=False
+        )
+    except _TEMPLATE_ERRORS as exc:
+        logger.debug("cannot probe the end-of-turn token: %s", exc)
+        return None
+    if not isinstance(text, str) or _EOT_PROBE_CONTENT not in text:
+        return None
+    tail = text.split(_EOT_PROBE_CONTENT, 1)[1]
+    tail_ids = _as_id_list(hf_tokenizer.encode(tail, add_special_tokens=False))
+    special_ids = set(hf_tokenizer.all_special_ids) | set(hf_tokenizer.get_added_vocab().values())
+    if tail_ids and tail_ids[0] in special_ids:
+        return tail_ids[0]
+    return None
+
+
+def _as_id_list(ids: Any) -> list[int]:
+    """Normalize what Hugging Face returns (list, BatchEncoding/dict) to ``list[int]``."""
+    if isinstance(ids, Mapping):
+        ids = ids["input_ids"]
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    return [int(i) for i in ids]

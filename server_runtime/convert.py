@@ -1,0 +1,58 @@
+"""Conversions between tandem.v1 protobuf messages and engine records (the gRPC edge)."""
+
+from __future__ import annotations
+
+from engine.errors import InvalidRequestError
+from engine.kv_pool import KVLayout
+from engine.request import FinishReason, SamplingParams, StepOutput
+from tandem.v1 import common_pb2
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+_FINISH_TO_PROTO = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Apply defaults for unset fields; invalid values raise InvalidRequestError."""
+    return SamplingParams(
+        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        top_k=msg.top_k if msg.HasField("top_k") else 0,
+        min_p=msg.min_p if msg.HasField("min_p") else 0.0,
+        seed=msg.seed if msg.HasField("seed") else None,
+        max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos if msg.HasField("ignore_eos") else False,
+    )
+
+
+def layout_to_proto(layout: KVLayout) -> common_pb2.KvLayout:
+    return common_pb2.KvLayout(num_layers=layout.num_layers, page_size=layout.page_size,
+                               num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+                               dtype=str(layout.dtype).removeprefix("torch."), page_bytes=layout.page_bytes)
+
+
+def check_layout_matches(local: KVLayout, remote: common_pb2.KvLayout) -> None:
+    """Raise InvalidRequestError when a peer's pages differ from ours in any way."""
+    mine = layout_to_proto(local)
+    if mine != remote:
+        raise InvalidRequestError(
+            f"KV layout mismatch between prefill and decode: local {_describe(mine)}, remote {_describe(remote)}")
+
+
+def finish_to_proto(reason: FinishReason | None) -> int:
+    return _FINISH_TO_PROTO.get(reason, common_pb2.FINISH_REASON_UNSPECIFIED) if reason else \
+        common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+def token_to_proto(output: StepOutput) -> common_pb2.TokenOutput:
+    return common_pb2.TokenOutput(token_id=output.token_id, logprob=output.logprob)
+
+
+def _describe(layout: common_pb2.KvLayout) -> str:
+    return (f"layers={layout.num_layers} page_size={layout.page_size} kv_heads={layout.num_kv_heads} "
+            f"head_dim={layout.head_dim} dtype={layout.dtype}")

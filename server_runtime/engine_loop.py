@@ -1,0 +1,153 @@
+"""The one place where threads meet asyncio: an engine thread driven from a gRPC event loop.
+
+The engine thread owns the `Engine` (which is single-threaded by contract). Coroutines send it
+commands with `call()`; per-request `StepOutput`s come back through an asyncio.Queue opened with
+`submit()` / `admit()`. A command or step that raises never kills the thread: commands return
+the exception to their caller, a failing step aborts the requests it held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, TypeVar
+
+from engine.engine import Engine
+from engine.request import FinishReason, Request, SamplingParams, StepOutput
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_EXPIRY_INTERVAL_S = 0.25
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine = engine
+        self._loop = loop
+        self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future]] = queue.SimpleQueue()
+        self._sinks: dict[str, asyncio.Queue] = {}   # touched only on the engine thread
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.num_steps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopped.set()
+        self._commands.put((lambda engine: None, None))
+        self._thread.join(timeout_s)
+
+    # ---- asyncio side --------------------------------------------------------------------
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run `fn(engine)` on the engine thread and return its result (or raise its exception)."""
+        future = self._loop.create_future()
+        self._commands.put((fn, future))
+        return await future
+
+    async def submit(self, req: Request) -> asyncio.Queue:
+        """Queue a prompt; its outputs arrive on the returned queue."""
+        sink: asyncio.Queue = asyncio.Queue()
+
+        def add(engine: Engine) -> None:
+            engine.add_request(req)
+            self._sinks[req.request_id] = sink
+        await self.call(add)
+        return sink
+
+    async def admit(self, request_id: str, prompt_ids: list[int], first_token: int, first_logprob: float,
+                    sampling: SamplingParams) -> asyncio.Queue:
+        """Start decoding a reserved request; its outputs arrive on the returned queue."""
+        sink: asyncio.Queue = asyncio.Queue()
+
+        def admit(engine: Engine) -> None:
+            output = engine.admit(request_id, prompt_ids, first_token, first_logprob, sampling)
+            if output is None:
+                self._sinks[request_id] = sink
+            else:
+                sink.put_nowait(output)    # safe: the queue is not shared with the loop yet
+        await self.call(admit)
+        return sink
+
+    async def abort(self, request_id: str, message: str = "aborted") -> bool:
+        """Abort a request (its stream gets a final ABORT output) or drop what it holds."""
+        def abort(engine: Engine) -> bool:
+            held = request_id in self._sinks or engine.holds(request_id)
+            output = engine.abort(request_id, message)
+            if output is not None:
+                self._deliver(output)
+            self._sinks.pop(request_id, None)
+            return held or output is not None
+        return await self.call(abort)
+
+    # ---- engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        next_expiry = 0.0
+        while not self._stopped.is_set():
+            self._drain_commands(block=not self.engine.has_work)
+            now = time.monotonic()
+            if now >= next_expiry:
+                self.engine.expire_reservations(now)
+                next_expiry = now + _EXPIRY_INTERVAL_S
+            if self.engine.has_work:
+                self._step()
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=_EXPIRY_INTERVAL_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._execute(*item)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _execute(self, fn: Callable[[Engine], Any], future: asyncio.Future | None) -> None:
+        try:
+            result = fn(self.engine)
+        except Exception as exc:  # returned to the caller, which maps it to a status code
+            if future is not None:
+                self._loop.call_soon_threadsafe(_set_exception, future, exc)
+            return
+        if future is not None:
+            self._loop.call_soon_threadsafe(_set_result, future, result)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            logger.exception("engine step failed; aborting the requests it held")
+            for request_id in list(self._sinks):
+                output = self.engine.abort(request_id, "internal error in the engine step")
+                self._deliver(output or StepOutput(request_id, None, None, FinishReason.ABORT,
+                                                   abort_message="internal error in the engine step"))
+            return
+        self.num_steps += 1
+        for output in outputs:
+            self._deliver(output)
+
+    def _deliver(self, output: StepOutput) -> None:
+        sink = self._sinks.get(output.request_id)
+        if sink is None:
+            return
+        if output.finish_reason is not None or self.engine.is_awaiting_release(output.request_id):
+            del self._sinks[output.request_id]
+        self._loop.call_soon_threadsafe(sink.put_nowait, output)
+
+
+def _set_result(future: asyncio.Future, result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

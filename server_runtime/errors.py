@@ -1,0 +1,35 @@
+"""The one table from engine and transfer errors to gRPC status codes."""
+
+from __future__ import annotations
+
+import grpc
+
+from engine import errors as e
+from kv_transfer import KVTransferError, KVTransferTimeout
+
+# Most specific first: the first matching class wins.
+STATUS_OF_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (e.ContextLengthExceededError, grpc.StatusCode.OUT_OF_RANGE),
+    (e.InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (e.CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (e.RequestNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (e.RequestAbortedError, grpc.StatusCode.ABORTED),
+    (KVTransferTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (KVTransferError, grpc.StatusCode.UNAVAILABLE),
+    (e.EngineDeadError, grpc.StatusCode.INTERNAL),
+)
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode | None:
+    for cls, code in STATUS_OF_ERROR:
+        if isinstance(exc, cls):
+            return code
+    return None
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """End the RPC with the status mapped from `exc`; unknown exceptions propagate (INTERNAL)."""
+    code = status_for(exc)
+    if code is None:
+        raise exc
+    await context.abort(code, str(exc))

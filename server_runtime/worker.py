@@ -1,0 +1,135 @@
+"""Start-up shared by prefill and decode servers: engine, KV transport, gRPC server, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Callable
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.weights import open_checkpoint
+from kv_transfer import KVTransport, TransportConfig, create_transport
+from server_runtime.convert import layout_to_proto
+from server_runtime.engine_loop import EngineLoop
+from tandem.v1 import common_pb2
+
+logger = logging.getLogger(__name__)
+
+_MAX_MESSAGE_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """Everything a prefill or decode server process needs."""
+
+    role: str                        # "prefill" or "decode"
+    model_path: str
+    host: str
+    port: int
+    engine: EngineConfig
+    transport: TransportConfig
+    torch_threads: int
+    reservation_ttl_s: float = 30.0   # decode: pages held for a prefill that never comes
+    transfer_timeout_s: float = 30.0  # prefill: longest KV write before the request fails
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
+        if not (0 <= self.port < 65536):
+            raise ValueError(f"port out of range: {self.port}")
+        if self.torch_threads < 1:
+            raise ValueError("torch_threads must be >= 1")
+        if self.reservation_ttl_s <= 0 or self.transfer_timeout_s <= 0:
+            raise ValueError("reservation_ttl_s and transfer_timeout_s must be positive")
+
+
+@dataclass(slots=True)
+class WorkerContext:
+    """What a role's servicer gets: the config, the running engine loop and the KV transport."""
+
+    config: WorkerConfig
+    loop: EngineLoop
+    transport: KVTransport
+    version: str
+
+    @property
+    def engine(self) -> Engine:
+        return self.loop.engine
+
+    def model_info(self, role: int) -> common_pb2.GetModelInfoResponse:
+        engine = self.engine
+        return common_pb2.GetModelInfoResponse(
+            model_path=self.config.model_path, architecture=engine.model_config.architecture.value,
+            context_len=engine.context_len, vocab_size=engine.model_config.vocab_size,
+            eos_token_ids=sorted(engine.eos_token_ids), kv_layout=layout_to_proto(engine.runner.layout),
+            num_pages=engine.allocator.num_pages, role=role, version=self.version)
+
+    async def load(self) -> common_pb2.GetLoadResponse:
+        def read(engine: Engine) -> common_pb2.GetLoadResponse:
+            return common_pb2.GetLoadResponse(
+                num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
+                num_free_pages=engine.allocator.num_free, num_total_pages=engine.allocator.num_pages)
+        return await self.loop.call(read)
+
+
+def tandem_version() -> str:
+    try:
+        return metadata.version("tandem-serve")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def build_engine(config: WorkerConfig) -> Engine:
+    torch.set_num_threads(config.torch_threads)
+    torch.set_flush_denormal(True)
+    checkpoint = open_checkpoint(config.model_path)
+    return Engine(checkpoint, config.engine)
+
+
+async def serve_worker(config: WorkerConfig, add_servicer: Callable[[grpc.aio.Server, WorkerContext], str]) -> None:
+    """Load the model, register the KV pool, serve gRPC until SIGINT/SIGTERM, then drain and exit.
+
+    `add_servicer` registers the role's service on the server and returns its full service name.
+    """
+    engine = build_engine(config)
+    transport = create_transport(config.transport)
+    pool = engine.runner.kv_pool
+    transport.register(pool.base_addr, pool.num_bytes)
+    loop = EngineLoop(engine, asyncio.get_running_loop())
+    loop.start()
+    context = WorkerContext(config, loop, transport, tandem_version())
+
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+                                      ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)])
+    service_name = add_servicer(server, context)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    address = f"{config.host}:{config.port}"
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot listen on {address}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)
+    logger.info("%s server ready on %s (KV transport %s at %s)", config.role, address,
+                config.transport.backend, transport.session_id)
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("%s server shutting down", config.role)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=5)
+    loop.stop()
+    transport.close()
