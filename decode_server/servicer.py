@@ -23,10 +23,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     async def Reserve(self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
                       ) -> decode_pb2.ReserveResponse:
-        ttl_s = self.ctx.config.reservation_ttl_s
+        ttl_s, grace_s = self.ctx.config.reservation_ttl_s, self.ctx.config.write_grace_s
         try:
             page_ids = await self.ctx.loop.call(
-                lambda engine: engine.reserve(request.request_id, request.prompt_len, ttl_s))
+                lambda engine: engine.reserve(request.request_id, request.prompt_len, ttl_s, grace_s))
         except EngineError as exc:
             await abort_with(context, exc)
         engine = self.ctx.engine
@@ -37,15 +37,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     async def Generate(self, request: decode_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
-        try:
-            sink = await self.ctx.loop.admit(rid, list(request.prompt_token_ids), request.first_token.token_id,
-                                             request.first_token.logprob,
-                                             sampling_from_proto(request.sampling_params))
-        except EngineError as exc:
-            await self.ctx.loop.abort(rid)   # a rejected admission must not keep its reservation
-            await abort_with(context, exc)
         finished = False
         try:
+            try:
+                sink = await self.ctx.loop.admit(rid, list(request.prompt_token_ids), request.first_token.token_id,
+                                                 request.first_token.logprob,
+                                                 sampling_from_proto(request.sampling_params))
+            except EngineError as exc:
+                await abort_with(context, exc)   # the finally below drops the reservation
             while not finished:
                 outputs = [await sink.get()]
                 while not sink.empty():
@@ -53,7 +52,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 finished = outputs[-1].finish_reason is not None
                 yield _response(rid, outputs)
         finally:
-            if not finished:     # the client went away: free the request's pages now
+            if not finished:     # rejected, or the client went away: free the request's pages now
                 await asyncio.shield(self.ctx.loop.abort(rid, "client cancelled"))
 
     async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext

@@ -75,9 +75,13 @@ class ModelConfig:
         eos = config.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         rope_scaling = config.get("rope_scaling") or {}
+        rope_parameters = config.get("rope_parameters") or {}
+        if not rope_scaling and rope_parameters.get("rope_type", "default") != "default":
+            # transformers 5 writes the scaling into rope_parameters, next to rope_theta
+            rope_scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
         rope_theta = config.get("rope_theta")
         if rope_theta is None:  # transformers 5 moved rope settings into rope_parameters
-            rope_theta = (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+            rope_theta = rope_parameters.get("rope_theta", 10000.0)
         return cls(
             architecture=architecture,
             vocab_size=int(config["vocab_size"]),

@@ -6,6 +6,9 @@ runtime's engine loop). Three ways in:
 - `reserve` + `admit`: a decode server takes a request whose prompt KV another process wrote
   into the reserved pages;
 - `abort` / `release` / `expire_reservations`: end requests and return their pages.
+
+Pages of a reservation dropped before `admit` (aborted or expired) may still be the target of a
+KV write in flight from a prefill server, so they sit out `grace_s` seconds before reuse.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class _Reservation:
     page_ids: list[int]
     prompt_len: int
     expires_at: float
+    grace_s: float
 
 
 class Engine:
@@ -46,6 +50,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._held: dict[str, Request] = {}
         self._reservations: dict[str, _Reservation] = {}
+        self._quarantine: list[tuple[float, list[int]]] = []   # (reusable at, pages)
 
     # ---- ways in -------------------------------------------------------------------------
 
@@ -56,8 +61,11 @@ class Engine:
         self._requests[req.request_id] = req
         self.scheduler.add_waiting(req)
 
-    def reserve(self, request_id: str, prompt_len: int, ttl_s: float) -> list[int]:
-        """Hold pages for a prompt whose KV will be written from outside; dropped after `ttl_s`."""
+    def reserve(self, request_id: str, prompt_len: int, ttl_s: float, grace_s: float = 0.0) -> list[int]:
+        """Hold pages for a prompt whose KV will be written from outside; dropped after `ttl_s`.
+
+        If dropped before `admit`, the pages are reused only `grace_s` seconds later.
+        """
         if request_id in self._requests or request_id in self._reservations:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if prompt_len < 1:
@@ -66,7 +74,7 @@ class Engine:
             raise ContextLengthExceededError(
                 f"prompt has {prompt_len} tokens; the context length is {self.context_len}")
         page_ids = self.scheduler.reserve(prompt_len)
-        self._reservations[request_id] = _Reservation(page_ids, prompt_len, time.monotonic() + ttl_s)
+        self._reservations[request_id] = _Reservation(page_ids, prompt_len, time.monotonic() + ttl_s, grace_s)
         return page_ids
 
     def admit(self, request_id: str, prompt_ids: list[int], first_token: int, first_logprob: float,
@@ -90,7 +98,7 @@ class Engine:
     def abort(self, request_id: str, message: str = "aborted") -> StepOutput | None:
         """End a request or drop a reservation, freeing its pages. None if nothing was held."""
         if (reservation := self._reservations.pop(request_id, None)) is not None:
-            self.allocator.free(reservation.page_ids)
+            self._drop_reservation(reservation, time.monotonic())
             return None
         if (held := self._held.pop(request_id, None)) is not None:
             self.scheduler.release_pages(held)
@@ -119,11 +127,27 @@ class Engine:
         return list(self._held[request_id].page_ids)
 
     def expire_reservations(self, now: float) -> list[str]:
+        """Drop reservations past their TTL and return quarantined pages whose grace is over."""
         expired = [rid for rid, r in self._reservations.items() if r.expires_at <= now]
         for rid in expired:
-            self.allocator.free(self._reservations.pop(rid).page_ids)
-            logger.warning("reservation for %s expired unused; pages freed", rid)
+            self._drop_reservation(self._reservations.pop(rid), now)
+            logger.warning("reservation for %s expired unused; its pages are released", rid)
+        ready = [pages for until, pages in self._quarantine if until <= now]
+        if ready:
+            self._quarantine = [(until, pages) for until, pages in self._quarantine if until > now]
+            for pages in ready:
+                self.allocator.free(pages)
         return expired
+
+    @property
+    def num_quarantined_pages(self) -> int:
+        return sum(len(pages) for _, pages in self._quarantine)
+
+    def _drop_reservation(self, reservation: _Reservation, now: float) -> None:
+        if reservation.grace_s > 0:
+            self._quarantine.append((now + reservation.grace_s, reservation.page_ids))
+        else:
+            self.allocator.free(reservation.page_ids)
 
     # ---- the step ------------------------------------------------------------------------
 

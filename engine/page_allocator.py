@@ -49,6 +49,8 @@ class PageAllocator:
         for page_id in ids:
             if not (0 <= page_id < self.num_pages) or not self._is_used[page_id]:
                 raise ValueError(f"page {page_id} is not allocated")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"page ids {ids} name a page more than once")
         for page_id in ids:
             self._is_used[page_id] = False
             self._free.append(page_id)

@@ -69,12 +69,16 @@ class ModelRunner:
         Writes the new tokens' KV into the pool. For prefill, the new tokens are
         prompt_ids[num_computed:]; for decode, the last generated token.
         """
+        token_ids, logprobs = sample(self.forward_logits(requests, is_decode), _sampling_batch(requests))
+        return SampledTokens(token_ids.tolist(), logprobs.tolist())
+
+    @torch.inference_mode()
+    def forward_logits(self, requests: list[Request], is_decode: bool) -> torch.Tensor:
+        """One forward pass; fp32 logits [B, V] at each request's last new token (KV written)."""
         input_ids, positions, meta = self._prepare(requests, is_decode)
         hidden = self.model(input_ids, positions, self.rotary, self.attention, self.kv_pool.tensor, meta)
         last_rows = torch.tensor(meta.query_lens).cumsum(0) - 1
-        logits = self.model.compute_logits(hidden[last_rows])
-        token_ids, logprobs = sample(logits, _sampling_batch(requests))
-        return SampledTokens(token_ids.tolist(), logprobs.tolist())
+        return self.model.compute_logits(hidden[last_rows])
 
     def _prepare(self, requests: list[Request], is_decode: bool) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids: list[int] = []

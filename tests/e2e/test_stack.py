@@ -1,0 +1,160 @@
+"""Three real processes (`tandem serve`): gateway -> prefill -> Mooncake TCP -> decode -> gateway."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from gateway.tokenizer import load_tokenizer
+from tests.e2e.stack import Stack, start_stack
+from tests.hf_oracle import hf_greedy, load_hf_smollm2
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+CONTEXT_LEN = 1024
+TOPICS = ["the sea", "a cat", "mountains", "coffee", "the moon", "trains", "rain", "a library",
+          "bread", "winter", "a garden", "the desert", "music", "a bridge", "stars", "autumn"]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> Stack:
+    # fp32 so greedy output can be compared with HF token for token
+    stack = start_stack(tmp_path_factory.mktemp("stack"), "--dtype", "float32", "--context-length",
+                        str(CONTEXT_LEN), "--max-total-tokens", "8192", "--torch-threads", "1")
+    yield stack
+    survivors = stack.stop()
+    assert stack.proc.returncode == 0
+    assert survivors == [], f"orphaned processes after Ctrl-C: {survivors}"
+
+
+@pytest.fixture(autouse=True)
+def no_pages_leak(stack: Stack):
+    yield
+    stack.assert_no_pages_held()
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="None")
+
+
+def test_seed_chat_request_answers_paris(stack: Stack) -> None:
+    # exactly the seed's curl: a JSON body sent without a JSON content type
+    raw = subprocess.check_output(
+        ["curl", "-s", f"{stack.url}/v1/chat/completions", "-d",
+         json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}]})])
+    response = json.loads(raw)
+    assert response["object"] == "chat.completion"
+    [choice] = response["choices"]
+    assert "Paris" in choice["message"]["content"]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "stop"
+    assert choice["matched_stop"] == 2
+    usage = response["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_greedy_outputs_through_the_gateway_equal_hf(stack: Stack, smollm2_path: Path) -> None:
+    tokenizer = load_tokenizer(str(smollm2_path))
+    hf = load_hf_smollm2(smollm2_path, torch.float32)
+    for prompt in ["The capital of France is", "def fibonacci(n):", "Once upon a time"]:
+        body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}}
+        response = httpx.post(f"{stack.url}/generate", json=body, timeout=120).json()
+        expected = hf_greedy(hf, tokenizer.encode(prompt), 16)
+        assert response["output_ids"] == expected, prompt
+        assert response["text"] == tokenizer.decode(expected)
+        assert response["meta_info"]["finish_reason"] == {"type": "length", "length": 16}
+        assert response["meta_info"]["completion_tokens"] == 16
+
+
+def _stream_chat(client: openai.OpenAI, topic: str) -> str:
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": f"Write one sentence about {topic}."}],
+        temperature=0, max_tokens=20, stream=True)
+    return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+
+
+def test_sixteen_concurrent_streams_equal_one_at_a_time(client: openai.OpenAI) -> None:
+    alone = [_stream_chat(client, topic) for topic in TOPICS]
+    with ThreadPoolExecutor(len(TOPICS)) as pool:
+        together = list(pool.map(lambda t: _stream_chat(client, t), TOPICS))
+    assert together == alone
+    assert all(text for text in alone)
+
+
+def test_prompt_longer_than_context_is_rejected_before_any_worker_allocates(stack: Stack) -> None:
+    before = stack.load()
+    prompt = "hello " * (CONTEXT_LEN + 50)
+    response = httpx.post(f"{stack.url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["type"] == "invalid_request_error"
+    assert str(CONTEXT_LEN) in error["message"]
+    after = stack.load()
+    assert [l.num_free_pages for l in after.values()] == [l.num_free_pages for l in before.values()]
+
+
+def test_prompt_plus_max_tokens_over_context_is_rejected(stack: Stack) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": CONTEXT_LEN}
+    response = httpx.post(f"{stack.url}/v1/chat/completions", json=body)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_unknown_model_is_404(stack: Stack) -> None:
+    body = {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}
+    response = httpx.post(f"{stack.url}/v1/chat/completions", json=body)
+    assert response.status_code == 404
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_invalid_values_are_400_naming_the_param(stack: Stack) -> None:
+    for field, value in (("temperature", -1), ("top_p", 0), ("max_tokens", 0)):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], field: value}
+        response = httpx.post(f"{stack.url}/v1/chat/completions", json=body)
+        assert response.status_code == 400, field
+        assert response.json()["error"]["param"] == field
+
+
+def test_stop_string_is_not_in_the_output(client: openai.OpenAI) -> None:
+    free = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=12, temperature=0)
+    assert " 5" in free.choices[0].text
+    stopped = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=12, temperature=0,
+                                        stop=[" 5"])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == free.choices[0].text.split(" 5")[0]
+
+
+def test_client_that_disconnects_mid_stream_leaves_no_pages(stack: Stack) -> None:
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+    # leaving the block closes the connection; the autouse fixture checks every page comes back
+
+
+def test_seed_openai_client_streaming_and_native_stream(stack: Stack, client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "List 3 countries and their capitals."}],
+        temperature=0, max_tokens=64)
+    assert response.choices[0].message.content and response.usage.completion_tokens <= 64
+    with httpx.stream("POST", f"{stack.url}/generate", json={
+            "text": "The capital of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 8},
+            "stream": True}) as stream:
+        events = [line for line in stream.iter_lines() if line.startswith("data:")]
+    assert events[-1] == "data: [DONE]"
+    texts = [json.loads(e[5:])["text"] for e in events[:-1]]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))   # cumulative text, as in the seed
+    assert "Paris" in texts[-1]
+
+
+def test_models_and_health(stack: Stack) -> None:
+    models = httpx.get(f"{stack.url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert httpx.get(f"{stack.url}/health").status_code == 200

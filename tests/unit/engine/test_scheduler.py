@@ -1,0 +1,237 @@
+"""Tests for engine.scheduler: FCFS prefill within token and page budgets, decode batches, page
+growth, eviction of the newest request when the pool runs dry, and page release. Plain Python."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.errors import CapacityError
+from engine.page_allocator import PageAllocator
+from engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from engine.scheduler import Scheduler
+
+PAGE_SIZE = 4
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def _scheduler(num_pages: int = 16, max_running_requests: int = 8,
+               max_prefill_tokens: int = 1000) -> Scheduler:
+    return Scheduler(PageAllocator(num_pages), PAGE_SIZE, max_running_requests, max_prefill_tokens)
+
+
+def _request(request_id: str, prompt_len: int, is_prefill_only: bool = False) -> Request:
+    return Request(request_id, list(range(prompt_len)), SamplingParams(), is_prefill_only=is_prefill_only)
+
+
+def _prefill(scheduler: Scheduler, *reqs: Request) -> None:
+    """Queue `reqs`, schedule them in one prefill batch and sample a first token for each."""
+    for req in reqs:
+        scheduler.add_waiting(req)
+    batch, evicted = scheduler.schedule()
+    assert batch is not None and not batch.is_decode and evicted == []
+    assert batch.requests == list(reqs)
+    for req in reqs:
+        scheduler.after_prefill(req)
+        req.output_ids.append(0)
+
+
+def _owned_pages(*reqs: Request) -> list[int]:
+    return [page_id for req in reqs for page_id in req.page_ids]
+
+
+def test_scheduler_modules_do_not_import_torch() -> None:
+    code = ("import sys, engine.page_allocator, engine.request, engine.scheduler; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+def test_empty_scheduler_has_no_batch() -> None:
+    scheduler = _scheduler()
+    assert not scheduler.has_work
+    assert scheduler.schedule() == (None, [])
+
+
+def test_prefill_is_fcfs_within_token_budget() -> None:
+    scheduler = _scheduler(max_prefill_tokens=10)
+    r0, r1, r2 = _request("r0", 6), _request("r1", 6), _request("r2", 3)
+    for req in (r0, r1, r2):
+        scheduler.add_waiting(req)
+    batch, _ = scheduler.schedule()
+    # r1 would exceed the budget; r2 would fit but must not jump the queue.
+    assert batch is not None and batch.requests == [r0] and not batch.is_decode
+    assert list(scheduler.waiting) == [r1, r2]
+    scheduler.after_prefill(r0)
+    batch, _ = scheduler.schedule()
+    assert batch is not None and batch.requests == [r1, r2] and not batch.is_decode
+    assert not scheduler.waiting
+
+
+def test_prompt_longer_than_budget_is_scheduled_alone() -> None:
+    scheduler = _scheduler(max_prefill_tokens=4)
+    big, small = _request("big", 9), _request("small", 1)
+    scheduler.add_waiting(big)
+    scheduler.add_waiting(small)
+    batch, _ = scheduler.schedule()
+    assert batch is not None and batch.requests == [big]
+
+
+def test_prefill_allocates_prompt_pages_and_stops_when_they_do_not_fit() -> None:
+    scheduler = _scheduler(num_pages=3)
+    r0, r1 = _request("r0", 8), _request("r1", 5)
+    scheduler.add_waiting(r0)
+    scheduler.add_waiting(r1)
+    batch, _ = scheduler.schedule()
+    assert batch is not None and batch.requests == [r0]
+    assert len(r0.page_ids) == 2 and scheduler.allocator.num_free == 1
+    assert list(scheduler.waiting) == [r1] and r1.page_ids == []  # needs 2 pages, 1 free
+
+
+def test_prefill_respects_max_running_requests() -> None:
+    scheduler = _scheduler(max_running_requests=2)
+    _prefill(scheduler, _request("r0", 3))
+    waiting = [_request(f"w{i}", 3) for i in range(3)]
+    for req in waiting:
+        scheduler.add_waiting(req)
+    batch, _ = scheduler.schedule()
+    assert batch is not None and batch.requests == waiting[:1]
+
+
+def test_prefill_takes_precedence_over_decode() -> None:
+    scheduler = _scheduler()
+    r0 = _request("r0", 3)
+    _prefill(scheduler, r0)
+    r1 = _request("r1", 2)
+    scheduler.add_waiting(r1)
+    batch, _ = scheduler.schedule()
+    assert batch is not None and not batch.is_decode and batch.requests == [r1]
+    scheduler.after_prefill(r1)
+    r1.output_ids.append(0)
+    batch, _ = scheduler.schedule()
+    assert batch is not None and batch.is_decode and batch.requests == [r0, r1]
+
+
+def test_decode_grows_pages_only_at_page_boundaries() -> None:
+    scheduler = _scheduler()
+    req = _request("r", 4)          # one full page
+    _prefill(scheduler, req)        # seq_len 5: the first output token needs a second page
+    assert req.status is RequestStatus.RUNNING and len(req.page_ids) == 1
+    batch, evicted = scheduler.schedule()
+    assert batch is not None and batch.is_decode and batch.requests == [req] and evicted == []
+    assert len(req.page_ids) == 2
+    for _ in range(3):              # seq_len 6..8 still fit two pages
+        req.output_ids.append(0)
+        scheduler.schedule()
+        assert len(req.page_ids) == 2
+    req.output_ids.append(0)        # seq_len 9
+    scheduler.schedule()
+    assert len(req.page_ids) == 3
+    assert len(set(req.page_ids)) == 3 and scheduler.allocator.num_used == 3
+
+
+def test_newest_request_is_evicted_when_pages_run_out() -> None:
+    scheduler = _scheduler(num_pages=4)
+    r0, r1 = _request("r0", 8), _request("r1", 8)
+    _prefill(scheduler, r0, r1)     # 4 pages used; both now need a third page
+    assert scheduler.allocator.num_free == 0
+    batch, evicted = scheduler.schedule()
+    assert evicted == [r1]
+    assert r1.is_finished and r1.finish_reason is FinishReason.ABORT
+    assert "KV cache exhausted" in r1.abort_message and r1.page_ids == []
+    assert batch is not None and batch.is_decode and batch.requests == [r0]
+    assert len(r0.page_ids) == 3 and scheduler.running == [r0]
+    assert scheduler.allocator.num_used == 3
+
+
+def test_lone_request_that_cannot_grow_evicts_itself() -> None:
+    scheduler = _scheduler(num_pages=2)
+    req = _request("r", 8)
+    _prefill(scheduler, req)
+    batch, evicted = scheduler.schedule()
+    assert batch is None and evicted == [req]
+    assert req.finish_reason is FinishReason.ABORT
+    assert scheduler.allocator.num_free == 2 and not scheduler.has_work
+
+
+def test_last_free_page_goes_to_the_oldest_request() -> None:
+    scheduler = _scheduler(num_pages=5)
+    r0, r1 = _request("r0", 8), _request("r1", 8)
+    _prefill(scheduler, r0, r1)     # 4 used, 1 free
+    r0.output_ids.append(0)         # both at seq_len 10 need a third page; only r0 gets the free one
+    r1.output_ids.append(0)
+    batch, evicted = scheduler.schedule()
+    assert evicted == [r1] and batch is not None and batch.requests == [r0]
+    assert scheduler.allocator.num_used == 3
+
+
+def test_prefill_only_request_does_not_join_decode() -> None:
+    scheduler = _scheduler()
+    req = _request("p", 5, is_prefill_only=True)
+    scheduler.add_waiting(req)
+    batch, _ = scheduler.schedule()
+    assert batch is not None and batch.requests == [req]
+    scheduler.after_prefill(req)
+    assert req.num_computed == 5 and req.status is RequestStatus.WAITING
+    assert scheduler.running == [] and not scheduler.has_work
+    assert len(req.page_ids) == 2
+
+
+def test_finish_releases_pages_unless_kept() -> None:
+    scheduler = _scheduler(num_pages=8)
+    r0, r1 = _request("r0", 8), _request("r1", 8)
+    _prefill(scheduler, r0, r1)
+    scheduler.finish(r0, FinishReason.STOP)
+    assert r0.is_finished and r0.finish_reason is FinishReason.STOP
+    assert r0.page_ids == [] and scheduler.allocator.num_used == 2
+    kept = list(r1.page_ids)
+    scheduler.finish(r1, None, keep_pages=True)
+    assert r1.is_finished and r1.page_ids == kept and scheduler.allocator.num_used == 2
+    assert scheduler.running == []
+    scheduler.release_pages(r1)
+    assert r1.page_ids == [] and scheduler.allocator.num_free == 8
+    scheduler.release_pages(r1)     # nothing left: a no-op, not a double free
+    assert scheduler.allocator.num_free == 8
+
+
+def test_finish_removes_a_waiting_request() -> None:
+    scheduler = _scheduler()
+    req = _request("w", 3)
+    scheduler.add_waiting(req)
+    scheduler.finish(req, FinishReason.ABORT, message="client went away")
+    assert not scheduler.waiting and not scheduler.has_work
+    assert req.abort_message == "client went away"
+
+
+def test_add_running_decodes_on_reserved_pages() -> None:
+    scheduler = _scheduler(num_pages=4)
+    req = _request("d", 6)
+    req.page_ids = scheduler.reserve(6)
+    assert len(req.page_ids) == 2
+    req.num_computed = 6
+    req.output_ids.append(0)
+    scheduler.add_running(req)
+    assert req.status is RequestStatus.RUNNING
+    batch, _ = scheduler.schedule()
+    assert batch is not None and batch.is_decode and batch.requests == [req]
+    assert len(req.page_ids) == 2   # seq_len 7 fits two pages
+
+
+def test_reserve_takes_pages_or_raises_taking_none() -> None:
+    scheduler = _scheduler(num_pages=4)
+    assert len(scheduler.reserve(5)) == 2
+    with pytest.raises(CapacityError):
+        scheduler.reserve(9)        # needs 3, 2 free
+    assert scheduler.allocator.num_free == 2
+
+
+def test_check_capacity_against_whole_pool() -> None:
+    scheduler = _scheduler(num_pages=4)
+    scheduler.allocator.allocate(4)
+    scheduler.check_capacity(16)    # would fit an empty pool: accepted even though none are free
+    with pytest.raises(CapacityError):
+        scheduler.check_capacity(17)

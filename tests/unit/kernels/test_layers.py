@@ -1,0 +1,105 @@
+"""Tests for kernels.layers against transformers' Llama implementation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from kernels.layers import RotaryEmbedding, rms_norm, rope_inv_freq, silu_and_mul
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+
+def _hf_config(head_dim: int, theta: float, rope_scaling: dict | None = None,
+               max_position_embeddings: int = 131072) -> LlamaConfig:
+    rope_parameters = {"rope_type": "default", "rope_theta": theta}
+    if rope_scaling:
+        rope_parameters.update(rope_scaling)
+    return LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=head_dim, max_position_embeddings=max_position_embeddings,
+                       rope_parameters=rope_parameters)
+
+
+def _hf_rotate(config: LlamaConfig, q: torch.Tensor, k: torch.Tensor,
+               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' rotary on our [T, H, D] layout."""
+    cos, sin = LlamaRotaryEmbedding(config)(q, positions.unsqueeze(0))
+    q_hf, k_hf = apply_rotary_pos_emb(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), cos, sin)
+    return q_hf[0].transpose(0, 1), k_hf[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize(("head_dim", "theta", "scaling"), [
+    (16, 10000.0, None),
+    (64, 500000.0, LLAMA3_SCALING),
+    (32, 10000.0, {"rope_type": "linear", "factor": 4.0}),
+], ids=["default", "llama3", "linear"])
+def test_rotary_matches_transformers(head_dim: int, theta: float, scaling: dict | None) -> None:
+    gen = torch.Generator().manual_seed(0)
+    max_positions = 20000
+    positions = torch.cat([torch.arange(6), torch.randint(0, max_positions, (26,), generator=gen)])
+    q = torch.randn(len(positions), 4, head_dim, generator=gen)
+    k = torch.randn(len(positions), 2, head_dim, generator=gen)
+    rotary = RotaryEmbedding(head_dim, max_positions, theta, scaling or {}, torch.float32)
+    q_ours, k_ours = rotary.apply(q, k, positions)
+    q_hf, k_hf = _hf_rotate(_hf_config(head_dim, theta, scaling), q, k, positions)
+    # Far positions amplify fp32 rounding of the angle (pos * inv_freq), hence the tolerance.
+    torch.testing.assert_close(q_ours, q_hf, atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(k_ours, k_hf, atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(q_ours[:6], q_hf[:6], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(q_ours[1:6], q[1:6])  # the rotation did something
+
+
+def test_rotary_keeps_the_input_dtype() -> None:
+    rotary = RotaryEmbedding(16, 64, 10000.0, {}, torch.bfloat16)
+    q = torch.randn(5, 4, 16, dtype=torch.bfloat16)
+    k = torch.randn(5, 2, 16, dtype=torch.bfloat16)
+    q_out, k_out = rotary.apply(q, k, torch.arange(5))
+    assert q_out.dtype == k_out.dtype == torch.bfloat16
+    q_ref, k_ref = RotaryEmbedding(16, 64, 10000.0, {}, torch.float32).apply(q.float(), k.float(), torch.arange(5))
+    torch.testing.assert_close(q_out.float(), q_ref, atol=0.05, rtol=0.02)
+
+
+def test_llama3_inv_freq_matches_transformers() -> None:
+    head_dim, theta = 128, 500000.0
+    ours = rope_inv_freq(head_dim, theta, LLAMA3_SCALING)
+    theirs, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](_hf_config(head_dim, theta, LLAMA3_SCALING))
+    assert attention_factor == 1.0
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+    # The config exercises all three bands: unscaled, divided by the factor, and smoothed between.
+    plain = rope_inv_freq(head_dim, theta, {})
+    ratio = plain / ours
+    assert (ratio == 1).any() and torch.isclose(ratio, torch.tensor(8.0)).any()
+    assert ((ratio > 1.01) & (ratio < 7.99)).any()
+
+
+def test_linear_inv_freq_matches_transformers() -> None:
+    scaling = {"rope_type": "linear", "factor": 4.0}
+    theirs, _ = ROPE_INIT_FUNCTIONS["linear"](_hf_config(64, 10000.0, scaling))
+    torch.testing.assert_close(rope_inv_freq(64, 10000.0, scaling), theirs, rtol=1e-6, atol=0)
+    legacy = {"type": "linear", "factor": 4.0}  # pre-`rope_type` spelling
+    torch.testing.assert_close(rope_inv_freq(64, 10000.0, legacy), theirs, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_transformers(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = (3.0 * torch.randn(7, 64, generator=gen)).to(dtype)
+    weight = (1.0 + 0.1 * torch.randn(64, generator=gen)).to(dtype)
+    reference = LlamaRMSNorm(64, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        reference.weight.copy_(weight)
+        expected = reference(x)
+    out = rms_norm(x, weight, 1e-6)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+def test_silu_and_mul() -> None:
+    gate = torch.tensor([-2.0, 0.0, 1.0, 3.0])
+    up = torch.tensor([1.0, 5.0, 2.0, -1.0])
+    expected = gate / (1 + torch.exp(-gate)) * up
+    torch.testing.assert_close(silu_and_mul(gate, up), expected)

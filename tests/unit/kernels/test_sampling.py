@@ -1,0 +1,141 @@
+"""Tests for kernels.sampling: greedy, truncation (top-k, top-p, min-p), the sampled distribution,
+raw-logit logprobs and seeded reproducibility."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.sampling import SamplingBatch, sample
+
+
+def _batch(num_rows: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+           is_greedy: bool = False, seeds: tuple[int | None, ...] | None = None,
+           steps: tuple[int, ...] | None = None) -> SamplingBatch:
+    return SamplingBatch(
+        temperatures=torch.full((num_rows,), temperature),
+        top_ps=torch.full((num_rows,), top_p),
+        top_ks=torch.full((num_rows,), top_k, dtype=torch.int64),
+        min_ps=torch.full((num_rows,), min_p),
+        is_greedy=torch.full((num_rows,), is_greedy, dtype=torch.bool),
+        seeds=seeds if seeds is not None else (None,) * num_rows,
+        steps=steps if steps is not None else (0,) * num_rows,
+    )
+
+
+def _random_logits(num_rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    return 3.0 * torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(seed))
+
+
+def _counts(token_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.bincount(token_ids, minlength=vocab).double()
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs.double() * counts.sum()
+    keep = expected > 0
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+# Critical value of chi-square with 4 degrees of freedom at p = 1e-4 (draws below are seeded anyway).
+CHI2_4DOF_P1E4 = 23.51
+
+
+def test_greedy_picks_argmax_with_raw_logprobs() -> None:
+    logits = _random_logits(6, 50)
+    token_ids, logprobs = sample(logits, _batch(6, temperature=0.0, is_greedy=True))
+    assert token_ids.dtype == torch.int64 and logprobs.dtype == torch.float32
+    assert torch.equal(token_ids, logits.argmax(dim=-1))
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).max(dim=-1).values)
+
+
+def test_sampled_logprobs_are_log_softmax_of_raw_logits() -> None:
+    """Not of the tempered or truncated distribution."""
+    logits = _random_logits(64, 30, seed=1)
+    batch = _batch(64, temperature=0.5, top_k=5, top_p=0.8, seeds=tuple(range(64)))
+    token_ids, logprobs = sample(logits, batch)
+    expected = torch.log_softmax(logits, dim=-1).gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(logprobs, expected)
+    assert len(set(token_ids.tolist())) > 1  # really sampled, not argmax everywhere
+
+
+@pytest.mark.parametrize("truncation", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)])
+def test_extreme_truncation_leaves_only_the_top_token(truncation: dict) -> None:
+    logits = _random_logits(200, 40, seed=2)
+    batch = _batch(200, temperature=2.0, seeds=tuple(range(200)), **truncation)
+    token_ids, _ = sample(logits, batch)
+    assert torch.equal(token_ids, logits.argmax(dim=-1))
+
+
+def test_greedy_rows_stay_greedy_in_a_mixed_batch() -> None:
+    logits = _random_logits(1, 1000, seed=3).expand(40, -1) * 0.01  # nearly flat: sampling wanders
+    is_greedy = torch.tensor([i % 2 == 0 for i in range(40)])
+    batch = _batch(40, seeds=tuple(range(40)))
+    batch = SamplingBatch(batch.temperatures, batch.top_ps, batch.top_ks, batch.min_ps, is_greedy,
+                          batch.seeds, batch.steps)
+    token_ids, _ = sample(logits.contiguous(), batch)
+    top = int(logits[0].argmax())
+    assert (token_ids[is_greedy] == top).all()
+    assert (token_ids[~is_greedy] != top).any()
+
+
+def _draws(logits_row: torch.Tensor, num_draws: int, **settings) -> torch.Tensor:
+    logits = logits_row.unsqueeze(0).expand(num_draws, -1).contiguous()
+    token_ids, _ = sample(logits, _batch(num_draws, seeds=tuple(range(num_draws)), **settings))
+    return token_ids
+
+
+NUM_DRAWS = 20000
+LOGITS_5 = torch.tensor([1.5, 0.2, -0.3, 0.9, -1.2])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_empirical_distribution_matches_softmax(temperature: float) -> None:
+    counts = _counts(_draws(LOGITS_5, NUM_DRAWS, temperature=temperature), 5)
+    probs = torch.softmax(LOGITS_5 / temperature, dim=-1)
+    assert _chi_square(counts, probs) < CHI2_4DOF_P1E4
+
+
+def test_top_k_renormalises_over_the_k_best() -> None:
+    counts = _counts(_draws(LOGITS_5, NUM_DRAWS, top_k=2), 5)
+    assert counts[[1, 2, 4]].sum() == 0
+    probs = torch.softmax(LOGITS_5, -1) * torch.tensor([1.0, 0, 0, 1.0, 0])
+    assert _chi_square(counts, probs / probs.sum()) < 10.83  # 1 dof, p = 1e-3
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    counts = _counts(_draws(logits, NUM_DRAWS, top_p=0.7), 4)  # 0.5 < 0.7 <= 0.8: keep 2 tokens
+    assert counts[2:].sum() == 0
+    assert abs(float(counts[0] / counts.sum()) - 0.625) < 0.02
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top() -> None:
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    counts = _counts(_draws(logits, NUM_DRAWS, min_p=0.4), 4)  # keep p >= 0.2
+    assert counts[2:].sum() == 0 and counts[1] > 0
+    assert abs(float(counts[0] / counts.sum()) - 0.625) < 0.02
+
+
+def test_same_seed_and_step_give_the_same_draw() -> None:
+    flat = torch.zeros(1, 5000)  # uniform: any two independent draws almost surely differ
+    a, _ = sample(flat, _batch(1, seeds=(42,), steps=(3,)))
+    # The same (seed, step) in another position of another batch.
+    b, _ = sample(flat.expand(4, -1).contiguous(), _batch(4, seeds=(7, 8, 42, None), steps=(0, 0, 3, 0)))
+    assert int(a[0]) == int(b[2])
+
+
+def test_step_and_seed_select_different_streams() -> None:
+    flat = torch.zeros(8, 5000)
+    by_step, _ = sample(flat, _batch(8, seeds=(42,) * 8, steps=tuple(range(8))))
+    by_seed, _ = sample(flat, _batch(8, seeds=tuple(range(8)), steps=(0,) * 8))
+    assert len(set(by_step.tolist())) >= 7
+    assert len(set(by_seed.tolist())) >= 7
+    again, _ = sample(flat, _batch(8, seeds=(42,) * 8, steps=tuple(range(8))))
+    assert torch.equal(by_step, again)
+
+
+def test_unseeded_rows_vary() -> None:
+    flat = torch.zeros(16, 5000)
+    token_ids, _ = sample(flat, _batch(16))
+    assert len(set(token_ids.tolist())) > 1
