@@ -10,6 +10,7 @@ import grpc
 from engine.errors import EngineError
 from engine.request import StepOutput
 from server_runtime.convert import finish_to_proto, layout_to_proto, sampling_from_proto, token_to_proto
+from server_runtime.common_rpcs import WorkerRpcs
 from server_runtime.errors import abort_with
 from server_runtime.worker import WorkerContext
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -17,9 +18,8 @@ from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 logger = logging.getLogger(__name__)
 
 
-class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
-    def __init__(self, ctx: WorkerContext) -> None:
-        self.ctx = ctx
+class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
+    role = common_pb2.WORKER_ROLE_DECODE
 
     async def Reserve(self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
                       ) -> decode_pb2.ReserveResponse:
@@ -54,18 +54,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         finally:
             if not finished:     # rejected, or the client went away: free the request's pages now
                 await asyncio.shield(self.ctx.loop.abort(rid, "client cancelled"))
-
-    async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
-                    ) -> common_pb2.AbortResponse:
-        return common_pb2.AbortResponse(found=await self.ctx.loop.abort(request.request_id, "aborted by client"))
-
-    async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
-                           ) -> common_pb2.GetModelInfoResponse:
-        return self.ctx.model_info(common_pb2.WORKER_ROLE_DECODE)
-
-    async def GetLoad(self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
-                      ) -> common_pb2.GetLoadResponse:
-        return await self.ctx.load()
 
 
 def _response(rid: str, outputs: list[StepOutput]) -> decode_pb2.GenerateResponse:

@@ -56,6 +56,8 @@ class Engine:
 
     def add_request(self, req: Request) -> None:
         """Queue a prompt. Raises InvalidRequestError / ContextLengthExceededError / CapacityError."""
+        if req.request_id in self._reservations:
+            raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
         self._validate(req.request_id, req.prompt_ids)
         self.scheduler.check_capacity(req.prompt_len)
         self._requests[req.request_id] = req
@@ -66,7 +68,7 @@ class Engine:
 
         If dropped before `admit`, the pages are reused only `grace_s` seconds later.
         """
-        if request_id in self._requests or request_id in self._reservations:
+        if self.holds(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if prompt_len < 1:
             raise InvalidRequestError("prompt_len must be >= 1")

@@ -78,7 +78,7 @@ class Scheduler:
             if req.is_finished or pages_needed(req.seq_len, self.page_size) <= len(req.page_ids):
                 continue
             while not self.allocator.can_allocate(1) and self.running:
-                victim = self.running[0]
+                victim = self.running[-1]
                 self.finish(victim, FinishReason.ABORT,
                             message=f"KV cache exhausted ({self.allocator.num_pages} pages); request evicted")
                 evicted.append(victim)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from gateway.sampling_defaults import SamplingDefaults
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +25,7 @@ class GatewayConfig:
     prefill_timeout_s: float = 600.0
     request_timeout_s: float = 3600.0
     default_max_new_tokens: int = 128     # native /generate, as in SGLang
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     def __post_init__(self) -> None:
         if not self.prefill_addrs or not self.decode_addrs:

@@ -48,7 +48,8 @@ async def generate(body: GenerateRequest, state: GatewayState = Depends(gateway_
         min_p=params.get("min_p"), seed=params.get("seed", params.get("sampling_seed")),
         max_new_tokens=params.get("max_new_tokens", state.config.default_max_new_tokens),
         stop_token_ids=tuple(params.get("stop_token_ids") or ()), ignore_eos=bool(params.get("ignore_eos", False)))
-    sampling = build_sampling(fields, len(prompt_ids), limits, "sampling_params.max_new_tokens")
+    sampling = build_sampling(fields, len(prompt_ids), limits, state.config.sampling_defaults,
+                              "sampling_params.max_new_tokens")
     request = GenerationRequest(prompt_ids, sampling, stop_list(params.get("stop")),
                                 bool(params.get("skip_special_tokens", True)),
                                 **({"request_id": body.rid} if body.rid else {}))

@@ -87,7 +87,8 @@ def _generation_request(state: GatewayState, body, prompt_ids: list[int], max_to
     fields = SamplingFields(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
                             seed=body.seed, max_new_tokens=max_tokens,
                             stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
-    sampling = build_sampling(fields, len(prompt_ids), state.pool.limits(), max_tokens_param)
+    sampling = build_sampling(fields, len(prompt_ids), state.pool.limits(), state.config.sampling_defaults,
+                              max_tokens_param)
     return GenerationRequest(prompt_ids, sampling, stop_list(body.stop), body.skip_special_tokens)
 
 

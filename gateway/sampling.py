@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from gateway.errors import APIError, bad_request, context_length_exceeded
+from gateway.sampling_defaults import SamplingDefaults
 from gateway.workers import ModelLimits
 from tandem.v1 import common_pb2
 
@@ -22,9 +23,10 @@ class SamplingFields:
     ignore_eos: bool = False
 
 
-def build_sampling(fields: SamplingFields, prompt_len: int, limits: ModelLimits,
+def build_sampling(fields: SamplingFields, prompt_len: int, limits: ModelLimits, defaults: SamplingDefaults,
                    max_tokens_param: str = "max_tokens") -> common_pb2.SamplingParams:
-    """Validate values and the context budget; unset max_new_tokens fills the rest of the context."""
+    """Validate values and the context budget; unset max_new_tokens fills the rest of the context,
+    unset temperature / top_p / top_k / min_p take the server's `defaults` (if any)."""
     _check_range("temperature", fields.temperature, lambda v: math.isfinite(v) and 0 <= v <= 2,
                  "must be between 0 and 2")
     _check_range("top_p", fields.top_p, lambda v: 0 < v <= 1, "must be in (0, 1]")
@@ -42,14 +44,18 @@ def build_sampling(fields: SamplingFields, prompt_len: int, limits: ModelLimits,
         raise context_length_exceeded(limits.context_len, prompt_len, fields.max_new_tokens)
     params = common_pb2.SamplingParams(max_new_tokens=fields.max_new_tokens or room,
                                        stop_token_ids=list(fields.stop_token_ids), ignore_eos=fields.ignore_eos)
-    if fields.temperature is not None:
-        params.temperature = fields.temperature
-    if fields.top_p is not None:
-        params.top_p = fields.top_p
-    if fields.top_k is not None and fields.top_k > 0:
-        params.top_k = fields.top_k
-    if fields.min_p is not None:
-        params.min_p = fields.min_p
+    temperature = _first_set(fields.temperature, defaults.temperature)
+    top_p = _first_set(fields.top_p, defaults.top_p)
+    top_k = _first_set(fields.top_k, defaults.top_k)
+    min_p = _first_set(fields.min_p, defaults.min_p)
+    if temperature is not None:
+        params.temperature = temperature
+    if top_p is not None:
+        params.top_p = top_p
+    if top_k is not None and top_k > 0:
+        params.top_k = top_k
+    if min_p is not None:
+        params.min_p = min_p
     if fields.seed is not None:
         params.seed = fields.seed
     return params
@@ -70,6 +76,10 @@ def stop_list(stop: str | list[str] | None) -> tuple[str, ...]:
     if len(stops) > 16:
         raise bad_request("at most 16 stop strings are allowed", "stop")
     return stops
+
+
+def _first_set(value, default):
+    return value if value is not None else default
 
 
 def _check_range(param: str, value, is_valid, rule: str) -> None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 
-from launcher.defaults import default_dtype, default_model_path, default_torch_threads, served_name_for
+from launcher.defaults import (BUNDLED_MODEL_SAMPLING, default_dtype, default_model_path, default_torch_threads,
+                               is_bundled_model, served_name_for)
 
 DEFAULT_GATEWAY_PORT = 30000
 DEFAULT_PREFILL_PORT = 30001
@@ -45,6 +47,10 @@ def _add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model path)")
     p.add_argument("--prefill-timeout", type=float, default=600.0)
     p.add_argument("--request-timeout", type=float, default=3600.0)
+    p.add_argument("--default-sampling", default=None,
+                   help='JSON of sampling defaults for fields a request leaves unset, e.g. \'{"temperature": 0.7, '
+                        '"top_p": 0.9}\' (keys: temperature, top_p, top_k, min_p). Default: the model\'s '
+                        'generation_config.json; greedy for the bundled SmolLM2')
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,7 +118,8 @@ def _serve(args: argparse.Namespace) -> int:
         ChildSpec("gateway", ("gateway", *shared, "--served-model-name", served_name, "--host", args.host,
                               "--port", str(args.port), "--prefill", prefill_addr, "--decode", decode_addr,
                               "--prefill-timeout", str(args.prefill_timeout),
-                              "--request-timeout", str(args.request_timeout))),
+                              "--request-timeout", str(args.request_timeout),
+                              *(["--default-sampling", args.default_sampling] if args.default_sampling else []))),
     ]
     url_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     supervisor = Supervisor(children, f"http://{url_host}:{args.port}/health", args.startup_timeout)
@@ -123,8 +130,15 @@ def _serve(args: argparse.Namespace) -> int:
 def _gateway(args: argparse.Namespace) -> int:
     from gateway.app import serve_gateway
     from gateway.config import GatewayConfig
+    from gateway.sampling_defaults import SamplingDefaults, load_generation_config
     model_path = args.model_path or default_model_path()
-    config = GatewayConfig(model_path=model_path,
+    defaults = BUNDLED_MODEL_SAMPLING if is_bundled_model(model_path) else load_generation_config(model_path)
+    if args.default_sampling:
+        try:
+            defaults = defaults.overridden_by(SamplingDefaults.from_mapping(json.loads(args.default_sampling)))
+        except (ValueError, TypeError) as exc:
+            raise SystemExit(f"--default-sampling: {exc}") from None
+    config = GatewayConfig(model_path=model_path, sampling_defaults=defaults,
                            served_model_name=args.served_model_name or served_name_for(args.model_path),
                            prefill_addrs=tuple(args.prefill), decode_addrs=tuple(args.decode), host=args.host,
                            port=args.port, prefill_timeout_s=args.prefill_timeout,

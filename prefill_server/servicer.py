@@ -13,6 +13,7 @@ from engine.page_allocator import pages_needed
 from engine.request import FinishReason, Request
 from kv_transfer import KVTransferError, RemotePages
 from server_runtime.convert import check_layout_matches, sampling_from_proto
+from server_runtime.common_rpcs import WorkerRpcs
 from server_runtime.errors import abort_with
 from server_runtime.worker import WorkerContext
 from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -20,9 +21,8 @@ from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 logger = logging.getLogger(__name__)
 
 
-class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, ctx: WorkerContext) -> None:
-        self.ctx = ctx
+class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
+    role = common_pb2.WORKER_ROLE_PREFILL
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
                       ) -> prefill_pb2.PrefillResponse:
@@ -73,18 +73,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             transfer_ms=stats.seconds * 1000,
             kv_bytes=stats.num_bytes,
         )
-
-    async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
-                    ) -> common_pb2.AbortResponse:
-        return common_pb2.AbortResponse(found=await self.ctx.loop.abort(request.request_id, "aborted by client"))
-
-    async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
-                           ) -> common_pb2.GetModelInfoResponse:
-        return self.ctx.model_info(common_pb2.WORKER_ROLE_PREFILL)
-
-    async def GetLoad(self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
-                      ) -> common_pb2.GetLoadResponse:
-        return await self.ctx.load()
 
 
 def add_prefill_servicer(server: grpc.aio.Server, ctx: WorkerContext) -> str:

@@ -7,6 +7,7 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -59,6 +60,16 @@ def test_seed_chat_request_answers_paris(stack: Stack) -> None:
     assert choice["matched_stop"] == 2
     usage = response["usage"]
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_unset_temperature_takes_the_bundled_models_greedy_default(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Name a colour."}]
+    texts = {client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8).choices[0].message.content
+             for _ in range(3)}
+    assert len(texts) == 1
+    sampled = {client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=1.5,
+                                              seed=s).choices[0].message.content for s in range(4)}
+    assert len(sampled) > 1   # an explicit temperature is honoured
 
 
 def test_greedy_outputs_through_the_gateway_equal_hf(stack: Stack, smollm2_path: Path) -> None:
@@ -152,6 +163,28 @@ def test_seed_openai_client_streaming_and_native_stream(stack: Stack, client: op
     texts = [json.loads(e[5:])["text"] for e in events[:-1]]
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))   # cumulative text, as in the seed
     assert "Paris" in texts[-1]
+
+
+def test_workers_serve_health_reflection_and_model_info(stack: Stack) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+    for port, stub_cls, service, role in (
+            (stack.prefill_port, prefill_pb2_grpc.PrefillServiceStub, "tandem.v1.PrefillService",
+             common_pb2.WORKER_ROLE_PREFILL),
+            (stack.decode_port, decode_pb2_grpc.DecodeServiceStub, "tandem.v1.DecodeService",
+             common_pb2.WORKER_ROLE_DECODE)):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            reflection = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            names = {s.name for s in next(reflection).list_services_response.service}
+            assert {service, "grpc.health.v1.Health"} <= names
+            info = stub_cls(channel).GetModelInfo(common_pb2.GetModelInfoRequest())
+            assert (info.role, info.context_len, info.architecture) == (role, CONTEXT_LEN, "LlamaForCausalLM")
+            assert not stub_cls(channel).Abort(common_pb2.AbortRequest(request_id="nothing-here")).found
 
 
 def test_models_and_health(stack: Stack) -> None:

@@ -120,7 +120,8 @@ RULES: dict[str, Rule] = {
     "generated protos import no other in-repo package": _only_in_repo("tandem", ()),
     "mooncake is imported only in kv_transfer/mooncake_backend.py":
         lambda imp: imp.is_under("mooncake") and imp.importer != "kv_transfer.mooncake_backend",
-    "flashinfer is imported only in kernels": lambda imp: imp.is_under("flashinfer") and not _in_package(imp, "kernels"),
+    "flashinfer is imported only in kernels":
+        lambda imp: imp.is_under("flashinfer") and not _in_package(imp, "kernels"),
 }
 
 
@@ -171,7 +172,8 @@ def test_checker_reports_violations_with_file_and_line(tmp_path: Path) -> None:
     _write(tmp_path, "launcher/cli.py", "def main():\n    import mooncake.engine\n")
 
     found = find_violations(tmp_path)
-    assert found["kernels imports no in-repo package"] == ["kernels/attention.py:3: kernels.attention imports engine.errors"]
+    assert found["kernels imports no in-repo package"] == [
+        "kernels/attention.py:3: kernels.attention imports engine.errors"]
     assert found["engine has no network, gRPC, HTTP or threads"] == [
         "engine/loop.py:1: engine.loop imports threading", "engine/loop.py:5: engine.loop imports grpc"]
     assert found["engine imports only engine and kernels"] == []  # `from . import errors` is engine.errors

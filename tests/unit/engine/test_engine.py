@@ -201,6 +201,16 @@ def test_duplicate_request_id_is_rejected(model_dir: Path) -> None:
     _assert_idle(engine)
 
 
+def test_reserved_id_cannot_be_reused_by_a_prompt(model_dir: Path) -> None:
+    engine = _engine(model_dir)
+    engine.reserve("res", prompt_len=4, ttl_s=60)
+    with pytest.raises(InvalidRequestError):
+        engine.add_request(Request("res", PROMPT_B, SamplingParams()))
+    with pytest.raises(InvalidRequestError):
+        engine.reserve("res", prompt_len=4, ttl_s=60)
+    assert not engine.has_work and engine.allocator.num_used == 1
+
+
 def test_abort_running_request_frees_its_pages(model_dir: Path) -> None:
     engine = _engine(model_dir)
     engine.add_request(Request("r", PROMPT_A, SamplingParams(max_new_tokens=30, **GREEDY)))
@@ -307,6 +317,9 @@ def test_prefill_only_request_keeps_pages_until_release(model_dir: Path) -> None
     assert len(held) == pages_needed(len(PROMPT_A), PAGE_SIZE) == engine.allocator.num_used
     with pytest.raises(InvalidRequestError):  # the id stays taken while its KV is held
         engine.add_request(Request("p", PROMPT_B, SamplingParams()))
+    with pytest.raises(InvalidRequestError):
+        engine.reserve("p", prompt_len=4, ttl_s=60)
+    assert engine.allocator.num_used == len(held)
     engine.release("p")
     assert not engine.is_awaiting_release("p") and not engine.holds("p")
     _assert_idle(engine)
