@@ -28,6 +28,14 @@ from engine.weights import Checkpoint
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class _Token:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    requested: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(slots=True)
 class _Reservation:
     page_ids: list[int]
@@ -95,7 +103,7 @@ class Engine:
                       num_computed=len(prompt_ids))
         self._requests[request_id] = req
         self.scheduler.add_running(req)
-        return self._append_token(req, first_token, first_logprob, emit_token=False)
+        return self._append_token(req, _Token(first_token, first_logprob), emit_token=False)
 
     def abort(self, request_id: str, message: str = "aborted") -> StepOutput | None:
         """End a request or drop a reservation, freeing its pages. None if nothing was held."""
@@ -163,37 +171,43 @@ class Engine:
         if batch is None:
             return outputs
         sampled = self.runner.run(batch.requests, batch.is_decode)
-        for req, token_id, logprob in zip(batch.requests, sampled.token_ids, sampled.logprobs):
+        for row, req in enumerate(batch.requests):
+            token = _Token(sampled.token_ids[row], sampled.logprobs[row],
+                           sampled.extras.top[row] if sampled.extras else (),
+                           sampled.extras.requested[row] if sampled.extras else ())
             if not batch.is_decode:
                 self.scheduler.after_prefill(req)
             if req.is_prefill_only:
-                outputs.append(self._finish_prefill_only(req, token_id, logprob))
+                outputs.append(self._finish_prefill_only(req, token))
             else:
-                outputs.append(self._append_token(req, token_id, logprob, emit_token=True))
+                outputs.append(self._append_token(req, token, emit_token=True))
         return outputs
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _finish_prefill_only(self, req: Request, token_id: int, logprob: float) -> StepOutput:
-        req.output_ids.append(token_id)
-        req.output_logprobs.append(logprob)
+    def _finish_prefill_only(self, req: Request, token: "_Token") -> StepOutput:
+        req.output_ids.append(token.token_id)
+        req.output_logprobs.append(token.logprob)
         self.scheduler.finish(req, None, keep_pages=True)
         self._held[req.request_id] = self._requests.pop(req.request_id)
-        return StepOutput(req.request_id, token_id, logprob)
+        return StepOutput(req.request_id, token.token_id, token.logprob, top_logprobs=token.top,
+                          token_ids_logprobs=token.requested)
 
-    def _append_token(self, req: Request, token_id: int, logprob: float, emit_token: bool) -> StepOutput | None:
-        req.output_ids.append(token_id)
-        req.output_logprobs.append(logprob)
-        reason = self._finish_reason(req, token_id)
+    def _append_token(self, req: Request, token: "_Token", emit_token: bool) -> StepOutput | None:
+        req.output_ids.append(token.token_id)
+        req.output_logprobs.append(token.logprob)
+        reason = self._finish_reason(req, token.token_id)
         if reason is not None:
-            matched = token_id if reason is FinishReason.STOP else None
-            req.matched_token_id = matched
+            req.matched_token_id = token.token_id if reason is FinishReason.STOP else None
             self.scheduler.finish(req, reason)
             del self._requests[req.request_id]
-        if not emit_token and reason is None:
-            return None
-        return StepOutput(req.request_id, token_id if emit_token else None, logprob if emit_token else None,
-                          reason, matched_token_id=req.matched_token_id)
+        if not emit_token:
+            if reason is None:
+                return None
+            return StepOutput(req.request_id, None, None, reason, matched_token_id=req.matched_token_id)
+        return StepOutput(req.request_id, token.token_id, token.logprob, reason,
+                          matched_token_id=req.matched_token_id, top_logprobs=token.top,
+                          token_ids_logprobs=token.requested)
 
     def _finish_reason(self, req: Request, token_id: int) -> FinishReason | None:
         params = req.sampling

@@ -33,6 +33,13 @@ class SamplingParams:
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_new_tokens: int = 0               # eos and stop token ids are masked until this many
+    presence_penalty: float = 0.0         # OpenAI semantics, over generated tokens, in [-2, 2]
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0       # HF semantics, over prompt and generated tokens, > 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    top_logprobs_num: int = 0             # also return this many most likely tokens per position
+    token_ids_logprob: tuple[int, ...] = ()   # also return the logprobs of these ids per position
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -47,7 +54,22 @@ class SamplingParams:
             raise InvalidRequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise InvalidRequestError(f"seed must be in [0, 2^63), got {self.seed}")
+        if not (0 <= self.min_new_tokens <= self.max_new_tokens):
+            raise InvalidRequestError(
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (-2 <= getattr(self, name) <= 2):
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (0 < self.repetition_penalty <= 10):
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if any(not (-100 <= bias <= 100) for _, bias in self.logit_bias):
+            raise InvalidRequestError("logit_bias values must be in [-100, 100]")
+        if not (0 <= self.top_logprobs_num <= 20):
+            raise InvalidRequestError(f"top_logprobs_num must be in [0, 20], got {self.top_logprobs_num}")
 
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
@@ -90,7 +112,11 @@ class Request:
 
 @dataclass(frozen=True, slots=True)
 class StepOutput:
-    """What one engine step produced for one request: a new token, a finish, or both."""
+    """What one engine step produced for one request: a new token, a finish, or both.
+
+    `top_logprobs` holds (token_id, logprob) of the most likely tokens when asked for, and
+    `token_ids_logprobs` the logprobs of the ids the request named, in its order.
+    """
 
     request_id: str
     token_id: int | None
@@ -98,3 +124,5 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     matched_token_id: int | None = None
     abort_message: str = ""
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    token_ids_logprobs: tuple[tuple[int, float], ...] = ()

@@ -13,6 +13,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_pool import KVLayout, KVPool
+from engine.logits import LogprobExtras, adjust_logits, logprob_extras
 from engine.model import CausalLM
 from engine.request import Request
 from engine.weights import Checkpoint
@@ -27,10 +28,11 @@ _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16"
 
 @dataclass(frozen=True, slots=True)
 class SampledTokens:
-    """One token per scheduled request, in batch order."""
+    """One token per scheduled request, in batch order; `extras` when any request asked for them."""
 
     token_ids: list[int]
     logprobs: list[float]
+    extras: LogprobExtras | None = None
 
 
 class ModelRunner:
@@ -69,8 +71,17 @@ class ModelRunner:
         Writes the new tokens' KV into the pool. For prefill, the new tokens are
         prompt_ids[num_computed:]; for decode, the last generated token.
         """
-        token_ids, logprobs = sample(self.forward_logits(requests, is_decode), _sampling_batch(requests))
-        return SampledTokens(token_ids.tolist(), logprobs.tolist())
+        logits = self.forward_logits(requests, is_decode)
+        adjusted = adjust_logits(logits, requests, self.model_config.eos_token_ids)
+        token_ids, logprobs = sample(adjusted, _sampling_batch(requests))
+        needs_raw = adjusted is not logits or any(
+            r.sampling.top_logprobs_num or r.sampling.token_ids_logprob for r in requests)
+        extras = None
+        if needs_raw:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+            logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+            extras = logprob_extras(raw_logprobs, requests)
+        return SampledTokens(token_ids.tolist(), logprobs.tolist(), extras)
 
     @torch.inference_mode()
     def forward_logits(self, requests: list[Request], is_decode: bool) -> torch.Tensor:

@@ -12,7 +12,7 @@ from engine.errors import EngineError, InvalidRequestError, RequestAbortedError
 from engine.page_allocator import pages_needed
 from engine.request import FinishReason, Request
 from kv_transfer import KVTransferError, RemotePages
-from server_runtime.convert import check_layout_matches, sampling_from_proto
+from server_runtime.convert import check_layout_matches, sampling_from_proto, token_to_proto
 from server_runtime.common_rpcs import WorkerRpcs
 from server_runtime.errors import abort_with
 from server_runtime.worker import WorkerContext
@@ -66,7 +66,7 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
             await asyncio.shield(self.ctx.loop.abort(rid))
         return prefill_pb2.PrefillResponse(
             request_id=rid,
-            first_token=common_pb2.TokenOutput(token_id=output.token_id, logprob=output.logprob),
+            first_token=token_to_proto(output),
             cached_tokens=0,
             queue_ms=0.0,
             compute_ms=(computed - received) * 1000,

@@ -27,6 +27,13 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS,
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos if msg.HasField("ignore_eos") else False,
+        min_new_tokens=msg.min_new_tokens if msg.HasField("min_new_tokens") else 0,
+        presence_penalty=msg.presence_penalty if msg.HasField("presence_penalty") else 0.0,
+        frequency_penalty=msg.frequency_penalty if msg.HasField("frequency_penalty") else 0.0,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        top_logprobs_num=msg.top_logprobs_num if msg.HasField("top_logprobs_num") else 0,
+        token_ids_logprob=tuple(msg.token_ids_logprob),
     )
 
 
@@ -50,7 +57,10 @@ def finish_to_proto(reason: FinishReason | None) -> int:
 
 
 def token_to_proto(output: StepOutput) -> common_pb2.TokenOutput:
-    return common_pb2.TokenOutput(token_id=output.token_id, logprob=output.logprob)
+    return common_pb2.TokenOutput(
+        token_id=output.token_id, logprob=output.logprob,
+        top_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in output.top_logprobs],
+        token_ids_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in output.token_ids_logprobs])
 
 
 def _describe(layout: common_pb2.KvLayout) -> str:

@@ -1,0 +1,81 @@
+"""The engine applies logit adjustments when choosing, and reports raw logprobs and top-k extras."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.request import FinishReason, Request, SamplingParams
+from engine.weights import open_checkpoint
+from tests.hf_oracle import hf_last_logits, load_hf_dir
+from tests.tiny_models import save_tiny_llama
+
+PROMPT = [5, 17, 42, 99, 3, 7]
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny"))
+
+
+def _run(model_dir: Path, sampling: SamplingParams, prompt=PROMPT):
+    engine = Engine(open_checkpoint(str(model_dir)), EngineConfig(dtype="float32", page_size=4, max_total_tokens=128),
+                    progress=False)
+    engine.add_request(Request("r", list(prompt), sampling))
+    outputs = []
+    while engine.has_work:
+        outputs += engine.step()
+    assert engine.allocator.num_free == engine.allocator.num_pages
+    return outputs
+
+
+def test_logit_bias_forces_a_token_and_logprobs_stay_raw(model_dir: Path) -> None:
+    outputs = _run(model_dir, SamplingParams(temperature=0, max_new_tokens=3, logit_bias=((77, 100.0),)))
+    assert [o.token_id for o in outputs] == [77, 77, 77]
+    hf = load_hf_dir(model_dir)
+    raw = torch.log_softmax(hf_last_logits(hf, PROMPT), -1)
+    assert outputs[0].logprob == pytest.approx(float(raw[77]), abs=1e-4)
+
+
+def test_eos_is_masked_until_min_new_tokens(model_dir: Path) -> None:
+    eos_first = SamplingParams(temperature=0, max_new_tokens=10, logit_bias=((EOS, 50.0),))
+    assert [o.finish_reason for o in _run(model_dir, eos_first)] == [FinishReason.STOP]
+    held = _run(model_dir, SamplingParams(temperature=0, max_new_tokens=10, min_new_tokens=4,
+                                          logit_bias=((EOS, 50.0),)))
+    assert len(held) == 5 and held[-1].token_id == EOS and held[-1].finish_reason is FinishReason.STOP
+    assert EOS not in [o.token_id for o in held[:4]]
+
+
+def test_frequency_penalty_breaks_a_forced_repeat(model_dir: Path) -> None:
+    # a +3 bias makes token 77 the greedy choice; a strong frequency penalty must move off it
+    biased = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True, logit_bias=((77, 3.0),))
+    assert [o.token_id for o in _run(model_dir, biased)].count(77) == 6
+    penalized = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True, logit_bias=((77, 3.0),),
+                               frequency_penalty=2.0, presence_penalty=2.0)
+    assert [o.token_id for o in _run(model_dir, penalized)].count(77) < 6
+
+
+def test_top_logprobs_and_requested_ids_match_the_raw_distribution(model_dir: Path) -> None:
+    [first, *_] = _run(model_dir, SamplingParams(temperature=0, max_new_tokens=2, top_logprobs_num=5,
+                                                  token_ids_logprob=(9, 11)))
+    hf = load_hf_dir(model_dir)
+    raw = torch.log_softmax(hf_last_logits(hf, PROMPT), -1)
+    values, ids = raw.topk(5)
+    assert [t for t, _ in first.top_logprobs] == ids.tolist()
+    assert [lp for _, lp in first.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
+    assert first.top_logprobs[0] == (first.token_id, pytest.approx(first.logprob))
+    assert [t for t, _ in first.token_ids_logprobs] == [9, 11]
+    assert [lp for _, lp in first.token_ids_logprobs] == pytest.approx([float(raw[9]), float(raw[11])], abs=1e-4)
+
+
+def test_invalid_penalty_values_are_rejected() -> None:
+    from engine.errors import InvalidRequestError
+    for kwargs in ({"presence_penalty": 3}, {"repetition_penalty": 0}, {"top_logprobs_num": 21},
+                   {"min_new_tokens": 5, "max_new_tokens": 4}, {"logit_bias": ((1, 101.0),)}):
+        with pytest.raises(InvalidRequestError):
+            SamplingParams(**kwargs)
