@@ -42,7 +42,8 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
             try:
                 sink = await self.ctx.loop.admit(rid, list(request.prompt_token_ids), request.first_token.token_id,
                                                  request.first_token.logprob,
-                                                 sampling_from_proto(request.sampling_params))
+                                                 sampling_from_proto(request.sampling_params),
+                                                 request.weights_version)
             except EngineError as exc:
                 await abort_with(context, exc)   # the finally below drops the reservation
             while not finished:

@@ -123,6 +123,7 @@ class EngineConfig:
     max_prefill_tokens: int = 8192
     context_len: int | None = None
     attention_backend: str = "torch"
+    enable_prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

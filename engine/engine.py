@@ -18,14 +18,20 @@ import time
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from engine.errors import ContextLengthExceededError, InvalidRequestError, RequestNotFoundError
+from engine.errors import (ContextLengthExceededError, InvalidRequestError, RequestAbortedError,
+                           RequestNotFoundError)
 from engine.page_allocator import PageAllocator
+from engine.prefix_cache import PrefixCache
 from engine.request import FinishReason, Request, SamplingParams, StepOutput
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.weights import Checkpoint
 
 logger = logging.getLogger(__name__)
+
+
+_SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "o_proj_bias")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +59,12 @@ class Engine:
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.runner = ModelRunner(checkpoint, config, self.context_len, progress=progress)
         self.allocator = PageAllocator(self.runner.kv_pool.num_pages)
+        self.prefix_cache = PrefixCache(self.allocator, config.page_size) if config.enable_prefix_cache else None
         self.scheduler = Scheduler(self.allocator, config.page_size, config.max_running_requests,
-                                   config.max_prefill_tokens)
+                                   config.max_prefill_tokens, self.prefix_cache)
         self._requests: dict[str, Request] = {}
         self._held: dict[str, Request] = {}
+        self.weights_version = 0
         self._reservations: dict[str, _Reservation] = {}
         self._quarantine: list[tuple[float, list[int]]] = []   # (reusable at, pages)
 
@@ -88,12 +96,16 @@ class Engine:
         return page_ids
 
     def admit(self, request_id: str, prompt_ids: list[int], first_token: int, first_logprob: float,
-              sampling: SamplingParams) -> StepOutput | None:
+              sampling: SamplingParams, weights_version: int = 0) -> StepOutput | None:
         """Start decoding a reserved request from its first token. Returns a finish output if the
-        first token already ends it (its pages are then freed)."""
+        first token already ends it (its pages are then freed). The prompt's KV must have been
+        computed with the same weights version as ours."""
         reservation = self._reservations.get(request_id)
         if reservation is None:
             raise RequestNotFoundError(f"no reservation for request {request_id!r} (expired or never made)")
+        if weights_version != self.weights_version:
+            raise RequestAbortedError(f"the model weights changed during request {request_id!r} "
+                                      f"(prefill version {weights_version}, decode version {self.weights_version})")
         if len(prompt_ids) != reservation.prompt_len:
             raise InvalidRequestError(
                 f"prompt has {len(prompt_ids)} tokens but {reservation.prompt_len} were reserved")
@@ -118,6 +130,22 @@ class Engine:
             return None
         self.scheduler.finish(req, FinishReason.ABORT, message)
         return StepOutput(request_id, None, None, FinishReason.ABORT, abort_message=message)
+
+    def update_weights(self, checkpoint: Checkpoint) -> list[StepOutput]:
+        """Load new weights in place: shapes must match exactly (checked before any byte is copied).
+        Every waiting or running request is aborted first, so none mixes two sets of weights; the
+        prefix cache is flushed and `weights_version` goes up. Returns the abort outputs."""
+        mismatch = [name for name in _SHAPE_FIELDS
+                    if getattr(checkpoint.config, name) != getattr(self.model_config, name)]
+        if mismatch:
+            details = ", ".join(f"{n}: {getattr(self.model_config, n)} -> {getattr(checkpoint.config, n)}"
+                                for n in mismatch)
+            raise InvalidRequestError(f"the new weights do not match the served model's shapes ({details})")
+        outputs = [self.abort(rid, "aborted: the model weights are being updated") for rid in list(self._requests)]
+        self.runner.model.load_weights(checkpoint.tensors(progress=False))
+        self.flush_prefix_cache()
+        self.weights_version += 1
+        return [o for o in outputs if o is not None]
 
     def release(self, request_id: str) -> None:
         """Free the pages a finished prefill-only request kept for its KV transfer."""
@@ -148,6 +176,15 @@ class Engine:
             for pages in ready:
                 self.allocator.free(pages)
         return expired
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages kept only by the prefix cache (reusable; evicted when the pool runs short)."""
+        return self.prefix_cache.num_evictable_pages if self.prefix_cache is not None else 0
+
+    def flush_prefix_cache(self) -> int:
+        """Drop every cached page no request is using; returns how many pages were freed."""
+        return self.prefix_cache.flush() if self.prefix_cache is not None else 0
 
     @property
     def num_quarantined_pages(self) -> int:
@@ -191,7 +228,8 @@ class Engine:
         self.scheduler.finish(req, None, keep_pages=True)
         self._held[req.request_id] = self._requests.pop(req.request_id)
         return StepOutput(req.request_id, token.token_id, token.logprob, top_logprobs=token.top,
-                          token_ids_logprobs=token.requested)
+                          token_ids_logprobs=token.requested, cached_tokens=req.num_cached_tokens,
+                          weights_version=self.weights_version)
 
     def _append_token(self, req: Request, token: "_Token", emit_token: bool) -> StepOutput | None:
         req.output_ids.append(token.token_id)
@@ -207,7 +245,8 @@ class Engine:
             return StepOutput(req.request_id, None, None, reason, matched_token_id=req.matched_token_id)
         return StepOutput(req.request_id, token.token_id, token.logprob, reason,
                           matched_token_id=req.matched_token_id, top_logprobs=token.top,
-                          token_ids_logprobs=token.requested)
+                          token_ids_logprobs=token.requested,
+                          cached_tokens=req.num_cached_tokens if len(req.output_ids) == 1 else 0)
 
     def _finish_reason(self, req: Request, token_id: int) -> FinishReason | None:
         params = req.sampling

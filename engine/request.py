@@ -92,6 +92,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     num_computed: int = 0
+    num_cached_tokens: int = 0    # prompt tokens whose KV came from the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     matched_token_id: int | None = None
@@ -126,3 +127,5 @@ class StepOutput:
     abort_message: str = ""
     top_logprobs: tuple[tuple[int, float], ...] = ()
     token_ids_logprobs: tuple[tuple[int, float], ...] = ()
+    cached_tokens: int = 0       # set on a request's first token: prompt tokens served from the cache
+    weights_version: int = 0     # the engine's weights version when this output was computed

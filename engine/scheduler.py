@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from engine.errors import CapacityError
 from engine.page_allocator import PageAllocator, pages_needed
+from engine.prefix_cache import PrefixCache
 from engine.request import FinishReason, Request, RequestStatus
 
 
@@ -24,8 +25,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_running_requests: int,
-                 max_prefill_tokens: int) -> None:
+                 max_prefill_tokens: int, prefix_cache: PrefixCache | None = None) -> None:
         self.allocator = allocator
+        self.prefix_cache = prefix_cache
         self.page_size = page_size
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
@@ -62,10 +64,14 @@ class Scheduler:
             new_tokens = req.prompt_len - req.num_computed
             if batch and num_tokens + new_tokens > self.max_prefill_tokens:
                 break
+            matched = self._match_prefix(req)
             needed = pages_needed(req.prompt_len, self.page_size) - len(req.page_ids)
-            if not self.allocator.can_allocate(needed):
+            if not self._can_allocate(needed):
+                if matched:   # give the matched pages back; the request retries the match later
+                    self.release_pages(req)
+                    req.num_computed = req.num_cached_tokens = 0
                 break
-            req.page_ids.extend(self.allocator.allocate(needed))
+            req.page_ids.extend(self._allocate(needed))
             self.waiting.popleft()
             batch.append(req)
             num_tokens += new_tokens
@@ -77,7 +83,7 @@ class Scheduler:
         for req in list(self.running):
             if req.is_finished or pages_needed(req.seq_len, self.page_size) <= len(req.page_ids):
                 continue
-            while not self.allocator.can_allocate(1) and self.running:
+            while not self._can_allocate(1) and self.running:
                 victim = self.running[-1]
                 self.finish(victim, FinishReason.ABORT,
                             message=f"KV cache exhausted ({self.allocator.num_pages} pages); request evicted")
@@ -86,12 +92,15 @@ class Scheduler:
                     break
             if req.is_finished:
                 continue
-            req.page_ids.extend(self.allocator.allocate(1))
+            req.page_ids.extend(self._allocate(1))
         return evicted
 
     def after_prefill(self, req: Request) -> None:
-        """Prefill wrote the whole prompt; the request now decodes (or finishes, if prefill-only)."""
+        """Prefill wrote the whole prompt; the request now decodes (or finishes, if prefill-only).
+        Its full prompt pages join the prefix cache."""
         req.num_computed = req.prompt_len
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(req.prompt_ids, req.page_ids, req.num_cached_tokens // self.page_size)
         if not req.is_prefill_only:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -111,12 +120,34 @@ class Scheduler:
 
     def release_pages(self, req: Request) -> None:
         if req.page_ids:
-            self.allocator.free(req.page_ids)
+            if self.prefix_cache is not None:
+                self.prefix_cache.release(req.page_ids)
+            else:
+                self.allocator.free(req.page_ids)
             req.page_ids = []
 
     def reserve(self, num_tokens: int) -> list[int]:
         """Pages for `num_tokens` tokens arriving from elsewhere; raises CapacityError if they don't fit."""
-        return self.allocator.allocate(pages_needed(num_tokens, self.page_size))
+        return self._allocate(pages_needed(num_tokens, self.page_size))
+
+    def _match_prefix(self, req: Request) -> list[int]:
+        """On a request's first scheduling, take the cached pages of its longest cached prefix."""
+        if self.prefix_cache is None or req.page_ids or req.num_computed:
+            return []
+        matched = self.prefix_cache.match(req.prompt_ids)
+        req.page_ids = list(matched)
+        req.num_computed = req.num_cached_tokens = len(matched) * self.page_size
+        return matched
+
+    def _can_allocate(self, num: int) -> bool:
+        if self.prefix_cache is not None:
+            return self.prefix_cache.can_allocate(num)
+        return self.allocator.can_allocate(num)
+
+    def _allocate(self, num: int) -> list[int]:
+        if self.prefix_cache is not None:
+            return self.prefix_cache.allocate(num)
+        return self.allocator.allocate(num)
 
     def check_capacity(self, num_tokens: int) -> None:
         """Raise CapacityError when a prompt could never fit in the whole pool."""

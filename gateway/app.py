@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 from typing import AsyncIterator
 
@@ -12,9 +13,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import native_api, openai_api
+from gateway import admin_api, batches_api, embeddings_api, files_api, native_api, openai_api, vllm_api
+from gateway.batch_runner import run_batches
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
+from gateway.interactive_traffic import InteractiveTraffic, TrafficMiddleware
 from gateway.state import GatewayState
 from gateway.tokenizer import load_tokenizer
 from gateway.workers import WorkerPool
@@ -23,7 +26,8 @@ logger = logging.getLogger(__name__)
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
-    tokenizer = load_tokenizer(config.model_path)
+    tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model_path)
+    traffic = InteractiveTraffic(config.batch_yield_threshold)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -31,18 +35,48 @@ def create_app(config: GatewayConfig) -> FastAPI:
         app.state.gateway = GatewayState(config, tokenizer, pool)
         await pool.probe_all()
         pool.start()
-        yield
+        async with run_batches(app, config.data_dir, traffic, config.batch_concurrency, lambda: pool.is_ready,
+                               config.api_key):
+            yield
         await pool.close()
 
     app = FastAPI(title="Tandem gateway", lifespan=lifespan)
     app.include_router(openai_api.router)
     app.include_router(native_api.router)
+    app.include_router(admin_api.router)
+    app.include_router(vllm_api.router)
+    app.include_router(files_api.router)
+    app.include_router(batches_api.router)
+    app.include_router(embeddings_api.router)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
+    app.add_middleware(TrafficMiddleware, traffic=traffic)
     app.add_middleware(_JSONBodyMiddleware)
+    if config.api_key:
+        app.add_middleware(_APIKeyMiddleware, api_key=config.api_key)
     return app
+
+
+_UNAUTHENTICATED_PATHS = frozenset({"/health", "/health_generate", "/ping"})
+
+
+class _APIKeyMiddleware:
+    """401 with an OpenAI error body unless `Authorization: Bearer <api key>`; health probes are open."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in _UNAUTHENTICATED_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                error = APIError(401, "Incorrect API key provided.", "invalid_request_error", code="invalid_api_key")
+                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _JSONBodyMiddleware:

@@ -13,12 +13,16 @@ class GatewayConfig:
 
     `model_path` is where the tokenizer and chat template come from (an HF directory or GGUF);
     `served_model_name` is the id clients pass as `model` (the model path is accepted too).
+    `data_dir` holds uploaded files and batches (SQLite plus file contents; one gateway per directory).
+    At most `batch_concurrency` batch lines run at once, and a new one starts only while fewer than
+    `batch_yield_threshold` interactive requests are in flight.
     """
 
     model_path: str
     served_model_name: str
     prefill_addrs: tuple[str, ...]
     decode_addrs: tuple[str, ...]
+    data_dir: str
     host: str = "127.0.0.1"
     port: int = 30000
     reserve_timeout_s: float = 10.0
@@ -26,12 +30,24 @@ class GatewayConfig:
     request_timeout_s: float = 3600.0
     default_max_new_tokens: int = 128     # native /generate, as in SGLang
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    api_key: str | None = None            # when set, every route but the health probes needs it
+    skip_tokenizer_init: bool = False     # no tokenizer: token ids in and out, no text
+    batch_concurrency: int = 8
+    batch_yield_threshold: int = 1
+    is_embedding: bool = False            # prefill workers serve an embedding model; no decode workers
 
     def __post_init__(self) -> None:
-        if not self.prefill_addrs or not self.decode_addrs:
+        if not self.prefill_addrs or not (self.decode_addrs or self.is_embedding):
             raise ValueError("at least one prefill and one decode worker address are required")
+        if self.is_embedding and self.decode_addrs:
+            raise ValueError("an embedding gateway uses no decode workers")
         if not (0 <= self.port < 65536):
             raise ValueError(f"port out of range: {self.port}")
+        if not self.data_dir:
+            raise ValueError("data_dir must be set")
+        for name in ("batch_concurrency", "batch_yield_threshold"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("reserve_timeout_s", "prefill_timeout_s", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")

@@ -59,7 +59,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(HTTPStatus.BAD_REQUEST, message, "invalid_request_error", param, code)
 
 
-def context_length_exceeded(context_len: int, prompt_len: int, max_new_tokens: int | None) -> APIError:
+def context_length_exceeded(context_len: int, prompt_len: int, max_new_tokens: int | None,
+                            param: str = "prompt") -> APIError:
     if max_new_tokens is None:
         message = (f"This model's maximum context length is {context_len} tokens. However, your prompt has "
                    f"{prompt_len} tokens, leaving no room for a completion.")
@@ -67,4 +68,4 @@ def context_length_exceeded(context_len: int, prompt_len: int, max_new_tokens: i
         message = (f"This model's maximum context length is {context_len} tokens. However, you requested "
                    f"{prompt_len + max_new_tokens} tokens ({prompt_len} in the prompt, {max_new_tokens} in the "
                    f"completion). Please reduce the prompt or the completion length.")
-    return bad_request(message, param="messages", code="context_length_exceeded")
+    return bad_request(message, param=param, code="context_length_exceeded")

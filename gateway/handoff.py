@@ -42,15 +42,33 @@ class HandoffTimings:
 
 
 @dataclass(frozen=True, slots=True)
+class GeneratedToken:
+    """One token with its logprob, plus top / requested (token_id, logprob) pairs when asked for."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    requested: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.TokenOutput) -> "GeneratedToken":
+        return cls(msg.token_id, msg.logprob, tuple((t.token_id, t.logprob) for t in msg.top_logprobs),
+                   tuple((t.token_id, t.logprob) for t in msg.token_ids_logprobs))
+
+
+@dataclass(frozen=True, slots=True)
 class TokenEvent:
     """Tokens from the workers; the last event of a trip has `finish_reason` set."""
 
-    token_ids: list[int]
-    logprobs: list[float]
+    tokens: list[GeneratedToken]
     finish_reason: str | None = None     # "stop" | "length" | "abort"
     matched_token_id: int | None = None
     message: str = ""
     timings: HandoffTimings | None = field(default=None)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t.token_id for t in self.tokens]
 
 
 async def run_handoff(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt_ids: list[int],
@@ -71,15 +89,16 @@ async def run_handoff(pool: WorkerPool, config: GatewayConfig, request_id: str, 
             timeout=config.prefill_timeout_s))
         timings = HandoffTimings(reserve_ms, first.queue_ms, first.compute_ms, first.transfer_ms, first.kv_bytes,
                                  (time.perf_counter() - started) * 1000, first.cached_tokens)
-        yield TokenEvent([first.first_token.token_id], [first.first_token.logprob], timings=timings)
+        yield TokenEvent([GeneratedToken.from_proto(first.first_token)], timings=timings)
         generate = decode.stub.Generate(
             decode_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids,
-                                       first_token=first.first_token, sampling_params=sampling),
+                                       first_token=first.first_token, sampling_params=sampling,
+                                       weights_version=first.weights_version),
             timeout=config.request_timeout_s)
         async for message in _stream(decode, generate):
             reason = _FINISH_NAMES.get(message.finish_reason)
             finished = reason is not None
-            yield TokenEvent([t.token_id for t in message.tokens], [t.logprob for t in message.tokens], reason,
+            yield TokenEvent([GeneratedToken.from_proto(t) for t in message.tokens], reason,
                              message.matched_token_id if message.HasField("matched_token_id") else None,
                              message.message)
             if finished:

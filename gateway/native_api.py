@@ -9,16 +9,17 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from gateway.errors import bad_request
-from gateway.generation import Finish, GenerationRequest, GenerationResult, generate_text
-from gateway.openai_api import sse_response
+from gateway.generation import Finish, GenerationRequest, GenerationResult, generate_choices
 from gateway.sampling import SamplingFields, build_sampling, check_token_ids, stop_list
 from gateway.schemas import GenerateRequest
+from gateway.sse import sse_response
 from gateway.state import GatewayState, gateway_state
 
 router = APIRouter()
 
-_SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
-                  "ignore_eos", "skip_special_tokens", "seed", "sampling_seed"}
+_SAMPLING_KEYS = {"n", "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
+                  "stop_token_ids", "ignore_eos", "skip_special_tokens", "seed", "sampling_seed", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty"}
 
 
 @router.get("/health")
@@ -31,52 +32,120 @@ async def health(state: GatewayState = Depends(gateway_state)):
 
 @router.post("/generate")
 async def generate(body: GenerateRequest, state: GatewayState = Depends(gateway_state)):
+    """One prompt, or a batch (`text` / `input_ids` as lists), each with `n` samples. A single
+    prompt with n == 1 answers one object; anything else answers a list, in prompt-major order."""
+    state.require_generation()
     limits = state.pool.limits()
+    prompts, is_batch = _prompts(body, state, limits)
+    param_sets = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params] * len(prompts)
+    if len(param_sets) != len(prompts):
+        raise bad_request(f"{len(param_sets)} sampling_params for {len(prompts)} prompts", "sampling_params")
+    rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
+    if len(rids) != len(prompts):
+        raise bad_request(f"{len(rids)} rids for {len(prompts)} prompts", "rid")
+    if body.return_logprob and body.logprob_start_len >= 0:
+        raise bad_request("prompt logprobs (logprob_start_len >= 0) are not supported yet", "logprob_start_len")
+    if not (0 <= body.top_logprobs_num <= 20):
+        raise bad_request("top_logprobs_num must be between 0 and 20", "top_logprobs_num")
+    requests = []
+    for prompt_ids, params, rid in zip(prompts, param_sets, rids):
+        requests += _requests_for(state, body, limits, prompt_ids, params, rid)
+    started = time.perf_counter()
+    if body.stream:
+        return sse_response(_stream(state, body, requests, started, is_batch or len(requests) > 1))
+    results = [GenerationResult() for _ in requests]
+    async for index, delta in generate_choices(state.pool, state.config, state.tokenizer, requests):
+        results[index].add(delta)
+    answers = [_response(state, body, r, res, started) for r, res in zip(requests, results)]
+    return answers if is_batch or len(answers) > 1 else answers[0]
+
+
+def _prompts(body: GenerateRequest, state: GatewayState, limits) -> tuple[list[list[int]], bool]:
     if (body.text is None) == (body.input_ids is None):
         raise bad_request("exactly one of `text` and `input_ids` is required", "text")
     if body.text is not None:
-        prompt_ids = state.tokenizer.encode(body.text)
-    else:
-        prompt_ids = list(body.input_ids)
-        check_token_ids(prompt_ids, limits, "input_ids")
-    params = body.sampling_params
+        texts = body.text if isinstance(body.text, list) else [body.text]
+        tokenizer = state.require_tokenizer("text")
+        return [tokenizer.encode(t) for t in texts], isinstance(body.text, list)
+    is_batch = bool(body.input_ids) and isinstance(body.input_ids[0], list)
+    prompts = [list(ids) for ids in body.input_ids] if is_batch else [list(body.input_ids)]
+    for ids in prompts:
+        check_token_ids(ids, limits, "input_ids")
+    return prompts, is_batch
+
+
+def _requests_for(state: GatewayState, body: GenerateRequest, limits, prompt_ids: list[int], params: dict,
+                  rid: str | None) -> list[GenerationRequest]:
     unknown = sorted(set(params) - _SAMPLING_KEYS)
     if unknown:
         raise bad_request(f"unsupported sampling_params: {', '.join(unknown)}", f"sampling_params.{unknown[0]}")
+    n = params.get("n", 1)
+    if not isinstance(n, int) or not (1 <= n <= 64):
+        raise bad_request("sampling_params.n must be an integer between 1 and 64", "sampling_params.n")
     fields = SamplingFields(
         temperature=params.get("temperature"), top_p=params.get("top_p"), top_k=params.get("top_k"),
         min_p=params.get("min_p"), seed=params.get("seed", params.get("sampling_seed")),
         max_new_tokens=params.get("max_new_tokens", state.config.default_max_new_tokens),
-        stop_token_ids=tuple(params.get("stop_token_ids") or ()), ignore_eos=bool(params.get("ignore_eos", False)))
+        stop_token_ids=tuple(params.get("stop_token_ids") or ()), ignore_eos=bool(params.get("ignore_eos", False)),
+        min_new_tokens=params.get("min_new_tokens"), presence_penalty=params.get("presence_penalty"),
+        frequency_penalty=params.get("frequency_penalty"), repetition_penalty=params.get("repetition_penalty"),
+        top_logprobs_num=body.top_logprobs_num if body.return_logprob else 0,
+        token_ids_logprob=tuple(body.token_ids_logprob or ()) if body.return_logprob else ())
     sampling = build_sampling(fields, len(prompt_ids), limits, state.config.sampling_defaults,
-                              "sampling_params.max_new_tokens")
-    request = GenerationRequest(prompt_ids, sampling, stop_list(params.get("stop")),
-                                bool(params.get("skip_special_tokens", True)),
-                                **({"request_id": body.rid} if body.rid else {}))
-    started = time.perf_counter()
-    if body.stream:
-        return sse_response(_stream(state, request, started))
-    result = GenerationResult()
-    async for delta in generate_text(state.pool, state.config, state.tokenizer, request):
-        result.add(delta)
-    return _response(request, result, started)
+                              "sampling_params.max_new_tokens", "text" if body.text is not None else "input_ids")
+    requests = []
+    for i in range(n):
+        ids = {"request_id": rid if n == 1 else f"{rid}-{i}"} if rid else {}
+        stops = stop_list(params.get("stop"))
+        if stops:
+            state.require_tokenizer("sampling_params.stop")
+        requests.append(GenerationRequest(prompt_ids, sampling, stops,
+                                          bool(params.get("skip_special_tokens", True)), **ids))
+    return requests
 
 
-async def _stream(state: GatewayState, request: GenerationRequest, started: float) -> AsyncIterator[dict]:
-    """Each event carries the cumulative text so far, as SGLang's stream does."""
-    result = GenerationResult()
-    async for delta in generate_text(state.pool, state.config, state.tokenizer, request):
-        result.add(delta)
+async def _stream(state: GatewayState, body: GenerateRequest, requests: list[GenerationRequest],
+                  started: float, with_index: bool) -> AsyncIterator[dict]:
+    """Each event carries the cumulative text of its prompt so far, as SGLang's stream does
+    (plus `index` when several generations share the stream)."""
+    results = [GenerationResult() for _ in requests]
+    async for index, delta in generate_choices(state.pool, state.config, state.tokenizer, requests):
+        results[index].add(delta)
         if delta.text or delta.finish is not None:
-            yield _response(request, result, started)
+            event = _response(state, body, requests[index], results[index], started)
+            yield {**event, "index": index} if with_index else event
 
 
-def _response(request: GenerationRequest, result: GenerationResult, started: float) -> dict:
+def _response(state: GatewayState, body: GenerateRequest, request: GenerationRequest, result: GenerationResult,
+              started: float) -> dict:
     meta = {"id": request.request_id, "finish_reason": _finish_reason(result.finish, len(result.output_ids)),
             "prompt_tokens": len(request.prompt_ids), "completion_tokens": len(result.output_ids),
             "cached_tokens": result.timings.cached_tokens if result.timings else 0,
             "e2e_latency": time.perf_counter() - started}
+    if result.timings is not None:
+        t = result.timings
+        meta["tandem_timings"] = {"reserve_ms": t.reserve_ms, "prefill_queue_ms": t.prefill_queue_ms,
+                                  "prefill_compute_ms": t.prefill_compute_ms, "kv_transfer_ms": t.transfer_ms,
+                                  "kv_bytes": t.kv_bytes, "first_token_ms": t.first_token_ms}
+    if body.return_logprob:
+        meta.update(_logprob_fields(state, body, result))
+    if state.tokenizer is None:   # tokenizer-free servers answer ids only, as SGLang does
+        return {"token_ids": list(result.output_ids), "output_ids": list(result.output_ids), "meta_info": meta}
     return {"text": result.text, "output_ids": list(result.output_ids), "meta_info": meta}
+
+
+def _logprob_fields(state: GatewayState, body: GenerateRequest, result: GenerationResult) -> dict:
+    """SGLang's shape: [logprob, token_id, text or None] triples per position."""
+    def triple(token_id: int, logprob: float) -> list:
+        text = (state.require_tokenizer("return_text_in_logprobs").decode([token_id], skip_special_tokens=False)
+                if body.return_text_in_logprobs else None)
+        return [logprob, token_id, text]
+    fields = {"output_token_logprobs": [triple(t.token_id, t.logprob) for t in result.tokens]}
+    if body.top_logprobs_num:
+        fields["output_top_logprobs"] = [[triple(i, lp) for i, lp in t.top] for t in result.tokens]
+    if body.token_ids_logprob:
+        fields["output_token_ids_logprobs"] = [[triple(i, lp) for i, lp in t.requested] for t in result.tokens]
+    return fields
 
 
 def _finish_reason(finish: Finish | None, num_tokens: int) -> dict | None:

@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
-import json
 import time
-import uuid
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import StreamingResponse
 
-from gateway.errors import APIError, bad_request
-from gateway.generation import GenerationRequest, GenerationResult, generate_all, generate_text
-from gateway.sampling import SamplingFields, build_sampling, check_token_ids, stop_list
+from gateway.errors import bad_request
+from gateway.generation import GenerationRequest, GenerationResult, generate_choices
+from gateway.openai_format import chat_logprobs, completion_logprobs, finish_name, matched_stop, usage
+from gateway.sampling import SamplingFields, build_sampling, check_token_ids, parse_logit_bias, stop_list
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.sse import sse_response
 from gateway.state import GatewayState, gateway_state
 from gateway.tokenizer import TokenizerError
 
 router = APIRouter()
+
+MAX_N = 64
+MAX_TOP_LOGPROBS = 20
 
 
 @router.get("/v1/models")
@@ -34,145 +36,199 @@ async def get_model(model_id: str, state: GatewayState = Depends(gateway_state))
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, state: GatewayState = Depends(gateway_state)):
     state.check_model(body.model)
-    _reject_unsupported(body)
+    state.require_generation()
+    _reject_unsupported_chat(body)
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
     try:
-        prompt_ids = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt_ids = state.require_tokenizer("messages").apply_chat_template(messages, add_generation_prompt=True)
     except TokenizerError as exc:
         raise bad_request(str(exc), "messages") from None
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    num_top = body.top_logprobs or 0
+    _check_top(num_top, "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    request = _generation_request(state, body, prompt_ids, max_tokens, param)
-    created, rid = int(time.time()), f"chatcmpl-{request.request_id}"
+    requests = _choice_requests(state, body, [prompt_ids], body.n, max_tokens, param, num_top)
+    created, rid = int(time.time()), f"chatcmpl-{requests[0].request_id}"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(_chat_chunks(state, request, body.model, rid, created, include_usage))
-    result = await generate_all(state.pool, state.config, state.tokenizer, request)
-    choice = {"index": 0, "message": {"role": "assistant", "content": result.text, "tool_calls": None},
-              "logprobs": None, "finish_reason": _finish_name(result), "matched_stop": _matched(result)}
-    return {"id": rid, "object": "chat.completion", "created": created, "model": body.model,
-            "choices": [choice], "usage": _usage(len(prompt_ids), result)}
+        return sse_response(_chat_chunks(state, requests, body, rid, created, include_usage, num_top))
+    results = await _gather(state, requests)
+    choices = []
+    for index, result in enumerate(results):
+        choices.append({"index": index, "message": {"role": "assistant", "content": result.text, "tool_calls": None},
+                        "logprobs": chat_logprobs(state.require_tokenizer("logprobs"), result.tokens, num_top)
+                        if body.logprobs else None,
+                        "finish_reason": finish_name(result), "matched_stop": matched_stop(result)})
+    return {"id": rid, "object": "chat.completion", "created": created, "model": body.model, "choices": choices,
+            "usage": usage(len(prompt_ids), results, body.n)}
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, state: GatewayState = Depends(gateway_state)):
     state.check_model(body.model)
-    _reject_unsupported(body)
-    if body.echo or body.logprobs is not None or body.suffix is not None or (body.best_of or 1) > 1:
-        raise bad_request("echo, logprobs, suffix and best_of are not supported yet", "echo")
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise bad_request("a list of several prompts is not supported yet; send one prompt", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        prompt_ids = state.tokenizer.encode(prompt)
-    else:
-        prompt_ids = list(prompt)
-        check_token_ids(prompt_ids, state.pool.limits(), "prompt")
-    request = _generation_request(state, body, prompt_ids, body.max_tokens, "max_tokens")
-    created, rid = int(time.time()), f"cmpl-{request.request_id}"
+    state.require_generation()
+    if body.suffix is not None:
+        raise bad_request("suffix needs a model with a fill-in-the-middle template; this model has none", "suffix")
+    num_top = body.logprobs or 0
+    _check_top(num_top, "logprobs")
+    best_of = body.best_of if body.best_of is not None else body.n
+    if best_of < body.n:
+        raise bad_request(f"best_of ({best_of}) must be >= n ({body.n})", "best_of")
+    if best_of > body.n and body.stream:
+        raise bad_request("best_of cannot be used with stream", "best_of")
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo with logprobs (prompt logprobs) is not supported yet", "echo")
+    prompts = _completion_prompts(state, body.prompt)
+    requests = [r for ids in prompts for r in _choice_requests(state, body, [ids], best_of, body.max_tokens,
+                                                                 "max_tokens", num_top)]
+    created, rid = int(time.time()), f"cmpl-{requests[0].request_id}"
+    echoes = [state.require_tokenizer("echo").decode(ids, skip_special_tokens=False) if body.echo else ""
+              for ids in prompts]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(_completion_chunks(state, request, body.model, rid, created, include_usage))
-    result = await generate_all(state.pool, state.config, state.tokenizer, request)
-    choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": _finish_name(result),
-              "matched_stop": _matched(result)}
-    return {"id": rid, "object": "text_completion", "created": created, "model": body.model,
-            "choices": [choice], "usage": _usage(len(prompt_ids), result)}
+        return sse_response(_completion_chunks(state, requests, body, rid, created, include_usage, echoes,
+                                               num_top, len(prompts)))
+    results = await _gather(state, requests)
+    choices = []
+    for p, prompt_ids in enumerate(prompts):
+        candidates = results[p * best_of:(p + 1) * best_of]
+        if best_of > body.n:
+            candidates = sorted(candidates, key=lambda r: -sum(t.logprob for t in r.tokens))[:body.n]
+        for result in candidates:
+            choices.append({"index": len(choices), "text": echoes[p] + result.text,
+                            "logprobs": completion_logprobs(state.require_tokenizer("logprobs"), result.tokens,
+                                                            num_top, len(echoes[p]))
+                            if body.logprobs is not None else None,
+                            "finish_reason": finish_name(result), "matched_stop": matched_stop(result)})
+    prompt_lens = sum(len(ids) for ids in prompts)
+    report = usage(prompt_lens, results, best_of)
+    return {"id": rid, "object": "text_completion", "created": created, "model": body.model, "choices": choices,
+            "usage": report}
 
 
-def _generation_request(state: GatewayState, body, prompt_ids: list[int], max_tokens: int | None,
-                        max_tokens_param: str) -> GenerationRequest:
-    fields = SamplingFields(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-                            seed=body.seed, max_new_tokens=max_tokens,
-                            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
-    sampling = build_sampling(fields, len(prompt_ids), state.pool.limits(), state.config.sampling_defaults,
-                              max_tokens_param)
-    return GenerationRequest(prompt_ids, sampling, stop_list(body.stop), body.skip_special_tokens)
+def _completion_prompts(state: GatewayState, prompt) -> list[list[int]]:
+    """A string, a list of strings, token ids, or a list of token-id lists -> token-id lists."""
+    if isinstance(prompt, str):
+        prompts = [state.require_tokenizer("prompt").encode(prompt)]
+    elif prompt and isinstance(prompt[0], int):
+        prompts = [list(prompt)]
+    elif prompt and isinstance(prompt[0], str):
+        prompts = [state.require_tokenizer("prompt").encode(p) for p in prompt]
+    else:
+        prompts = [list(p) for p in prompt]
+    if not prompts or any(not ids for ids in prompts):
+        raise bad_request("prompt must not be empty", "prompt")
+    limits = state.pool.limits()
+    for ids in prompts:
+        check_token_ids(ids, limits, "prompt")
+    return prompts
 
 
-def _reject_unsupported(body) -> None:
-    """Parameters the engine does not implement yet answer 400 instead of being silently ignored."""
-    if body.n != 1:
-        raise bad_request("n other than 1 is not supported yet", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) not in (None, 0, 0.0):
-            raise bad_request(f"{name} is not supported yet", name)
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported yet", "logit_bias")
-    if isinstance(body, ChatCompletionRequest):
-        if body.logprobs or body.top_logprobs:
-            raise bad_request("logprobs are not supported yet", "logprobs")
-        if body.tools:
-            raise bad_request("tools are not supported yet", "tools")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise bad_request("response_format other than text is not supported yet", "response_format")
+def _choice_requests(state: GatewayState, body, prompts: list[list[int]], n: int, max_tokens: int | None,
+                     max_tokens_param: str, num_top: int) -> list[GenerationRequest]:
+    if not (1 <= n <= MAX_N):
+        raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", "n")
+    requests = []
+    for prompt_ids in prompts:
+        fields = SamplingFields(
+            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
+            max_new_tokens=max_tokens, stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+            min_new_tokens=body.min_tokens, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+            logit_bias=parse_logit_bias(body.logit_bias), top_logprobs_num=num_top)
+        sampling = build_sampling(fields, len(prompt_ids), state.pool.limits(), state.config.sampling_defaults,
+                                  max_tokens_param, "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+        for i in range(n):
+            choice_sampling = type(sampling)()
+            choice_sampling.CopyFrom(sampling)
+            if body.seed is not None and i:
+                choice_sampling.seed = (body.seed + i) % 2**63   # distinct but reproducible choices
+            requests.append(GenerationRequest(prompt_ids, choice_sampling, _stops(state, body.stop),
+                                              body.skip_special_tokens))
+    return requests
 
 
-async def _chat_chunks(state: GatewayState, request: GenerationRequest, model: str, rid: str, created: int,
-                       include_usage: bool) -> AsyncIterator[dict]:
-    def chunk(delta: dict, finish: str | None = None, matched=None) -> dict:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+async def _gather(state: GatewayState, requests: list[GenerationRequest]) -> list[GenerationResult]:
+    results = [GenerationResult() for _ in requests]
+    async for index, delta in generate_choices(state.pool, state.config, state.tokenizer, requests):
+        results[index].add(delta)
+    return results
+
+
+def _stops(state: GatewayState, stop) -> tuple[str, ...]:
+    stops = stop_list(stop)
+    if stops:
+        state.require_tokenizer("stop")
+    return stops
+
+
+def _reject_unsupported_chat(body: ChatCompletionRequest) -> None:
+    """Parameters the server does not implement yet answer 400 instead of being silently ignored."""
+    if body.tools:
+        raise bad_request("tools are not supported yet", "tools")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise bad_request("response_format other than text is not supported yet", "response_format")
+
+
+def _check_top(num_top: int, param: str) -> None:
+    if not (0 <= num_top <= MAX_TOP_LOGPROBS):
+        raise bad_request(f"{param} must be between 0 and {MAX_TOP_LOGPROBS}, got {num_top}", param)
+
+
+async def _chat_chunks(state: GatewayState, requests: list[GenerationRequest], body: ChatCompletionRequest, rid: str,
+                       created: int, include_usage: bool, num_top: int) -> AsyncIterator[dict]:
+    def chunk(index: int, delta: dict, logprobs=None, finish: str | None = None, matched=None) -> dict:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         if finish is not None:
             choice["matched_stop"] = matched
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,
+                "choices": [choice]}
 
-    yield chunk({"role": "assistant", "content": ""})
-    result = GenerationResult()
-    async for delta in generate_text(state.pool, state.config, state.tokenizer, request):
-        result.add(delta)
-        if delta.text:
-            yield chunk({"content": delta.text})
+    for index in range(len(requests)):
+        yield chunk(index, {"role": "assistant", "content": ""})
+    results = [GenerationResult() for _ in requests]
+    async for index, delta in generate_choices(state.pool, state.config, state.tokenizer, requests):
+        results[index].add(delta)
+        logprobs = chat_logprobs(state.require_tokenizer("logprobs"), delta.tokens, num_top) if body.logprobs else None
+        if delta.text or (logprobs and delta.finish is None):
+            yield chunk(index, {"content": delta.text}, logprobs)
+            logprobs = None
         if delta.finish is not None:
-            yield chunk({}, _finish_name(result), _matched(result))
+            yield chunk(index, {}, logprobs, finish_name(results[index]), matched_stop(results[index]))
     if include_usage:
-        yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
-               "usage": _usage(len(request.prompt_ids), result)}
+        yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model, "choices": [],
+               "usage": usage(len(requests[0].prompt_ids), results, body.n)}
 
 
-async def _completion_chunks(state: GatewayState, request: GenerationRequest, model: str, rid: str, created: int,
-                             include_usage: bool) -> AsyncIterator[dict]:
-    result = GenerationResult()
-    async for delta in generate_text(state.pool, state.config, state.tokenizer, request):
-        result.add(delta)
-        finish = _finish_name(result) if delta.finish is not None else None
-        if delta.text or finish is not None:
-            choice = {"index": 0, "text": delta.text, "logprobs": None, "finish_reason": finish}
-            if finish is not None:
-                choice["matched_stop"] = _matched(result)
-            yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+async def _completion_chunks(state: GatewayState, requests: list[GenerationRequest], body: CompletionRequest,
+                             rid: str, created: int, include_usage: bool, echoes: list[str], num_top: int,
+                             num_prompts: int) -> AsyncIterator[dict]:
+    def chunk(index: int, text: str, logprobs=None, finish: str | None = None, matched=None) -> dict:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if finish is not None:
+            choice["matched_stop"] = matched
+        return {"id": rid, "object": "text_completion", "created": created, "model": body.model, "choices": [choice]}
+
+    per_prompt = len(requests) // num_prompts
+    for index in range(len(requests)):
+        if echoes[index // per_prompt]:
+            yield chunk(index, echoes[index // per_prompt])
+    results = [GenerationResult() for _ in requests]
+    offsets = [len(echoes[i // per_prompt]) for i in range(len(requests))]
+    async for index, delta in generate_choices(state.pool, state.config, state.tokenizer, requests):
+        results[index].add(delta)
+        logprobs = (completion_logprobs(state.require_tokenizer("logprobs"), delta.tokens, num_top, offsets[index])
+                    if body.logprobs is not None else None)
+        offsets[index] += len(delta.text)
+        finish = finish_name(results[index]) if delta.finish is not None else None
+        if delta.text or finish is not None or logprobs:
+            yield chunk(index, delta.text, logprobs, finish, matched_stop(results[index]) if finish else None)
     if include_usage:
-        yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
-               "usage": _usage(len(request.prompt_ids), result)}
-
-
-def sse_response(events: AsyncIterator[dict]) -> StreamingResponse:
-    """Server-sent events ending in `data: [DONE]`; an error after the first byte becomes an error event."""
-    async def body() -> AsyncIterator[str]:
-        try:
-            async for event in events:
-                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
-        except APIError as exc:
-            yield f"data: {json.dumps(exc.body())}\n\n"
-        yield "data: [DONE]\n\n"
-    return StreamingResponse(body(), media_type="text/event-stream")
-
-
-def _finish_name(result: GenerationResult) -> str | None:
-    if result.finish is None:
-        return None
-    return result.finish.reason
-
-
-def _matched(result: GenerationResult):
-    return result.finish.matched if result.finish is not None else None
-
-
-def _usage(prompt_tokens: int, result: GenerationResult) -> dict:
-    completion = len(result.output_ids)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": None}
+        prompt_lens = sum(len(requests[p * per_prompt].prompt_ids) for p in range(num_prompts))
+        yield {"id": rid, "object": "text_completion", "created": created, "model": body.model, "choices": [],
+               "usage": usage(prompt_lens, results, per_prompt)}
 
 
 def _model_card(state: GatewayState) -> dict:
@@ -182,3 +238,5 @@ def _model_card(state: GatewayState) -> dict:
     if limits is not None:
         card["max_model_len"] = limits.context_len
     return card
+
+

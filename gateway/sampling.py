@@ -21,10 +21,17 @@ class SamplingFields:
     max_new_tokens: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_new_tokens: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    top_logprobs_num: int = 0
+    token_ids_logprob: tuple[int, ...] = ()
 
 
 def build_sampling(fields: SamplingFields, prompt_len: int, limits: ModelLimits, defaults: SamplingDefaults,
-                   max_tokens_param: str = "max_tokens") -> common_pb2.SamplingParams:
+                   max_tokens_param: str = "max_tokens", prompt_param: str = "prompt") -> common_pb2.SamplingParams:
     """Validate values and the context budget; unset max_new_tokens fills the rest of the context,
     unset temperature / top_p / top_k / min_p take the server's `defaults` (if any)."""
     _check_range("temperature", fields.temperature, lambda v: math.isfinite(v) and 0 <= v <= 2,
@@ -34,16 +41,38 @@ def build_sampling(fields: SamplingFields, prompt_len: int, limits: ModelLimits,
     _check_range("min_p", fields.min_p, lambda v: 0 <= v <= 1, "must be in [0, 1]")
     _check_range(max_tokens_param, fields.max_new_tokens, lambda v: v >= 1, "must be >= 1")
     _check_range("seed", fields.seed, lambda v: 0 <= v < 2**63, "must be in [0, 2^63)")
+    _check_range("presence_penalty", fields.presence_penalty, lambda v: -2 <= v <= 2, "must be in [-2, 2]")
+    _check_range("frequency_penalty", fields.frequency_penalty, lambda v: -2 <= v <= 2, "must be in [-2, 2]")
+    _check_range("repetition_penalty", fields.repetition_penalty, lambda v: 0 < v <= 10, "must be in (0, 10]")
+    _check_range("min_tokens", fields.min_new_tokens, lambda v: v >= 0, "must be >= 0")
+    if fields.min_new_tokens and fields.max_new_tokens is not None and fields.min_new_tokens > fields.max_new_tokens:
+        raise bad_request(f"min_tokens ({fields.min_new_tokens}) must not exceed the maximum number of tokens "
+                          f"({fields.max_new_tokens})", "min_tokens")
+    for token_id, bias in fields.logit_bias:
+        if not (0 <= token_id < limits.vocab_size):
+            raise bad_request(f"logit_bias: token id {token_id} is outside the vocabulary", "logit_bias")
+        if not (-100 <= bias <= 100):
+            raise bad_request(f"logit_bias: bias {bias} for token {token_id} is outside [-100, 100]", "logit_bias")
+    check_token_ids(list(fields.token_ids_logprob), limits, "token_ids_logprob")
     bad_id = next((t for t in fields.stop_token_ids if not (0 <= t < limits.vocab_size)), None)
     if bad_id is not None:
         raise bad_request(f"stop_token_ids: {bad_id} is outside the vocabulary", "stop_token_ids")
     if prompt_len == 0:
         raise bad_request("the prompt is empty", "prompt")
     room = limits.context_len - prompt_len
-    if room < 1 or (fields.max_new_tokens is not None and fields.max_new_tokens > room):
-        raise context_length_exceeded(limits.context_len, prompt_len, fields.max_new_tokens)
+    if room < 1:
+        raise context_length_exceeded(limits.context_len, prompt_len, None, prompt_param)
+    if fields.max_new_tokens is not None and fields.max_new_tokens > room:
+        raise context_length_exceeded(limits.context_len, prompt_len, fields.max_new_tokens, max_tokens_param)
     params = common_pb2.SamplingParams(max_new_tokens=fields.max_new_tokens or room,
-                                       stop_token_ids=list(fields.stop_token_ids), ignore_eos=fields.ignore_eos)
+                                       stop_token_ids=list(fields.stop_token_ids), ignore_eos=fields.ignore_eos,
+                                       logit_bias=dict(fields.logit_bias),
+                                       token_ids_logprob=list(fields.token_ids_logprob))
+    for name in ("min_new_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if getattr(fields, name) is not None:
+            setattr(params, name, getattr(fields, name))
+    if fields.top_logprobs_num:
+        params.top_logprobs_num = fields.top_logprobs_num
     temperature = _first_set(fields.temperature, defaults.temperature)
     top_p = _first_set(fields.top_p, defaults.top_p)
     top_k = _first_set(fields.top_k, defaults.top_k)
@@ -65,6 +94,16 @@ def check_token_ids(token_ids: list[int], limits: ModelLimits, param: str) -> No
     bad = next((t for t in token_ids if not (0 <= t < limits.vocab_size)), None)
     if bad is not None:
         raise bad_request(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})", param)
+
+
+def parse_logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if not bias:
+        return ()
+    try:
+        return tuple((int(token), float(value)) for token, value in bias.items())
+    except (TypeError, ValueError):
+        raise bad_request("logit_bias keys must be token ids and values numbers", "logit_bias") from None
 
 
 def stop_list(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -43,6 +43,8 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
@@ -75,8 +77,33 @@ class GenerateRequest(BaseModel):
     """SGLang's native /generate body."""
 
     model_config = ConfigDict(extra="forbid")
-    text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] = Field(default_factory=dict)
     stream: bool = False
-    rid: str | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+    return_text_in_logprobs: bool = False
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's /v1/embeddings body; `user` is accepted and ignored."""
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class EncodeRequest(BaseModel):
+    """SGLang's native /encode body: `text` or `input_ids`, one input or a list. `model` is ignored, as in SGLang."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    rid: str | list[str] | None = None
+    model: str | None = None
+    dimensions: int | None = None

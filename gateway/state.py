@@ -15,7 +15,7 @@ from gateway.workers import WorkerPool
 @dataclass(slots=True)
 class GatewayState:
     config: GatewayConfig
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None       # None with --skip-tokenizer-init: token ids in, token ids out
     pool: WorkerPool
 
     def check_model(self, model: str) -> None:
@@ -23,6 +23,20 @@ class GatewayState:
         if model not in (self.config.served_model_name, self.config.model_path):
             raise APIError(404, f"The model `{model}` does not exist. Served: `{self.config.served_model_name}`.",
                            "not_found_error", param="model", code="model_not_found")
+
+
+    def require_generation(self) -> None:
+        """400 on generation routes when the served model is an embedding model."""
+        if self.config.is_embedding:
+            raise APIError(400, f"`{self.config.served_model_name}` is an embedding model: use /v1/embeddings or "
+                                "/encode", param="model", code="model_not_generative")
+
+    def require_tokenizer(self, param: str) -> Tokenizer:
+        """The tokenizer, or a 400 naming `param` when the server runs without one."""
+        if self.tokenizer is None:
+            raise APIError(400, f"`{param}` needs text, but the server runs with --skip-tokenizer-init: "
+                                "send token ids (`input_ids` / a token-id prompt) instead", param=param)
+        return self.tokenizer
 
 
 def gateway_state(request: Request) -> GatewayState:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.discovery import REFRESH_INTERVAL_S, RoleDiscovery
 from gateway.errors import APIError
 from tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
@@ -17,6 +19,9 @@ logger = logging.getLogger(__name__)
 
 _POLL_INTERVAL_S = 1.0
 _PROBE_TIMEOUT_S = 2.0
+# A worker whose address left DNS gets no new requests, but its channel stays open this long so
+# that streams already on it can finish (the gateway's default --request-timeout).
+_RETIRED_CHANNEL_GRACE_S = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +33,11 @@ class ModelLimits:
     context_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    # Embedding workers (GetModelInfoResponse): the vector size and the smaller sizes allowed.
+    is_embedding: bool = False
+    embedding_dim: int = 0
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] = ()
 
 
 class Worker:
@@ -57,9 +67,15 @@ class Worker:
 
 
 class WorkerPool:
-    def __init__(self, prefill_addrs: tuple[str, ...], decode_addrs: tuple[str, ...]) -> None:
-        self.workers = {"prefill": [Worker("prefill", a) for a in prefill_addrs],
-                        "decode": [Worker("decode", a) for a in decode_addrs]}
+    """The prefill and decode workers: static addresses, plus `dns:///name:port` ones re-resolved
+    (`gateway/discovery.py`) on every probe round once their refresh interval has passed."""
+
+    def __init__(self, prefill_addrs: tuple[str, ...], decode_addrs: tuple[str, ...],
+                 refresh_interval_s: float = REFRESH_INTERVAL_S) -> None:
+        self._discovery = {"prefill": RoleDiscovery("prefill", prefill_addrs, refresh_interval_s),
+                           "decode": RoleDiscovery("decode", decode_addrs, refresh_interval_s)}
+        self.workers = {role: [Worker(role, a) for a in d.static_addresses] for role, d in self._discovery.items()}
+        self._retired: list[tuple[float, Worker]] = []
         self._turns = {role: itertools.count() for role in self.workers}
         self._poller: asyncio.Task | None = None
 
@@ -69,14 +85,35 @@ class WorkerPool:
     async def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
-        for worker in self.all_workers():
+        for worker in self.all_workers() + [w for _, w in self._retired]:
             await worker.channel.close()
 
     def all_workers(self) -> list[Worker]:
         return self.workers["prefill"] + self.workers["decode"]
 
     async def probe_all(self) -> None:
+        await self.refresh_members()
         await asyncio.gather(*(w.probe() for w in self.all_workers()))
+
+    async def refresh_members(self) -> None:
+        """Add a worker for each new address of a DNS spec; retire those whose address is gone."""
+        for role, discovery in self._discovery.items():
+            if not discovery.has_dns:
+                continue
+            wanted = await discovery.refresh()
+            known = {w.address for w in self.workers[role]}
+            for worker in self.workers[role]:
+                if worker.address not in wanted:
+                    logger.info("%s worker %s is gone from DNS; it gets no new requests", role, worker.address)
+                    worker.is_ready = False
+                    self._retired.append((time.monotonic() + _RETIRED_CHANNEL_GRACE_S, worker))
+            self.workers[role] = [w for w in self.workers[role] if w.address in wanted] + [
+                Worker(role, a) for a in wanted if a not in known]
+        now = time.monotonic()
+        expired = [w for deadline, w in self._retired if deadline <= now]
+        self._retired = [(deadline, w) for deadline, w in self._retired if deadline > now]
+        for worker in expired:
+            await worker.channel.close()
 
     async def _poll_forever(self) -> None:
         while True:
@@ -85,7 +122,8 @@ class WorkerPool:
 
     @property
     def is_ready(self) -> bool:
-        return all(any(w.is_ready for w in ws) for ws in self.workers.values())
+        """A ready worker of every role that was configured (an embedding gateway has no decode role)."""
+        return all(any(w.is_ready for w in ws) for role, ws in self.workers.items() if self._discovery[role].specs)
 
     def pick(self, role: str) -> Worker:
         """Round-robin over ready workers of `role`; 503 when none is ready."""
@@ -103,4 +141,6 @@ class WorkerPool:
         first = infos[0]
         return ModelLimits(model_path=first.model_path, architecture=first.architecture,
                            context_len=min(i.context_len for i in infos), vocab_size=first.vocab_size,
-                           eos_token_ids=tuple(first.eos_token_ids))
+                           eos_token_ids=tuple(first.eos_token_ids), is_embedding=first.is_embedding,
+                           embedding_dim=first.embedding_dim, is_matryoshka=first.is_matryoshka,
+                           matryoshka_dimensions=tuple(first.matryoshka_dimensions))

@@ -1,4 +1,4 @@
-"""The `tandem` command: serve (all three services), gateway, prefill, decode."""
+"""The `tandem` command: serve (all three services), gateway, prefill, decode, healthcheck."""
 
 from __future__ import annotations
 
@@ -6,10 +6,13 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 
-from launcher.defaults import (BUNDLED_MODEL_SAMPLING, default_dtype, default_model_path, default_torch_threads,
-                               is_bundled_model, served_name_for)
+from gateway.discovery import check_worker_spec
+from launcher.defaults import (BUNDLED_MODEL_SAMPLING, default_data_dir, default_dtype, default_model_path,
+                               default_torch_threads, is_bundled_model, served_name_for)
+from launcher.healthcheck import add_healthcheck_args, run_healthcheck
 
 DEFAULT_GATEWAY_PORT = 30000
 DEFAULT_PREFILL_PORT = 30001
@@ -30,6 +33,8 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool size in GiB when --max-total-tokens is unset")
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--max-prefill-tokens", type=int, default=8192, help="prompt tokens per prefill batch")
+    p.add_argument("--disable-prefix-cache", action="store_true",
+                   help="prefill: recompute every prompt instead of reusing cached prefix pages")
     p.add_argument("--context-length", type=int, default=None, help="cap the model's context length")
     p.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker process")
     p.add_argument("--kv-transport", default="mooncake", choices=["mooncake", "local"])
@@ -47,10 +52,26 @@ def _add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model path)")
     p.add_argument("--prefill-timeout", type=float, default=600.0)
     p.add_argument("--request-timeout", type=float, default=3600.0)
+    p.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="load no tokenizer: requests send token ids and get token ids back (no text, no chat)")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer <key>` on every route but the health probes "
+                        "(default: the TANDEM_API_KEY environment variable, else no key)")
     p.add_argument("--default-sampling", default=None,
                    help='JSON of sampling defaults for fields a request leaves unset, e.g. \'{"temperature": 0.7, '
                         '"top_p": 0.9}\' (keys: temperature, top_p, top_k, min_p). Default: the model\'s '
                         'generation_config.json; greedy for the bundled SmolLM2')
+    p.add_argument("--data-dir", default=None,
+                   help="where /v1/files and /v1/batches keep their SQLite database and file contents; one "
+                        "gateway per directory (default: $XDG_DATA_HOME/tandem, i.e. ~/.local/share/tandem)")
+    p.add_argument("--batch-concurrency", type=int, default=8,
+                   help="batch lines run at once; a new one starts only while no interactive request is in flight")
+
+
+def _add_embedding_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--is-embedding", action="store_true",
+                   help="serve an embedding model (/v1/embeddings, /encode): a BERT directory, or a Llama/Qwen2 "
+                        "checkpoint pooled at its last token; prefill workers only, no decode worker")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,14 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill-port", type=int, default=DEFAULT_PREFILL_PORT)
     serve.add_argument("--decode-port", type=int, default=DEFAULT_DECODE_PORT)
     serve.add_argument("--startup-timeout", type=float, default=600.0)
+    _add_embedding_arg(serve)
 
     gateway = sub.add_parser("gateway", help="the HTTP gateway alone")
     _add_model_args(gateway)
     _add_gateway_args(gateway)
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT)
-    gateway.add_argument("--prefill", action="append", required=True, help="prefill worker host:port (repeatable)")
-    gateway.add_argument("--decode", action="append", required=True, help="decode worker host:port (repeatable)")
+    gateway.add_argument("--prefill", action="append", required=True, type=check_worker_spec,
+                         help="prefill worker host:port, or dns:///name:port for every address the name resolves "
+                              "to, re-resolved every few seconds (a headless Service); repeatable")
+    gateway.add_argument("--decode", action="append", type=check_worker_spec,
+                         help="decode worker host:port or dns:///name:port (as --prefill); repeatable; "
+                              "required unless --is-embedding")
+    _add_embedding_arg(gateway)
 
     for role, port in (("prefill", DEFAULT_PREFILL_PORT), ("decode", DEFAULT_DECODE_PORT)):
         worker = sub.add_parser(role, help=f"a {role} worker alone")
@@ -81,11 +108,17 @@ def build_parser() -> argparse.ArgumentParser:
         _add_worker_args(worker)
         worker.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
         worker.add_argument("--port", type=int, default=port)
+        if role == "prefill":
+            _add_embedding_arg(worker)
+
+    add_healthcheck_args(sub.add_parser("healthcheck", help="probe a worker's gRPC health or the gateway's /health once"))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "healthcheck":
+        return run_healthcheck(args)
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s [{args.command}] %(name)s: %(message)s")
     if args.command == "serve":
@@ -99,7 +132,7 @@ def _serve(args: argparse.Namespace) -> int:
     from launcher.supervisor import ChildSpec, Supervisor
     model_path = args.model_path or default_model_path()
     served_name = args.served_model_name or served_name_for(args.model_path)
-    threads = args.torch_threads or default_torch_threads(2)
+    threads = args.torch_threads or default_torch_threads(1 if args.is_embedding else 2)
     shared = ["--model-path", model_path, "--log-level", args.log_level]
     worker_flags = [*shared, "--dtype", args.dtype, "--page-size", str(args.page_size),
                     "--kv-cache-gib", str(args.kv_cache_gib), "--max-running-requests", str(args.max_running_requests),
@@ -107,30 +140,43 @@ def _serve(args: argparse.Namespace) -> int:
                     "--kv-transport", args.kv_transport, "--kv-protocol", args.kv_protocol,
                     "--reservation-ttl", str(args.reservation_ttl), "--transfer-timeout", str(args.transfer_timeout),
                     "--kv-write-grace", str(args.kv_write_grace)]
+    if args.disable_prefix_cache:
+        worker_flags.append("--disable-prefix-cache")
     for flag, value in (("--max-total-tokens", args.max_total_tokens), ("--context-length", args.context_length),
                         ("--kv-host", args.kv_host)):
         if value is not None:
             worker_flags += [flag, str(value)]
     prefill_addr, decode_addr = f"127.0.0.1:{args.prefill_port}", f"127.0.0.1:{args.decode_port}"
+    # An embedding stack is gateway + one embedding prefill worker: embeddings need no decode.
+    embedding_flags = ["--is-embedding"] if args.is_embedding else []
     children = [
-        ChildSpec("prefill", ("prefill", *worker_flags, "--port", str(args.prefill_port))),
-        ChildSpec("decode", ("decode", *worker_flags, "--port", str(args.decode_port))),
+        ChildSpec("prefill", ("prefill", *worker_flags, *embedding_flags, "--port", str(args.prefill_port))),
+        *([] if args.is_embedding else [ChildSpec("decode", ("decode", *worker_flags, "--port", str(args.decode_port)))]),
         ChildSpec("gateway", ("gateway", *shared, "--served-model-name", served_name, "--host", args.host,
-                              "--port", str(args.port), "--prefill", prefill_addr, "--decode", decode_addr,
+                              "--port", str(args.port), "--prefill", prefill_addr,
+                              *(embedding_flags or ["--decode", decode_addr]),
                               "--prefill-timeout", str(args.prefill_timeout),
                               "--request-timeout", str(args.request_timeout),
-                              *(["--default-sampling", args.default_sampling] if args.default_sampling else []))),
+                              "--data-dir", args.data_dir or default_data_dir(),
+                              "--batch-concurrency", str(args.batch_concurrency),
+                              *(["--default-sampling", args.default_sampling] if args.default_sampling else []),
+                              *(["--skip-tokenizer-init"] if args.skip_tokenizer_init else []))),
     ]
+    if args.api_key:   # handed to the gateway child by environment, never on a command line
+        os.environ["TANDEM_API_KEY"] = args.api_key
     url_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     supervisor = Supervisor(children, f"http://{url_host}:{args.port}/health", args.startup_timeout)
-    return supervisor.run(f"Tandem is ready: gateway on http://{url_host}:{args.port} (model {served_name!r}; "
-                          f"prefill {prefill_addr}, decode {decode_addr}). Ctrl-C stops all three.")
+    workers = (f"embedding prefill {prefill_addr}, no decode). Ctrl-C stops both." if args.is_embedding
+               else f"prefill {prefill_addr}, decode {decode_addr}). Ctrl-C stops all three.")
+    return supervisor.run(f"Tandem is ready: gateway on http://{url_host}:{args.port} (model {served_name!r}; {workers}")
 
 
 def _gateway(args: argparse.Namespace) -> int:
     from gateway.app import serve_gateway
     from gateway.config import GatewayConfig
     from gateway.sampling_defaults import SamplingDefaults, load_generation_config
+    if not args.decode and not args.is_embedding:
+        raise SystemExit("tandem gateway: --decode is required (unless --is-embedding)")
     model_path = args.model_path or default_model_path()
     defaults = BUNDLED_MODEL_SAMPLING if is_bundled_model(model_path) else load_generation_config(model_path)
     if args.default_sampling:
@@ -139,10 +185,15 @@ def _gateway(args: argparse.Namespace) -> int:
         except (ValueError, TypeError) as exc:
             raise SystemExit(f"--default-sampling: {exc}") from None
     config = GatewayConfig(model_path=model_path, sampling_defaults=defaults,
+                           api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
+                           skip_tokenizer_init=args.skip_tokenizer_init,
                            served_model_name=args.served_model_name or served_name_for(args.model_path),
-                           prefill_addrs=tuple(args.prefill), decode_addrs=tuple(args.decode), host=args.host,
+                           prefill_addrs=tuple(args.prefill), decode_addrs=tuple(args.decode or ()),
+                           is_embedding=args.is_embedding, host=args.host,
                            port=args.port, prefill_timeout_s=args.prefill_timeout,
-                           request_timeout_s=args.request_timeout)
+                           request_timeout_s=args.request_timeout,
+                           data_dir=os.path.abspath(args.data_dir or default_data_dir()),
+                           batch_concurrency=args.batch_concurrency)
     serve_gateway(config)
     return 0
 
@@ -157,18 +208,27 @@ def _worker(args: argparse.Namespace) -> int:
     kv_host = args.kv_host or ("127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host)
     config = WorkerConfig(
         role=args.command, model_path=args.model_path or default_model_path(), host=args.host, port=args.port,
-        engine=EngineConfig(dtype=default_dtype() if args.dtype == "auto" else args.dtype, page_size=args.page_size,
+        engine=EngineConfig(dtype=_worker_dtype(args), page_size=args.page_size,
                             max_total_tokens=args.max_total_tokens, kv_cache_gib=args.kv_cache_gib,
                             max_running_requests=args.max_running_requests,
-                            max_prefill_tokens=args.max_prefill_tokens, context_len=args.context_length),
+                            max_prefill_tokens=args.max_prefill_tokens, context_len=args.context_length,
+                            enable_prefix_cache=args.command == "prefill" and not args.disable_prefix_cache),
         transport=TransportConfig(backend=args.kv_transport, hostname=kv_host, protocol=args.kv_protocol,
                                   device_name=args.kv_device),
         torch_threads=args.torch_threads or default_torch_threads(2),
         reservation_ttl_s=args.reservation_ttl, transfer_timeout_s=args.transfer_timeout,
-        write_grace_s=args.kv_write_grace)
+        write_grace_s=args.kv_write_grace, is_embedding=getattr(args, "is_embedding", False))
     add_servicer = add_prefill_servicer if args.command == "prefill" else add_decode_servicer
     asyncio.run(serve_worker(config, add_servicer))
     return 0
+
+
+def _worker_dtype(args: argparse.Namespace) -> str:
+    """--dtype, where auto is float32 for embedding models (small, and compared with fp32 references),
+    else bfloat16 on CPUs that compute it natively."""
+    if args.dtype != "auto":
+        return args.dtype
+    return "float32" if getattr(args, "is_embedding", False) else default_dtype()
 
 
 if __name__ == "__main__":

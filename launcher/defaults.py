@@ -41,6 +41,12 @@ def served_name_for(model_path: str | None) -> str:
     return DEFAULT_MODEL_NAME if model_path is None else model_path
 
 
+def default_data_dir() -> str:
+    """Where the gateway keeps files and batches: $XDG_DATA_HOME/tandem, else ~/.local/share/tandem."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "tandem")
+
+
 def cpu_has_bf16() -> bool:
     try:
         with open("/proc/cpuinfo") as f:

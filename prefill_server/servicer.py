@@ -12,9 +12,11 @@ from engine.errors import EngineError, InvalidRequestError, RequestAbortedError
 from engine.page_allocator import pages_needed
 from engine.request import FinishReason, Request
 from kv_transfer import KVTransferError, RemotePages
+from prefill_server.embedding_servicer import EmbeddingServicer
 from server_runtime.convert import check_layout_matches, sampling_from_proto, token_to_proto
 from server_runtime.common_rpcs import WorkerRpcs
 from server_runtime.errors import abort_with
+from server_runtime.embedding import EmbeddingContext
 from server_runtime.worker import WorkerContext
 from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
@@ -67,14 +69,23 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
         return prefill_pb2.PrefillResponse(
             request_id=rid,
             first_token=token_to_proto(output),
-            cached_tokens=0,
+            cached_tokens=output.cached_tokens,
             queue_ms=0.0,
             compute_ms=(computed - received) * 1000,
             transfer_ms=stats.seconds * 1000,
             kv_bytes=stats.num_bytes,
+            weights_version=output.weights_version,
         )
 
+    async def Embed(self, request: prefill_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+                    ) -> prefill_pb2.EmbedResponse:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            "this worker serves a generation model; embeddings need a worker started with "
+                            "--is-embedding")
 
-def add_prefill_servicer(server: grpc.aio.Server, ctx: WorkerContext) -> str:
-    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(ctx), server)
+
+def add_prefill_servicer(server: grpc.aio.Server, ctx: WorkerContext | EmbeddingContext) -> str:
+    """Register PrefillService: `EmbeddingServicer` for an embedding worker, else `PrefillServicer`."""
+    servicer = EmbeddingServicer(ctx) if isinstance(ctx, EmbeddingContext) else PrefillServicer(ctx)
+    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
     return prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name

@@ -5,7 +5,13 @@ A role's servicer lists `WorkerRpcs` before its generated base class and sets `r
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
+
+from engine.config import ConfigError
+from engine.errors import InvalidRequestError
+from engine.weights import open_checkpoint
 
 from server_runtime.worker import WorkerContext
 from tandem.v1 import common_pb2
@@ -28,3 +34,34 @@ class WorkerRpcs:
     async def GetLoad(self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
                       ) -> common_pb2.GetLoadResponse:
         return await self.ctx.load()
+
+    async def FlushCache(self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
+                         ) -> common_pb2.FlushCacheResponse:
+        def flush(engine) -> common_pb2.FlushCacheResponse:
+            if engine.has_work:
+                return common_pb2.FlushCacheResponse(
+                    success=False, message="requests are running or waiting; the cache was not flushed")
+            freed = engine.flush_prefix_cache()
+            return common_pb2.FlushCacheResponse(success=True, message=f"freed {freed} cached pages",
+                                                 num_freed_pages=freed)
+        return await self.ctx.loop.call(flush)
+
+    async def UpdateWeights(self, request: common_pb2.UpdateWeightsRequest, context: grpc.aio.ServicerContext
+                            ) -> common_pb2.UpdateWeightsResponse:
+        path = request.model_path
+        try:
+            checkpoint = await asyncio.to_thread(open_checkpoint, path)
+        except FileNotFoundError:
+            return common_pb2.UpdateWeightsResponse(
+                success=False, message=f"Failed to get weights iterator: {path} (repository not found).",
+                weights_version=self.ctx.engine.weights_version)
+        except (ConfigError, ValueError, OSError) as exc:
+            return common_pb2.UpdateWeightsResponse(success=False, message=f"Failed to open {path}: {exc}",
+                                                    weights_version=self.ctx.engine.weights_version)
+        try:
+            version = await self.ctx.loop.update_weights(checkpoint)
+        except InvalidRequestError as exc:
+            return common_pb2.UpdateWeightsResponse(success=False, message=str(exc),
+                                                    weights_version=self.ctx.engine.weights_version)
+        return common_pb2.UpdateWeightsResponse(success=True, message="Succeeded to update model weights.",
+                                                weights_version=version)

@@ -61,12 +61,12 @@ class EngineLoop:
         return sink
 
     async def admit(self, request_id: str, prompt_ids: list[int], first_token: int, first_logprob: float,
-                    sampling: SamplingParams) -> asyncio.Queue:
+                    sampling: SamplingParams, weights_version: int = 0) -> asyncio.Queue:
         """Start decoding a reserved request; its outputs arrive on the returned queue."""
         sink: asyncio.Queue = asyncio.Queue()
 
         def admit(engine: Engine) -> None:
-            output = engine.admit(request_id, prompt_ids, first_token, first_logprob, sampling)
+            output = engine.admit(request_id, prompt_ids, first_token, first_logprob, sampling, weights_version)
             if output is None:
                 self._sinks[request_id] = sink
             else:
@@ -84,6 +84,14 @@ class EngineLoop:
             self._sinks.pop(request_id, None)
             return held or output is not None
         return await self.call(abort)
+
+    async def update_weights(self, checkpoint) -> int:
+        """Swap weights between steps; the aborted requests' streams get their final outputs."""
+        def update(engine: Engine) -> int:
+            for output in engine.update_weights(checkpoint):
+                self._deliver(output)
+            return engine.weights_version
+        return await self.call(update)
 
     # ---- engine thread -------------------------------------------------------------------
 

@@ -7,7 +7,6 @@ import logging
 import os
 import signal
 from dataclasses import dataclass
-from importlib import metadata
 from typing import Callable
 
 import grpc
@@ -20,7 +19,9 @@ from engine.engine import Engine
 from engine.weights import open_checkpoint
 from kv_transfer import KVTransport, TransportConfig, create_transport
 from server_runtime.convert import layout_to_proto
+from server_runtime.embedding import EmbeddingContext, start_embedding
 from server_runtime.engine_loop import EngineLoop
+import tandem
 from tandem.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class WorkerConfig:
     reservation_ttl_s: float = 30.0   # decode: pages held for a prefill that never comes
     write_grace_s: float = 30.0       # decode: unused reservation pages rest this long before reuse
     transfer_timeout_s: float = 30.0  # prefill: longest KV write before the request fails
+    is_embedding: bool = False        # prefill: serve Embed from an embedding model; no engine, KV or decode
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -52,6 +54,8 @@ class WorkerConfig:
             raise ValueError("torch_threads must be >= 1")
         if self.reservation_ttl_s <= 0 or self.transfer_timeout_s <= 0 or self.write_grace_s < 0:
             raise ValueError("reservation_ttl_s and transfer_timeout_s must be positive, write_grace_s >= 0")
+        if self.is_embedding and self.role != "prefill":
+            raise ValueError("is_embedding is for prefill workers only: embeddings need no decode")
 
 
 @dataclass(slots=True)
@@ -79,15 +83,9 @@ class WorkerContext:
         def read(engine: Engine) -> common_pb2.GetLoadResponse:
             return common_pb2.GetLoadResponse(
                 num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
-                num_free_pages=engine.allocator.num_free, num_total_pages=engine.allocator.num_pages)
+                num_free_pages=engine.allocator.num_free, num_total_pages=engine.allocator.num_pages,
+                num_cached_pages=engine.num_cached_pages)
         return await self.loop.call(read)
-
-
-def tandem_version() -> str:
-    try:
-        return metadata.version("tandem-serve")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
 
 
 def build_engine(config: WorkerConfig) -> Engine:
@@ -97,21 +95,35 @@ def build_engine(config: WorkerConfig) -> Engine:
     return Engine(checkpoint, config.engine)
 
 
-async def serve_worker(config: WorkerConfig, add_servicer: Callable[[grpc.aio.Server, WorkerContext], str]) -> None:
+async def serve_worker(config: WorkerConfig,
+                       add_servicer: Callable[[grpc.aio.Server, WorkerContext | EmbeddingContext], str]) -> None:
     """Load the model, register the KV pool, serve gRPC until SIGINT/SIGTERM, then drain and exit.
 
     `add_servicer` registers the role's service on the server and returns its full service name.
+    With `config.is_embedding` it gets an `EmbeddingContext` instead: no engine, KV pool or transport.
     """
-    engine = build_engine(config)
-    # Mooncake's own transfer timeout must fire before ours, so a write we gave up on can never
-    # land later in pages the decode server has freed and handed to another request.
-    os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(5, int(config.transfer_timeout_s * 0.8))))
-    transport = create_transport(config.transport)
-    pool = engine.runner.kv_pool
-    transport.register(pool.base_addr, pool.num_bytes)
-    loop = EngineLoop(engine, asyncio.get_running_loop())
-    loop.start()
-    context = WorkerContext(config, loop, transport, tandem_version())
+    context: WorkerContext | EmbeddingContext
+    if config.is_embedding:
+        torch.set_num_threads(config.torch_threads)
+        torch.set_flush_denormal(True)
+        context = start_embedding(config, tandem.version())
+        close, transport_text = context.close, "no KV transport: embeddings only"
+    else:
+        engine = build_engine(config)
+        # Mooncake's own transfer timeout must fire before ours, so a write we gave up on can never
+        # land later in pages the decode server has freed and handed to another request.
+        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(5, int(config.transfer_timeout_s * 0.8))))
+        transport = create_transport(config.transport)
+        pool = engine.runner.kv_pool
+        transport.register(pool.base_addr, pool.num_bytes)
+        loop = EngineLoop(engine, asyncio.get_running_loop())
+        loop.start()
+        context = WorkerContext(config, loop, transport, tandem.version())
+        transport_text = f"KV transport {config.transport.backend} at {transport.session_id}"
+
+        def close() -> None:
+            loop.stop()
+            transport.close()
 
     server = grpc.aio.server(options=[("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                                       ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)])
@@ -126,8 +138,7 @@ async def serve_worker(config: WorkerConfig, add_servicer: Callable[[grpc.aio.Se
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)
-    logger.info("%s server ready on %s (KV transport %s at %s)", config.role, address,
-                config.transport.backend, transport.session_id)
+    logger.info("%s server ready on %s (%s)", config.role, address, transport_text)
 
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -136,5 +147,4 @@ async def serve_worker(config: WorkerConfig, add_servicer: Callable[[grpc.aio.Se
     logger.info("%s server shutting down", config.role)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=5)
-    loop.stop()
-    transport.close()
+    close()

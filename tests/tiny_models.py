@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGUFWriter
-from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel,
-                          Qwen2Config, Qwen2ForCausalLM)
+from transformers import (AutoModelForCausalLM, BertConfig, BertModel, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedModel, Qwen2Config, Qwen2ForCausalLM)
 
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
@@ -40,6 +40,13 @@ def save_tiny_qwen2(path: str | Path, seed: int = 0, max_shard_size: str | None 
     """Write a random 2-layer Qwen2 (q/k/v biases, untied head, same sizes as Llama) to `path`."""
     config = Qwen2Config(tie_word_embeddings=False, use_sliding_window=False, **_COMMON)
     return _save(Qwen2ForCausalLM(config), path, seed, max_shard_size, dtype)
+
+
+def save_tiny_bert(path: str | Path, seed: int = 0) -> Path:
+    """Write a random 2-layer BertModel (hidden 64, 4 heads, vocab 256, 128 positions) to `path`."""
+    config = BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=128, max_position_embeddings=128)
+    return _save(BertModel(config), path, seed, None, torch.float32)
 
 
 def _save(model: PreTrainedModel, path: str | Path, seed: int, max_shard_size: str | None,

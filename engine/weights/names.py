@@ -71,15 +71,22 @@ def check_tensors(found: Mapping[str, Shape], config: ModelConfig, where: str) -
     An unexpected tensor (an MLP bias, an MoE expert) means the checkpoint is not the
     architecture `config` describes, so it is an error rather than something to drop.
     """
-    expected = expected_shapes(config)
+    check_shapes(found, expected_shapes(config), where,
+                 f"{config.architecture.value} with {config.num_layers} layers")
+
+
+def check_shapes(found: Mapping[str, Shape], expected: Mapping[str, Shape], where: str, model: str) -> None:
+    """Raise `ConfigError` unless `found` has exactly the names of `expected`, with its shapes.
+
+    `model` names what was expected in the message (e.g. "BertModel with 6 layers").
+    """
     missing = sorted(expected.keys() - found.keys())
     unexpected = sorted(found.keys() - expected.keys())
     if missing or unexpected:
         raise ConfigError(
-            f"{where}: tensors do not match {config.architecture.value} with {config.num_layers} "
-            f"layers; missing {_preview(missing)}; unexpected {_preview(unexpected)}")
+            f"{where}: tensors do not match {model}; missing {_preview(missing)}; unexpected {_preview(unexpected)}")
     wrong = [f"{name} {tuple(found[name])} (expected {shape})"
-             for name, shape in expected.items() if tuple(found[name]) != shape]
+             for name, shape in expected.items() if tuple(found[name]) != tuple(shape)]
     if wrong:
         raise ConfigError(f"{where}: tensor shapes do not match the config: {_preview(wrong)}")
 

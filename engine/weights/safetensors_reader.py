@@ -6,7 +6,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -52,13 +52,24 @@ def open_safetensors_dir(directory: Path) -> tuple[ModelConfig, SafetensorsSourc
     shard named by the index is missing, or the tensors do not match the config.
     """
     config = _read_config(directory / CONFIG_FILE)
-    shard_paths = _shard_paths(directory)
+    shapes, source = read_tensor_table(
+        directory, lambda name: is_ignored(name) or (name == LM_HEAD and config.tie_word_embeddings))
+    check_tensors(shapes, config, str(directory))
+    return config, source
+
+
+def read_tensor_table(directory: Path, skip: Callable[[str], bool]) -> tuple[dict[str, Shape], SafetensorsSource]:
+    """Every stored tensor's name and shape (headers only) and a source yielding them, minus those `skip`s.
+
+    Raises `ConfigError` when no weights are found, a shard is missing or unreadable, or a name is
+    stored twice. Checking the names against a model is the caller's job.
+    """
     shapes: dict[str, Shape] = {}
     shards = []
-    for path in shard_paths:
+    for path in _shard_paths(directory):
         names = []
         for name, shape in _read_header(path).items():
-            if is_ignored(name) or (name == LM_HEAD and config.tie_word_embeddings):
+            if skip(name):
                 logger.debug("skipping %s in %s", name, path.name)
                 continue
             if name in shapes:
@@ -66,8 +77,7 @@ def open_safetensors_dir(directory: Path) -> tuple[ModelConfig, SafetensorsSourc
             shapes[name] = shape
             names.append(name)
         shards.append(SafetensorsShard(path, tuple(names)))
-    check_tensors(shapes, config, str(directory))
-    return config, SafetensorsSource(tuple(shards))
+    return shapes, SafetensorsSource(tuple(shards))
 
 
 def _read_config(path: Path) -> ModelConfig:

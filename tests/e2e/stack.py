@@ -1,7 +1,9 @@
-"""Start `tandem serve` (three real processes) on free loopback ports for a test module."""
+"""Start `tandem serve` (three real processes) on free loopback ports for a test module; or the three
+services as separate processes (`start_services`), so that one can be killed and restarted alone."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -62,11 +64,12 @@ class Stack:
         return loads
 
     def assert_no_pages_held(self, within_s: float = 5.0) -> None:
-        """Every KV page on both workers is free (allowing a moment for in-flight aborts)."""
+        """No request holds a KV page on either worker: every page is free or kept only by the prefix
+        cache (allowing a moment for in-flight aborts)."""
         deadline = time.monotonic() + within_s
         while True:
             loads = self.load()
-            held = {role: l.num_total_pages - l.num_free_pages for role, l in loads.items()}
+            held = {role: l.num_total_pages - l.num_free_pages - l.num_cached_pages for role, l in loads.items()}
             if not any(held.values()):
                 return
             if time.monotonic() > deadline:
@@ -87,7 +90,11 @@ class Stack:
 
 
 def start_stack(tmp_dir: Path, *flags: str, timeout_s: float = 300) -> Stack:
+    """`tandem serve` with `flags`; its gateway keeps files and batches under `tmp_dir/data` unless
+    `flags` has a --data-dir."""
     port, prefill_port, decode_port = free_port(), free_port(), free_port()
+    if "--data-dir" not in flags:
+        flags = (*flags, "--data-dir", str(tmp_dir / "data"))
     log_path = tmp_dir / "stack.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(
@@ -116,3 +123,86 @@ def wait_health(url: str, status: int, timeout_s: float = 30) -> None:
             pass
         time.sleep(0.2)
     raise AssertionError(f"/health never returned {status}")
+
+
+@dataclass
+class Services:
+    """Prefill, decode and gateway as three separate processes (`tandem prefill|decode|gateway`), unlike
+    `tandem serve`, which stops everything when one child dies: here the gateway can be killed and started
+    again on its own."""
+
+    prefill: subprocess.Popen
+    decode: subprocess.Popen
+    port: int
+    prefill_port: int
+    decode_port: int
+    log_dir: Path
+    gateway: subprocess.Popen | None = None
+    num_gateway_starts: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start_gateway(self, *flags: str, timeout_s: float = 120) -> None:
+        """Start a gateway with `flags` (e.g. --data-dir) and wait until /health answers 200."""
+        self.num_gateway_starts += 1
+        log_path = self.log_dir / f"gateway-{self.num_gateway_starts}.log"
+        self.gateway = _launch(["gateway", "--port", str(self.port), "--prefill", f"127.0.0.1:{self.prefill_port}",
+                                "--decode", f"127.0.0.1:{self.decode_port}", *flags], log_path)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for name, proc in (("gateway", self.gateway), ("prefill", self.prefill), ("decode", self.decode)):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.logs()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"the gateway was not ready in {timeout_s} s:\n{self.logs()}")
+
+    def kill_gateway(self) -> None:
+        """SIGKILL the gateway, as a crash would: no shutdown code runs."""
+        assert self.gateway is not None
+        self.gateway.kill()
+        self.gateway.wait()
+
+    def stop(self) -> None:
+        procs = [p for p in (self.gateway, self.prefill, self.decode) if p is not None]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def logs(self, num_chars: int = 3000) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-num_chars:]}" for p in sorted(self.log_dir.glob("*.log")))
+
+
+def start_services(tmp_dir: Path, *worker_flags: str) -> Services:
+    """Start a prefill and a decode worker with `worker_flags`; call `start_gateway` next."""
+    port, prefill_port, decode_port = free_port(), free_port(), free_port()
+    prefill = _launch(["prefill", "--port", str(prefill_port), *worker_flags], tmp_dir / "prefill.log")
+    decode = _launch(["decode", "--port", str(decode_port), *worker_flags], tmp_dir / "decode.log")
+    return Services(prefill, decode, port, prefill_port, decode_port, tmp_dir)
+
+
+def _launch(args: list[str], log_path: Path) -> subprocess.Popen:
+    log = open(log_path, "w")
+    return subprocess.Popen([sys.executable, "-m", "launcher", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+                            preexec_fn=_die_with_parent)
+
+
+def _die_with_parent() -> None:
+    """PR_SET_PDEATHSIG: the services die with the test process, even if it is killed."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:
+        pass

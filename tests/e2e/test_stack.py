@@ -14,37 +14,14 @@ import pytest
 import torch
 
 from gateway.tokenizer import load_tokenizer
-from tests.e2e.stack import Stack, start_stack
+from tests.e2e.stack import Stack
 from tests.hf_oracle import hf_greedy, load_hf_smollm2
 
 pytestmark = pytest.mark.slow
 
-MODEL = "SmolLM2-135M-Instruct"
-CONTEXT_LEN = 1024
+from tests.e2e.conftest import CONTEXT_LEN, MODEL
 TOPICS = ["the sea", "a cat", "mountains", "coffee", "the moon", "trains", "rain", "a library",
           "bread", "winter", "a garden", "the desert", "music", "a bridge", "stars", "autumn"]
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory) -> Stack:
-    # fp32 so greedy output can be compared with HF token for token
-    stack = start_stack(tmp_path_factory.mktemp("stack"), "--dtype", "float32", "--context-length",
-                        str(CONTEXT_LEN), "--max-total-tokens", "8192", "--torch-threads", "1")
-    yield stack
-    survivors = stack.stop()
-    assert stack.proc.returncode == 0
-    assert survivors == [], f"orphaned processes after Ctrl-C: {survivors}"
-
-
-@pytest.fixture(autouse=True)
-def no_pages_leak(stack: Stack):
-    yield
-    stack.assert_no_pages_held()
-
-
-@pytest.fixture(scope="module")
-def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="None")
 
 
 def test_seed_chat_request_answers_paris(stack: Stack) -> None:

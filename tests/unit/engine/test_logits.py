@@ -79,3 +79,49 @@ def test_invalid_penalty_values_are_rejected() -> None:
                    {"min_new_tokens": 5, "max_new_tokens": 4}, {"logit_bias": ((1, 101.0),)}):
         with pytest.raises(InvalidRequestError):
             SamplingParams(**kwargs)
+
+
+def test_prefix_cache_hits_give_the_same_tokens_as_recomputing(model_dir: Path) -> None:
+    checkpoint = open_checkpoint(str(model_dir))
+    prompt = list(range(10, 40))     # 30 tokens: seven full pages of 4
+    greedy = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+
+    def run(engine: Engine, rid: str, ids: list[int]):
+        engine.add_request(Request(rid, ids, greedy))
+        outputs = []
+        while engine.has_work:
+            outputs += engine.step()
+        return outputs
+
+    plain = Engine(checkpoint, EngineConfig(dtype="float32", page_size=4, max_total_tokens=128), progress=False)
+    cached = Engine(checkpoint, EngineConfig(dtype="float32", page_size=4, max_total_tokens=128,
+                                             enable_prefix_cache=True), progress=False)
+    first = run(cached, "a", prompt)
+    assert first[0].cached_tokens == 0
+    longer = prompt + [77, 78, 79]
+    hit = run(cached, "b", longer)
+    assert hit[0].cached_tokens == 28                        # seven pages of the shared prefix
+    assert [o.token_id for o in hit] == [o.token_id for o in run(plain, "b", longer)]
+    assert [o.token_id for o in first] == [o.token_id for o in run(plain, "a", prompt)]
+    engine = cached
+    assert engine.allocator.num_free + engine.num_cached_pages == engine.allocator.num_pages
+    assert engine.flush_prefix_cache() > 0 and engine.allocator.num_free == engine.allocator.num_pages
+
+
+def test_update_weights_checks_shapes_first_and_bumps_the_version(model_dir: Path, tmp_path: Path) -> None:
+    from engine.errors import InvalidRequestError, RequestAbortedError
+    from tests.tiny_models import save_tiny_qwen2
+    engine = Engine(open_checkpoint(str(model_dir)), EngineConfig(dtype="float32", page_size=4, max_total_tokens=128),
+                    progress=False)
+    engine.add_request(Request("inflight", list(PROMPT), SamplingParams(max_new_tokens=50, ignore_eos=True)))
+    engine.step()
+    other = save_tiny_llama(tmp_path / "other", seed=5)
+    [aborted] = engine.update_weights(open_checkpoint(str(other)))
+    assert aborted.finish_reason is FinishReason.ABORT and engine.weights_version == 1
+    assert engine.allocator.num_free == engine.allocator.num_pages
+    with pytest.raises(InvalidRequestError, match="do not match"):
+        engine.update_weights(open_checkpoint(str(save_tiny_qwen2(tmp_path / "qwen"))))
+    assert engine.weights_version == 1
+    engine.reserve("late", len(PROMPT), ttl_s=30)
+    with pytest.raises(RequestAbortedError, match="weights changed"):
+        engine.admit("late", list(PROMPT), 5, -1.0, SamplingParams(), weights_version=0)

@@ -1,0 +1,212 @@
+"""Embedder: token id lists -> pooled sentence vectors, for prefill workers started with --is-embedding.
+
+Two kinds of model are served:
+
+- a BERT encoder (`engine/bert.py`, HF `BertModel` directory): bidirectional attention over a
+  right-padded batch; pooling from the directory's sentence-transformers files (mean for
+  all-MiniLM-L6-v2);
+- a Llama/Qwen2 decoder (`engine/model.py` `CausalLM`, any checkpoint `open_checkpoint` reads):
+  causal attention, pooling `last` unless a sentence-transformers `modules.json` says otherwise
+  (gte-Qwen2 style). Its lm_head is loaded but unused.
+
+No KV is kept between calls: a batch is one full forward pass. The decoder's attention backend
+writes K/V into pages, so each batch gets a scratch page pool sized for it and dropped after it.
+An `Embedder` is single-threaded: callers must never run two of its calls at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from engine.bert import ARCHITECTURE as BERT_ARCHITECTURE, BertModel
+from engine.config import EngineConfig
+from engine.errors import ContextLengthExceededError, InvalidRequestError
+from engine.model import CausalLM
+from engine.pooling import PoolingConfig, PoolingMode, pool, read_pooling_config, truncate
+from engine.weights import open_checkpoint
+from engine.weights.bert_checkpoint import is_bert_dir, open_bert_checkpoint, read_hf_config
+from kernels.attention import AttentionMetadata, create_attention_backend
+from kernels.layers import RotaryEmbedding
+
+_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+_SCRATCH_PAGE_SIZE = 16
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingModelInfo:
+    """What a client may ask of the model. `matryoshka_dimensions` empty with `is_matryoshka`
+    means any size from 1 to `embedding_dim`."""
+
+    architecture: str
+    context_len: int
+    vocab_size: int
+    embedding_dim: int
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] = ()
+
+    def check_dimensions(self, dimensions: int | None) -> None:
+        """Raise `InvalidRequestError` unless `dimensions` (None = full size) is a size this model serves."""
+        if dimensions is None or dimensions == self.embedding_dim:
+            return
+        if not self.is_matryoshka:
+            raise InvalidRequestError(
+                f"this model does not support `dimensions` other than its full size {self.embedding_dim}: "
+                "it declares no Matryoshka training, so truncated vectors would lose quality")
+        if self.matryoshka_dimensions and dimensions not in self.matryoshka_dimensions:
+            raise InvalidRequestError(f"`dimensions` must be one of {sorted(self.matryoshka_dimensions)} or "
+                                      f"{self.embedding_dim} for this model, got {dimensions}")
+        if not 1 <= dimensions <= self.embedding_dim:
+            raise InvalidRequestError(f"`dimensions` must be between 1 and {self.embedding_dim}, got {dimensions}")
+
+
+class Encoder(Protocol):
+    def hidden_states(self, token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Last hidden states of every token, packed: [sum of lengths, hidden]."""
+        ...
+
+
+class PaddedBert:
+    """Runs `BertModel` on a right-padded batch and packs the real rows."""
+
+    def __init__(self, model: BertModel) -> None:
+        self.model = model
+
+    def hidden_states(self, token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
+        lens = torch.tensor([len(t) for t in token_lists])
+        input_ids = torch.zeros(len(token_lists), int(lens.max()), dtype=torch.int64)
+        for row, tokens in enumerate(token_lists):
+            input_ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        mask = torch.arange(input_ids.shape[1]).unsqueeze(0) < lens.unsqueeze(1)
+        return self.model(input_ids, mask)[mask]
+
+
+class ScratchDecoder:
+    """Runs `CausalLM`'s decoder over whole sequences, its K/V written to a throwaway page pool."""
+
+    def __init__(self, model: CausalLM, context_len: int, engine_config: EngineConfig, dtype: torch.dtype) -> None:
+        mc = model.config
+        self.model = model
+        self.dtype = dtype
+        self.rotary = RotaryEmbedding(mc.head_dim, context_len, mc.rope_theta, dict(mc.rope_scaling), dtype)
+        self.attention = create_attention_backend(engine_config.attention_backend, num_heads=mc.num_heads,
+                                                  num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                                                  page_size=_SCRATCH_PAGE_SIZE)
+
+    def hidden_states(self, token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
+        mc, size = self.model.config, _SCRATCH_PAGE_SIZE
+        lens = [len(t) for t in token_lists]
+        num_pages = [-(-n // size) for n in lens]
+        first = torch.tensor([0, *num_pages[:-1]]).cumsum(0).tolist()
+        page_table = torch.tensor([list(range(f, f + p)) + [0] * (max(num_pages) - p)
+                                   for f, p in zip(first, num_pages)], dtype=torch.int64)
+        positions = torch.cat([torch.arange(n) for n in lens])
+        row_of_token = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+        meta = AttentionMetadata(query_lens=tuple(lens), seq_lens=tuple(lens), page_table=page_table,
+                                 write_pages=page_table[row_of_token, positions // size],
+                                 write_offsets=positions % size, is_decode=False)
+        scratch = torch.empty(sum(num_pages), mc.num_layers, 2, size, mc.num_kv_heads, mc.head_dim, dtype=self.dtype)
+        input_ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.int64)
+        return self.model(input_ids, positions, self.rotary, self.attention, scratch, meta)
+
+
+class Embedder:
+    """Embeds batches of token lists; batches larger than `max_batch_tokens` (padded) run in pieces."""
+
+    def __init__(self, encoder: Encoder, pooling: PoolingConfig, info: EmbeddingModelInfo,
+                 max_batch_tokens: int) -> None:
+        self.encoder = encoder
+        self.pooling = pooling
+        self.info = info
+        self.max_batch_tokens = max_batch_tokens
+
+    @torch.inference_mode()
+    def embed(self, token_lists: Sequence[Sequence[int]], dimensions: int | None = None) -> torch.Tensor:
+        """[len(token_lists), dimensions or embedding_dim] float32, rows in input order.
+
+        Raises `InvalidRequestError` (no inputs, an empty input, a token outside the vocabulary, a
+        size the model does not serve) or `ContextLengthExceededError` before computing anything.
+        """
+        self.check(token_lists, dimensions)
+        order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))
+        vectors = torch.empty(len(token_lists), self.info.embedding_dim, dtype=torch.float32)
+        for rows in self._pieces(order, token_lists):
+            batch = [token_lists[i] for i in rows]
+            hidden = self.encoder.hidden_states(batch)
+            vectors[rows] = pool(hidden, [len(t) for t in batch], self.pooling)
+        if dimensions is not None and dimensions != self.info.embedding_dim:
+            vectors = truncate(vectors, dimensions, self.pooling.normalize)
+        return vectors
+
+    def check(self, token_lists: Sequence[Sequence[int]], dimensions: int | None) -> None:
+        if not token_lists:
+            raise InvalidRequestError("no inputs to embed")
+        for i, tokens in enumerate(token_lists):
+            if not tokens:
+                raise InvalidRequestError(f"input {i} has no tokens")
+            if len(tokens) > self.info.context_len:
+                raise ContextLengthExceededError(
+                    f"input {i} has {len(tokens)} tokens; the model's maximum is {self.info.context_len}")
+            bad = next((t for t in tokens if not 0 <= t < self.info.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequestError(f"input {i}: token id {bad} is outside [0, {self.info.vocab_size})")
+        self.info.check_dimensions(dimensions)
+
+    def _pieces(self, order: list[int], token_lists: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Split `order` (ascending length) so each piece's padded size stays within max_batch_tokens."""
+        pieces: list[list[int]] = [[]]
+        for i in order:
+            if pieces[-1] and (len(pieces[-1]) + 1) * len(token_lists[i]) > self.max_batch_tokens:
+                pieces.append([])
+            pieces[-1].append(i)
+        return pieces
+
+
+def load_embedder(model_path: str, config: EngineConfig, progress: bool = True) -> Embedder:
+    """Load a BERT directory or a decoder checkpoint for embedding, in `config.dtype`, on CPU.
+
+    `config.max_prefill_tokens` bounds one forward pass; `config.context_len` may shrink the model's.
+    """
+    dtype = _TORCH_DTYPES[config.dtype]
+    if is_bert_dir(model_path):
+        checkpoint = open_bert_checkpoint(model_path)
+        with torch.device("meta"):
+            bert = BertModel(checkpoint.config)
+        bert = bert.to_empty(device="cpu").to(dtype).eval()
+        bert.load_weights(checkpoint.tensors(progress=progress))
+        encoder: Encoder = PaddedBert(bert)
+        mc_max, vocab, hidden, arch = (checkpoint.config.max_position_embeddings, checkpoint.config.vocab_size,
+                                       checkpoint.config.hidden_size, BERT_ARCHITECTURE)
+        default_mode = PoolingMode.CLS
+    else:
+        decoder_checkpoint = open_checkpoint(model_path)
+        mc = decoder_checkpoint.config
+        with torch.device("meta"):
+            model = CausalLM(mc)
+        model = model.to_empty(device="cpu").to(dtype).eval()
+        if mc.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.load_weights(decoder_checkpoint.tensors(progress=progress))
+        mc_max, vocab, hidden, arch = mc.max_position_embeddings, mc.vocab_size, mc.hidden_size, mc.architecture.value
+        encoder = ScratchDecoder(model, min(config.context_len or mc_max, mc_max), config, dtype)
+        default_mode = PoolingMode.LAST
+    matryoshka = _matryoshka(model_path)
+    info = EmbeddingModelInfo(architecture=arch, context_len=min(config.context_len or mc_max, mc_max),
+                              vocab_size=vocab, embedding_dim=hidden, is_matryoshka=matryoshka is not None,
+                              matryoshka_dimensions=matryoshka or ())
+    return Embedder(encoder, read_pooling_config(model_path, default_mode), info, config.max_prefill_tokens)
+
+
+def _matryoshka(model_path: str) -> tuple[int, ...] | None:
+    """The sizes config.json declares (`matryoshka_dimensions`, or `is_matryoshka` for any); None if none."""
+    directory = Path(model_path)
+    if not (directory / "config.json").is_file():
+        return None
+    raw: dict[str, Any] = read_hf_config(directory)
+    sizes = raw.get("matryoshka_dimensions")
+    if isinstance(sizes, list) and sizes:
+        return tuple(int(s) for s in sizes)
+    return () if raw.get("is_matryoshka") else None

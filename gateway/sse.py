@@ -1,0 +1,22 @@
+"""Server-sent events for streaming routes."""
+
+from __future__ import annotations
+
+import json
+from typing import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from gateway.errors import APIError
+
+
+def sse_response(events: AsyncIterator[dict]) -> StreamingResponse:
+    """`data: {json}` events ending in `data: [DONE]`; an error after the first byte becomes an error event."""
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+        except APIError as exc:
+            yield f"data: {json.dumps(exc.body())}\n\n"
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(body(), media_type="text/event-stream")

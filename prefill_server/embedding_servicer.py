@@ -1,0 +1,56 @@
+"""PrefillService as a worker started with --is-embedding answers it: Embed, Abort, GetModelInfo, GetLoad.
+
+Such a worker has no engine and no KV, so `Prefill` is refused with FAILED_PRECONDITION.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from engine.errors import EngineError
+from server_runtime.embedding import EmbeddingContext
+from server_runtime.errors import abort_with
+from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class EmbeddingServicer(prefill_pb2_grpc.PrefillServiceServicer):
+    role = common_pb2.WORKER_ROLE_PREFILL
+
+    def __init__(self, ctx: EmbeddingContext) -> None:
+        self.ctx = ctx
+
+    async def Embed(self, request: prefill_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+                    ) -> prefill_pb2.EmbedResponse:
+        token_lists = [list(item.token_ids) for item in request.inputs]
+        dimensions = request.dimensions if request.HasField("dimensions") else None
+        try:
+            result = await self.ctx.embed(token_lists, dimensions)
+        except EngineError as exc:
+            logger.warning("embed %s failed: %s", request.request_id, exc)
+            await abort_with(context, exc)
+        return prefill_pb2.EmbedResponse(
+            request_id=request.request_id,
+            embeddings=[prefill_pb2.Embedding(values=row) for row in result.vectors.tolist()],
+            num_tokens=result.num_tokens, queue_ms=result.queue_ms, compute_ms=result.compute_ms)
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+                      ) -> prefill_pb2.PrefillResponse:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            "this worker serves an embedding model (--is-embedding): it answers Embed, not Prefill")
+
+    async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
+                    ) -> common_pb2.AbortResponse:
+        # Nothing is held between calls: an Embed call ends with its batch.
+        return common_pb2.AbortResponse(found=False)
+
+    async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+                           ) -> common_pb2.GetModelInfoResponse:
+        return self.ctx.model_info(self.role)
+
+    async def GetLoad(self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+                      ) -> common_pb2.GetLoadResponse:
+        return await self.ctx.load()

@@ -1,0 +1,35 @@
+"""One `tandem serve` stack (three real processes) shared by the e2e modules that ask for it."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.e2e.stack import Stack, start_stack
+
+MODEL = "SmolLM2-135M-Instruct"
+CONTEXT_LEN = 1024
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory) -> Stack:
+    # fp32 so greedy output can be compared with HF token for token
+    stack = start_stack(tmp_path_factory.mktemp("stack"), "--dtype", "float32", "--context-length",
+                        str(CONTEXT_LEN), "--max-total-tokens", "8192", "--torch-threads", "1")
+    yield stack
+    survivors = stack.stop()
+    assert stack.proc.returncode == 0
+    assert survivors == [], f"orphaned processes after Ctrl-C: {survivors}"
+
+
+@pytest.fixture(autouse=True)
+def no_pages_leak(request):
+    """After every test that used the shared stack, no KV page is held on either worker."""
+    yield
+    if "stack" in request.fixturenames:
+        request.getfixturevalue("stack").assert_no_pages_held()
+
+
+@pytest.fixture(scope="session")
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="None")

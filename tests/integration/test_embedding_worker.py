@@ -1,0 +1,102 @@
+"""An embedding worker in-process: the real `EmbeddingServicer` on a gRPC port, a tiny random Qwen2 as the
+model, and the gateway's `WorkerPool` in front of it with no decode worker at all."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from engine.config import EngineConfig
+from gateway.workers import WorkerPool
+from kv_transfer import TransportConfig
+from prefill_server.servicer import add_prefill_servicer
+from server_runtime.embedding import start_embedding
+from server_runtime.worker import WorkerConfig
+from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from tests.tiny_models import save_tiny_qwen2
+
+INPUTS = [[5, 17, 42, 99, 3], [7], list(range(1, 40)), [250, 0]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(model_path: Path, port: int) -> WorkerConfig:
+    return WorkerConfig(role="prefill", model_path=str(model_path), host="127.0.0.1", port=port,
+                        engine=EngineConfig(dtype="float32", context_len=64), transport=TransportConfig(backend="local"),
+                        torch_threads=1, is_embedding=True)
+
+
+def test_embedding_is_for_prefill_workers_only(tmp_path: Path) -> None:
+    config = _config(tmp_path, 1)
+    with pytest.raises(ValueError, match="prefill workers only"):
+        WorkerConfig(**{**{f: getattr(config, f) for f in config.__dataclass_fields__}, "role": "decode"})
+
+
+def test_embed_over_grpc_with_a_pool_that_has_no_decode_worker(tmp_path: Path) -> None:
+    asyncio.run(_scenario(save_tiny_qwen2(tmp_path / "qwen2")))
+
+
+async def _scenario(model_path: Path) -> None:
+    port = _free_port()
+    ctx = start_embedding(_config(model_path, port), "test")
+    server = grpc.aio.server()
+    name = add_prefill_servicer(server, ctx)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    pool = WorkerPool((f"127.0.0.1:{port}",), ())
+    try:
+        assert name == "tandem.v1.PrefillService"
+        await pool.probe_all()
+        assert pool.is_ready                            # ready with a prefill worker alone
+        limits = pool.limits()
+        assert limits.is_embedding and limits.embedding_dim == 64 and limits.context_len == 64
+        assert not limits.is_matryoshka and limits.architecture == "Qwen2ForCausalLM"
+        stub: prefill_pb2_grpc.PrefillServiceStub = pool.pick("prefill").stub
+        await _check_embed(stub, ctx.embedder.embed(INPUTS))
+        await _check_refusals(stub)
+        load = await stub.GetLoad(common_pb2.GetLoadRequest())
+        assert (load.num_running, load.num_waiting) == (0, 0)
+    finally:
+        await pool.close()
+        await server.stop(None)
+        ctx.close()
+
+
+async def _check_embed(stub: prefill_pb2_grpc.PrefillServiceStub, expected: torch.Tensor) -> None:
+    request = prefill_pb2.EmbedRequest(request_id="r", inputs=[prefill_pb2.EmbedInput(token_ids=t) for t in INPUTS])
+    # Several calls at once: they queue for the one embedder thread and each gets its own vectors.
+    replies = await asyncio.gather(*(stub.Embed(request) for _ in range(4)))
+    for reply in replies:
+        got = torch.tensor([list(e.values) for e in reply.embeddings])
+        assert torch.equal(got, expected)
+        assert reply.request_id == "r" and reply.num_tokens == sum(map(len, INPUTS)) and reply.compute_ms > 0
+
+
+async def _check_refusals(stub: prefill_pb2_grpc.PrefillServiceStub) -> None:
+    cases = [
+        (prefill_pb2.EmbedRequest(request_id="long", inputs=[prefill_pb2.EmbedInput(token_ids=list(range(65)))]),
+         grpc.StatusCode.OUT_OF_RANGE, "65 tokens"),
+        (prefill_pb2.EmbedRequest(request_id="dims", inputs=[prefill_pb2.EmbedInput(token_ids=[1])], dimensions=8),
+         grpc.StatusCode.INVALID_ARGUMENT, "Matryoshka"),
+        (prefill_pb2.EmbedRequest(request_id="none"), grpc.StatusCode.INVALID_ARGUMENT, "no inputs"),
+    ]
+    for request, code, text in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Embed(request)
+        assert caught.value.code() == code and text in caught.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Prefill(prefill_pb2.PrefillRequest(request_id="p", token_ids=[1, 2]))
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "Embed" in caught.value.details()

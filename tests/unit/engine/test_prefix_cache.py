@@ -1,0 +1,78 @@
+"""The page-level prefix cache: exact matches, references, leaf-first LRU eviction, integrity."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.errors import CapacityError
+from engine.page_allocator import PageAllocator
+from engine.prefix_cache import PrefixCache
+
+PS = 4
+
+
+def _cache(num_pages: int = 16) -> PrefixCache:
+    return PrefixCache(PageAllocator(num_pages), PS)
+
+
+def _prefill(cache: PrefixCache, tokens: list[int]) -> tuple[list[int], int]:
+    """What the scheduler does: match, allocate the rest, 'compute', insert. Returns (pages, matched)."""
+    matched = cache.match(tokens)
+    pages = matched + cache.allocate(-(-len(tokens) // PS) - len(matched))
+    cache.insert(tokens, pages, len(matched))
+    return pages, len(matched)
+
+
+def test_a_repeated_prompt_reuses_its_full_pages_but_one_token_is_always_computed() -> None:
+    cache = _cache()
+    prompt = list(range(10))                     # pages [0..3] [4..7] and a partial [8, 9]
+    pages, matched = _prefill(cache, prompt)
+    assert matched == 0 and cache.num_cached_pages == 2
+    cache.release(pages)
+    assert cache.allocator.num_free == 16 - 2 and cache.num_evictable_pages == 2
+    again, matched = _prefill(cache, prompt)
+    assert matched == 2 and again[:2] == pages[:2]
+    exact = list(range(8))                       # two full pages: the last one must be recomputed
+    assert cache.match(exact) == pages[:1]
+    cache.check_integrity()
+
+
+def test_a_different_prefix_never_matches_a_later_page() -> None:
+    cache = _cache()
+    pages, _ = _prefill(cache, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert cache.match([0, 2, 3, 4, 5, 6, 7, 8, 9]) == []          # first page differs
+    assert cache.match([1, 2, 3, 4, 0, 6, 7, 8, 9]) == pages[:1]   # diverges in the second page
+    cache.check_integrity()
+
+
+def test_eviction_frees_unused_leaves_least_recently_used_first_and_keeps_pages_in_use() -> None:
+    cache = _cache(num_pages=6)
+    a, _ = _prefill(cache, list(range(100, 109)))     # 3 pages, 2 cached
+    b, _ = _prefill(cache, list(range(200, 209)))     # 3 pages, 2 cached
+    cache.release(a)                                   # its partial page is freed, two pages stay cached
+    assert cache.allocator.num_free == 1 and cache.num_evictable_pages == 2
+    got = cache.allocate(2)                            # must evict one page: a's leaf, not its root
+    assert a[1] in got and a[0] not in got
+    assert cache.match(list(range(100, 109))) == [a[0]]
+    cache.release([a[0]])
+    with pytest.raises(CapacityError):                 # b's pages are in use and stay
+        cache.allocate(2)
+    cache.release(b)
+    assert cache.flush() == 3 and cache.num_cached_pages == 0
+    cache.allocator.free(got)
+    assert cache.allocator.num_free == 6
+    cache.check_integrity()
+
+
+def test_the_same_prompt_prefilled_twice_at_once_caches_one_copy() -> None:
+    cache = _cache()
+    tokens = list(range(9))
+    first = cache.allocate(3)
+    second = cache.allocate(3)
+    cache.insert(tokens, first, 0)
+    cache.insert(tokens, second, 0)    # key already cached: these stay private
+    cache.release(second)
+    assert cache.allocator.num_free == 16 - 3 and cache.num_cached_pages == 2
+    with pytest.raises(ValueError):
+        cache.release([first[0]]) or cache.release([first[0]])
+    cache.check_integrity()
