@@ -54,7 +54,8 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
                 yield _response(rid, outputs)
         finally:
             if not finished:     # rejected, or the client went away: free the request's pages now
-                await asyncio.shield(self.ctx.loop.abort(rid, "client cancelled"))
+                # Generate comes after the prefill answered, so its KV write has settled.
+                await asyncio.shield(self.ctx.loop.abort(rid, "client cancelled", write_settled=True))
 
 
 def _response(rid: str, outputs: list[StepOutput]) -> decode_pb2.GenerateResponse:

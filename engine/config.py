@@ -20,6 +20,19 @@ class ConfigError(ValueError):
 class Architecture(enum.Enum):
     LLAMA = "LlamaForCausalLM"
     QWEN2 = "Qwen2ForCausalLM"
+    QWEN2_MOE = "Qwen2MoeForCausalLM"          # routed experts + a sigmoid-gated shared expert
+    MIXTRAL = "MixtralForCausalLM"             # top-k routed experts, no shared expert
+    LLAMA_CLASSIFIER = "LlamaForSequenceClassification"   # `score` head instead of `lm_head` (reward models)
+    QWEN2_CLASSIFIER = "Qwen2ForSequenceClassification"
+
+    @property
+    def is_classifier(self) -> bool:
+        return self in (Architecture.LLAMA_CLASSIFIER, Architecture.QWEN2_CLASSIFIER)
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        """Qwen2-family attention always has q/k/v biases (Llama only with `attention_bias`)."""
+        return self in (Architecture.QWEN2, Architecture.QWEN2_MOE, Architecture.QWEN2_CLASSIFIER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +41,12 @@ class ModelConfig:
 
     `qkv_bias` is True for Qwen2 and for Llama configs with `attention_bias`; `o_proj_bias` only for
     the latter. `eos_token_ids` holds every token id that ends generation by default.
+
+    Mixture of experts (`num_experts` > 0): layer i routes each token to `num_experts_per_tok` of
+    `num_experts` SwiGLU experts of width `moe_intermediate_size` when `is_moe_layer(i)`; the other
+    layers keep a dense MLP of width `intermediate_size`. `shared_expert_intermediate_size` > 0 adds
+    Qwen2-MoE's sigmoid-gated shared expert. `num_labels` > 0 means a sequence-classification model:
+    a `score` head with that many outputs replaces `lm_head`.
     """
 
     architecture: Architecture
@@ -47,6 +66,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     rope_scaling: tuple[tuple[str, Any], ...] = field(default=())
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False          # renormalize the chosen experts' weights to sum to 1
+    decoder_sparse_step: int = 1          # every n-th layer (1-based) is an MoE layer ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... except these, which stay dense
+    num_labels: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -60,6 +87,24 @@ class ModelConfig:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind not in (None, "default", "llama3", "linear"):
             raise ConfigError(f"unsupported rope_scaling type {kind!r}")
+        if self.num_experts > 0:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ConfigError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                                  f"got {self.num_experts_per_tok}")
+            if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
+                raise ConfigError("moe_intermediate_size and decoder_sparse_step must be positive")
+        if self.architecture.is_classifier != (self.num_labels > 0):
+            raise ConfigError(f"{self.architecture.value} needs num_labels "
+                              f"{'> 0' if self.architecture.is_classifier else '= 0'}, got {self.num_labels}")
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether decoder layer `layer_id` routes tokens to experts (else it has a dense MLP)."""
+        return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> "ModelConfig":
@@ -82,6 +127,10 @@ class ModelConfig:
         rope_theta = config.get("rope_theta")
         if rope_theta is None:  # transformers 5 moved rope settings into rope_parameters
             rope_theta = rope_parameters.get("rope_theta", 10000.0)
+        max_positions = int(config.get("max_position_embeddings", 2048))
+        if architecture is Architecture.MIXTRAL and config.get("sliding_window"):
+            # No sequence is let past the window, so full attention over it is exact.
+            max_positions = min(max_positions, int(config["sliding_window"]))
         return cls(
             architecture=architecture,
             vocab_size=int(config["vocab_size"]),
@@ -93,15 +142,40 @@ class ModelConfig:
             head_dim=int(config.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
-            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=(architecture is Architecture.QWEN2) or bool(config.get("attention_bias", False)),
-            o_proj_bias=architecture is Architecture.LLAMA and bool(config.get("attention_bias", False)),
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)) and not architecture.is_classifier,
+            qkv_bias=architecture.has_qkv_bias or bool(config.get("attention_bias", False)),
+            o_proj_bias=(architecture in (Architecture.LLAMA, Architecture.LLAMA_CLASSIFIER)
+                         and bool(config.get("attention_bias", False))),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
             rope_scaling=tuple(sorted((k, v) for k, v in rope_scaling.items()
                                       if not isinstance(v, (list, dict)))),
+            **_moe_fields(architecture, config),
+            num_labels=_num_labels(config) if architecture.is_classifier else 0,
         )
+
+
+def _moe_fields(architecture: Architecture, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The MoE fields of `ModelConfig` from an HF config (none for dense architectures)."""
+    if architecture is Architecture.QWEN2_MOE:
+        return dict(num_experts=int(config["num_experts"]), num_experts_per_tok=int(config["num_experts_per_tok"]),
+                    moe_intermediate_size=int(config["moe_intermediate_size"]),
+                    shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0),
+                    norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+                    decoder_sparse_step=int(config.get("decoder_sparse_step", 1)),
+                    mlp_only_layers=tuple(int(i) for i in config.get("mlp_only_layers") or ()))
+    if architecture is Architecture.MIXTRAL:   # every layer is MoE; experts are intermediate_size wide
+        return dict(num_experts=int(config["num_local_experts"]),
+                    num_experts_per_tok=int(config["num_experts_per_tok"]),
+                    moe_intermediate_size=int(config["intermediate_size"]), norm_topk_prob=True)
+    return {}
+
+
+def _num_labels(config: Mapping[str, Any]) -> int:
+    """HF writes `id2label` (one entry per output); `num_labels` alone in older files; HF's default is 2."""
+    labels = config.get("id2label")
+    return len(labels) if labels else int(config.get("num_labels", 2))
 
 
 _DTYPES = ("bfloat16", "float32", "float16")

@@ -7,7 +7,10 @@ Two kinds of model are served:
   all-MiniLM-L6-v2);
 - a Llama/Qwen2 decoder (`engine/model.py` `CausalLM`, any checkpoint `open_checkpoint` reads):
   causal attention, pooling `last` unless a sentence-transformers `modules.json` says otherwise
-  (gte-Qwen2 style). Its lm_head is loaded but unused.
+  (gte-Qwen2 style). Its lm_head is loaded but unused;
+- a sequence-classification (reward) model, HF `LlamaForSequenceClassification` /
+  `Qwen2ForSequenceClassification`: the decoder's `score` head applied to every token, then the last
+  token's scores taken, unnormalized, as HF does. Its "embedding" is the `num_labels` scores.
 
 No KV is kept between calls: a batch is one full forward pass. The decoder's attention backend
 writes K/V into pages, so each batch gets a scratch page pool sized for it and dropped after it.
@@ -65,7 +68,7 @@ class EmbeddingModelInfo:
 
 class Encoder(Protocol):
     def hidden_states(self, token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Last hidden states of every token, packed: [sum of lengths, hidden]."""
+        """Last hidden states of every token, packed: [sum of lengths, hidden] (a classifier's: [.., num_labels])."""
         ...
 
 
@@ -87,10 +90,12 @@ class PaddedBert:
 class ScratchDecoder:
     """Runs `CausalLM`'s decoder over whole sequences, its K/V written to a throwaway page pool."""
 
-    def __init__(self, model: CausalLM, context_len: int, engine_config: EngineConfig, dtype: torch.dtype) -> None:
+    def __init__(self, model: CausalLM, context_len: int, engine_config: EngineConfig, dtype: torch.dtype,
+                 apply_head: bool = False) -> None:
         mc = model.config
         self.model = model
         self.dtype = dtype
+        self.apply_head = apply_head   # return each token's head output (a classifier's scores) instead
         self.rotary = RotaryEmbedding(mc.head_dim, context_len, mc.rope_theta, dict(mc.rope_scaling), dtype)
         self.attention = create_attention_backend(engine_config.attention_backend, num_heads=mc.num_heads,
                                                   num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
@@ -110,7 +115,8 @@ class ScratchDecoder:
                                  write_offsets=positions % size, is_decode=False)
         scratch = torch.empty(sum(num_pages), mc.num_layers, 2, size, mc.num_kv_heads, mc.head_dim, dtype=self.dtype)
         input_ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.int64)
-        return self.model(input_ids, positions, self.rotary, self.attention, scratch, meta)
+        hidden = self.model(input_ids, positions, self.rotary, self.attention, scratch, meta)
+        return self.model.compute_logits(hidden) if self.apply_head else hidden
 
 
 class Embedder:
@@ -171,6 +177,7 @@ def load_embedder(model_path: str, config: EngineConfig, progress: bool = True) 
     `config.max_prefill_tokens` bounds one forward pass; `config.context_len` may shrink the model's.
     """
     dtype = _TORCH_DTYPES[config.dtype]
+    is_classifier = False
     if is_bert_dir(model_path):
         checkpoint = open_bert_checkpoint(model_path)
         with torch.device("meta"):
@@ -190,14 +197,20 @@ def load_embedder(model_path: str, config: EngineConfig, progress: bool = True) 
         if mc.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         model.load_weights(decoder_checkpoint.tensors(progress=progress))
-        mc_max, vocab, hidden, arch = mc.max_position_embeddings, mc.vocab_size, mc.hidden_size, mc.architecture.value
-        encoder = ScratchDecoder(model, min(config.context_len or mc_max, mc_max), config, dtype)
+        is_classifier = mc.architecture.is_classifier
+        mc_max, vocab, arch = mc.max_position_embeddings, mc.vocab_size, mc.architecture.value
+        hidden = mc.num_labels if is_classifier else mc.hidden_size
+        encoder = ScratchDecoder(model, min(config.context_len or mc_max, mc_max), config, dtype,
+                                 apply_head=is_classifier)
         default_mode = PoolingMode.LAST
-    matryoshka = _matryoshka(model_path)
+    if is_classifier:   # the scores are the model's own output: the last token's, never normalized or cut
+        pooling, matryoshka = PoolingConfig(PoolingMode.LAST, normalize=False), None
+    else:
+        pooling, matryoshka = read_pooling_config(model_path, default_mode), _matryoshka(model_path)
     info = EmbeddingModelInfo(architecture=arch, context_len=min(config.context_len or mc_max, mc_max),
                               vocab_size=vocab, embedding_dim=hidden, is_matryoshka=matryoshka is not None,
                               matryoshka_dimensions=matryoshka or ())
-    return Embedder(encoder, read_pooling_config(model_path, default_mode), info, config.max_prefill_tokens)
+    return Embedder(encoder, pooling, info, config.max_prefill_tokens)
 
 
 def _matryoshka(model_path: str) -> tuple[int, ...] | None:

@@ -17,9 +17,10 @@ import logging
 import time
 from dataclasses import dataclass
 
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.errors import (ContextLengthExceededError, InvalidRequestError, RequestAbortedError,
                            RequestNotFoundError)
+from engine.grammar import GrammarBackend, accept_token
 from engine.page_allocator import PageAllocator
 from engine.prefix_cache import PrefixCache
 from engine.request import FinishReason, Request, SamplingParams, StepOutput
@@ -31,7 +32,8 @@ logger = logging.getLogger(__name__)
 
 
 _SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                 "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "o_proj_bias")
+                 "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "o_proj_bias", "num_experts",
+                 "moe_intermediate_size", "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +55,14 @@ class _Reservation:
 class Engine:
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig, progress: bool = True) -> None:
         mc = checkpoint.config
+        if mc.architecture.is_classifier:
+            raise ConfigError(f"{mc.architecture.value} is a classification (reward) model, not a generation "
+                              "model: serve it with --is-embedding (/classify)")
         self.model_config = mc
         self.config = config
         self.context_len = min(config.context_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
+        self.grammar = GrammarBackend(checkpoint.path, mc.vocab_size)
         self.runner = ModelRunner(checkpoint, config, self.context_len, progress=progress)
         self.allocator = PageAllocator(self.runner.kv_pool.num_pages)
         self.prefix_cache = PrefixCache(self.allocator, config.page_size) if config.enable_prefix_cache else None
@@ -76,6 +82,8 @@ class Engine:
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
         self._validate(req.request_id, req.prompt_ids)
         self.scheduler.check_capacity(req.prompt_len)
+        if req.sampling.grammar is not None:
+            req.grammar_matcher = self.grammar.new_matcher(req.sampling.grammar)
         self._requests[req.request_id] = req
         self.scheduler.add_waiting(req)
 
@@ -110,17 +118,28 @@ class Engine:
             raise InvalidRequestError(
                 f"prompt has {len(prompt_ids)} tokens but {reservation.prompt_len} were reserved")
         self._validate(request_id, prompt_ids + [first_token], allow_full_context=True)
+        matcher = None
+        if sampling.grammar is not None:   # replay prefill's first token into our own matcher
+            matcher = self.grammar.new_matcher(sampling.grammar)
+            accept_token(matcher, first_token)
         del self._reservations[request_id]
         req = Request(request_id, list(prompt_ids), sampling, page_ids=reservation.page_ids,
-                      num_computed=len(prompt_ids))
+                      num_computed=len(prompt_ids), grammar_matcher=matcher)
         self._requests[request_id] = req
         self.scheduler.add_running(req)
         return self._append_token(req, _Token(first_token, first_logprob), emit_token=False)
 
-    def abort(self, request_id: str, message: str = "aborted") -> StepOutput | None:
-        """End a request or drop a reservation, freeing its pages. None if nothing was held."""
+    def abort(self, request_id: str, message: str = "aborted", write_settled: bool = False) -> StepOutput | None:
+        """End a request or drop a reservation, freeing its pages. None if nothing was held.
+
+        A dropped reservation's pages sit out the write grace unless `write_settled` says no KV
+        write into them can still be in flight.
+        """
         if (reservation := self._reservations.pop(request_id, None)) is not None:
-            self._drop_reservation(reservation, time.monotonic())
+            if write_settled:
+                self.allocator.free(reservation.page_ids)
+            else:
+                self._drop_reservation(reservation, time.monotonic())
             return None
         if (held := self._held.pop(request_id, None)) is not None:
             self.scheduler.release_pages(held)
@@ -207,7 +226,7 @@ class Engine:
         outputs = [self._finished_output(self._requests.pop(r.request_id)) for r in evicted]
         if batch is None:
             return outputs
-        sampled = self.runner.run(batch.requests, batch.is_decode)
+        sampled = self.runner.run(batch.requests, batch.is_decode, self.grammar)
         for row, req in enumerate(batch.requests):
             token = _Token(sampled.token_ids[row], sampled.logprobs[row],
                            sampled.extras.top[row] if sampled.extras else (),
@@ -232,6 +251,8 @@ class Engine:
                           weights_version=self.weights_version)
 
     def _append_token(self, req: Request, token: "_Token", emit_token: bool) -> StepOutput | None:
+        if emit_token and req.grammar_matcher is not None:
+            accept_token(req.grammar_matcher, token.token_id)
         req.output_ids.append(token.token_id)
         req.output_logprobs.append(token.logprob)
         reason = self._finish_reason(req, token.token_id)

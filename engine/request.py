@@ -5,8 +5,10 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.errors import InvalidRequestError
+from engine.grammar_spec import GrammarSpec
 
 
 class RequestStatus(enum.Enum):
@@ -40,6 +42,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     top_logprobs_num: int = 0             # also return this many most likely tokens per position
     token_ids_logprob: tuple[int, ...] = ()   # also return the logprobs of these ids per position
+    grammar: GrammarSpec | None = None        # constrain the output (JSON schema, regex, EBNF)
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -93,6 +96,7 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     num_computed: int = 0
     num_cached_tokens: int = 0    # prompt tokens whose KV came from the prefix cache
+    grammar_matcher: Any = None   # runtime state of `sampling.grammar` (engine.grammar)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     matched_token_id: int | None = None

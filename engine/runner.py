@@ -12,9 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.grammar import GrammarBackend
 from engine.kv_pool import KVLayout, KVPool
 from engine.logits import LogprobExtras, adjust_logits, logprob_extras
 from engine.model import CausalLM
+from engine.moe import ExpertRecorder
 from engine.request import Request
 from engine.weights import Checkpoint
 from kernels.attention import AttentionMetadata, create_attention_backend
@@ -49,6 +51,7 @@ class ModelRunner:
             self.model.lm_head.weight = self.model.model.embed_tokens.weight
         self.model.load_weights(checkpoint.tensors(progress=progress))
         self.model.eval()
+        self.expert_recorder = ExpertRecorder(mc)   # counts tokens per expert while recording
         self.layout = KVLayout.for_model(mc, config.page_size, self.dtype)
         num_pages = self._num_pages(config)
         self.kv_pool = KVPool(self.layout, num_pages)
@@ -65,7 +68,7 @@ class ModelRunner:
         return max(1, int(config.kv_cache_gib * 2**30) // self.layout.page_bytes)
 
     @torch.inference_mode()
-    def run(self, requests: list[Request], is_decode: bool) -> SampledTokens:
+    def run(self, requests: list[Request], is_decode: bool, grammar: GrammarBackend | None = None) -> SampledTokens:
         """Run the new tokens of `requests` (pages already allocated) and sample one token each.
 
         Writes the new tokens' KV into the pool. For prefill, the new tokens are
@@ -73,6 +76,8 @@ class ModelRunner:
         """
         logits = self.forward_logits(requests, is_decode)
         adjusted = adjust_logits(logits, requests, self.model_config.eos_token_ids)
+        if grammar is not None and any(r.grammar_matcher is not None for r in requests):
+            adjusted = grammar.mask_logits(adjusted, [r.grammar_matcher for r in requests])
         token_ids, logprobs = sample(adjusted, _sampling_batch(requests))
         needs_raw = adjusted is not logits or any(
             r.sampling.top_logprobs_num or r.sampling.token_ids_logprob for r in requests)
@@ -87,7 +92,8 @@ class ModelRunner:
     def forward_logits(self, requests: list[Request], is_decode: bool) -> torch.Tensor:
         """One forward pass; fp32 logits [B, V] at each request's last new token (KV written)."""
         input_ids, positions, meta = self._prepare(requests, is_decode)
-        hidden = self.model(input_ids, positions, self.rotary, self.attention, self.kv_pool.tensor, meta)
+        hidden = self.model(input_ids, positions, self.rotary, self.attention, self.kv_pool.tensor, meta,
+                            self.expert_recorder.step_counts())
         last_rows = torch.tensor(meta.query_lens).cumsum(0) - 1
         return self.model.compute_logits(hidden[last_rows])
 

@@ -13,11 +13,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import admin_api, batches_api, embeddings_api, files_api, native_api, openai_api, vllm_api
+from gateway import (admin_api, batches_api, embeddings_api, expert_api, files_api, metrics, native_api,
+                     openai_api, vllm_api)
 from gateway.batch_runner import run_batches
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.interactive_traffic import InteractiveTraffic, TrafficMiddleware
+from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.state import GatewayState
 from gateway.tokenizer import load_tokenizer
 from gateway.workers import WorkerPool
@@ -28,10 +30,11 @@ logger = logging.getLogger(__name__)
 def create_app(config: GatewayConfig) -> FastAPI:
     tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model_path)
     traffic = InteractiveTraffic(config.batch_yield_threshold)
+    gateway_metrics = GatewayMetrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        pool = WorkerPool(config.prefill_addrs, config.decode_addrs)
+        pool = WorkerPool(config.prefill_addrs, config.decode_addrs, metrics=gateway_metrics)
         app.state.gateway = GatewayState(config, tokenizer, pool)
         await pool.probe_all()
         pool.start()
@@ -48,10 +51,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.include_router(files_api.router)
     app.include_router(batches_api.router)
     app.include_router(embeddings_api.router)
+    app.include_router(expert_api.router)
+    app.include_router(metrics.router)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
+    app.add_middleware(MetricsMiddleware, metrics=gateway_metrics)   # first added: innermost, sees the route
     app.add_middleware(TrafficMiddleware, traffic=traffic)
     app.add_middleware(_JSONBodyMiddleware)
     if config.api_key:
@@ -59,11 +65,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
     return app
 
 
-_UNAUTHENTICATED_PATHS = frozenset({"/health", "/health_generate", "/ping"})
+_UNAUTHENTICATED_PATHS = frozenset({"/health", "/health_generate", "/ping", "/metrics"})
 
 
 class _APIKeyMiddleware:
-    """401 with an OpenAI error body unless `Authorization: Bearer <api key>`; health probes are open."""
+    """401 with an OpenAI error body unless `Authorization: Bearer <api key>`; health probes and the
+    Prometheus scrape (`/metrics`: counts and timings, no request content) are open."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app

@@ -35,6 +35,7 @@ class GatewayConfig:
     batch_concurrency: int = 8
     batch_yield_threshold: int = 1
     is_embedding: bool = False            # prefill workers serve an embedding model; no decode workers
+    expert_distribution_dir: str = "."    # where /dump_expert_distribution_record writes its CSV files
 
     def __post_init__(self) -> None:
         if not self.prefill_addrs or not (self.decode_addrs or self.is_embedding):

@@ -1,10 +1,11 @@
-"""Embedding routes: OpenAI's /v1/embeddings and SGLang's native /encode.
+"""Embedding routes: OpenAI's /v1/embeddings and SGLang's native /encode and /classify.
 
-Both need a stack started with --is-embedding: the gateway tokenizes (special tokens added, so
+All need a stack started with --is-embedding: the gateway tokenizes (special tokens added, so
 BERT inputs get [CLS] ... [SEP]; token-id inputs are sent as given), checks every input against
 the model's context length, and sends the token lists to the embedding prefill workers' `Embed`
 in pieces of at most `INPUTS_PER_CALL`, concurrently and round-robin. A generation stack answers
-both routes with 400.
+every route with 400. /classify is /encode, as in SGLang: a reward model's (sequence classifier's)
+vectors are its scores.
 
 `dimensions`: the full size is always accepted; a smaller one only when the model declares
 Matryoshka training (config.json `is_matryoshka` or `matryoshka_dimensions`); the worker then keeps
@@ -59,8 +60,19 @@ async def create_embeddings(body: EmbeddingRequest, state: GatewayState = Depend
 @router.post("/encode")
 async def encode(body: EncodeRequest, state: GatewayState = Depends(gateway_state)) -> JSONResponse:
     """SGLang's shape: `{"embedding", "meta_info"}` for one input, a list of them for a list."""
+    return await _encode(body, state, "/encode")
+
+
+@router.post("/classify")
+async def classify(body: EncodeRequest, state: GatewayState = Depends(gateway_state)) -> JSONResponse:
+    """SGLang's reward-model route: the body and answer of /encode, where a classifier's (e.g.
+    `LlamaForSequenceClassification`) "embedding" is its `num_labels` scores for the input's last token."""
+    return await _encode(body, state, "/classify")
+
+
+async def _encode(body: EncodeRequest, state: GatewayState, route: str) -> JSONResponse:
     started = time.perf_counter()
-    limits = embedding_limits(state, "/encode")
+    limits = embedding_limits(state, route)
     if (body.text is None) == (body.input_ids is None):
         raise bad_request("exactly one of `text` and `input_ids` is required", "text")
     if body.text is not None:

@@ -73,7 +73,36 @@ class TokenEvent:
 
 async def run_handoff(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt_ids: list[int],
                       sampling: common_pb2.SamplingParams) -> AsyncIterator[TokenEvent]:
-    """Yield the first token (with timings), then the decode server's tokens until a finish."""
+    """Yield the first token (with timings), then the decode server's tokens until a finish. Records the
+    trip's latencies, phases and outcome in `pool.metrics`."""
+    started = last = time.perf_counter()
+    outcome = "error"
+    events = _trip(pool, config, request_id, prompt_ids, sampling)
+    try:
+        async with contextlib.aclosing(events):
+            async for event in events:
+                now = time.perf_counter()
+                if event.timings is not None:
+                    pool.metrics.observe_first_token(event.timings, len(prompt_ids))
+                else:
+                    pool.metrics.observe_tokens(len(event.tokens), now - last)
+                last = now
+                outcome = event.finish_reason or "closed"   # "closed" if the reader stops after this event
+                yield event
+    except (GeneratorExit, asyncio.CancelledError):
+        if outcome not in _FINISH_NAMES.values():
+            outcome = "closed"
+        raise
+    except BaseException:
+        outcome = "error"
+        raise
+    finally:
+        pool.metrics.observe_end(outcome, time.perf_counter() - started)
+
+
+async def _trip(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt_ids: list[int],
+                sampling: common_pb2.SamplingParams) -> AsyncIterator[TokenEvent]:
+    """The trip itself, as `run_handoff` describes it, without the metrics."""
     started = time.perf_counter()
     decode, prefill = pool.pick("decode"), pool.pick("prefill")
     reserved = await _call(decode, decode.stub.Reserve(
@@ -82,11 +111,13 @@ async def run_handoff(pool: WorkerPool, config: GatewayConfig, request_id: str, 
     reserve_ms = (time.perf_counter() - started) * 1000
     generate: grpc.aio.UnaryStreamCall | None = None
     finished = False
+    write_settled = False   # True once the prefill server has answered: no KV write can be in flight
     try:
-        first = await _call(prefill, prefill.stub.Prefill(
+        first = await _prefill(prefill, prefill.stub.Prefill(
             prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt_ids, sampling_params=sampling,
                                        kv_target=reserved.kv_target),
             timeout=config.prefill_timeout_s))
+        write_settled = True
         timings = HandoffTimings(reserve_ms, first.queue_ms, first.compute_ms, first.transfer_ms, first.kv_bytes,
                                  (time.perf_counter() - started) * 1000, first.cached_tokens)
         yield TokenEvent([GeneratedToken.from_proto(first.first_token)], timings=timings)
@@ -105,9 +136,12 @@ async def run_handoff(pool: WorkerPool, config: GatewayConfig, request_id: str, 
                 return
         raise APIError(502, f"decode worker {decode.address} ended the stream without a finish reason",
                        "internal_error")
+    except _PrefillAnswered as answered:
+        write_settled = True
+        raise answered.error from None
     finally:
         if not finished:
-            await _release(decode, request_id, generate)
+            await _release(decode, request_id, generate, write_settled)
 
 
 async def _call(worker: Worker, call):
@@ -115,6 +149,29 @@ async def _call(worker: Worker, call):
         return await call
     except grpc.aio.AioRpcError as exc:
         raise APIError.from_grpc(exc, f"{worker.role} worker {worker.address}") from None
+
+
+class _PrefillAnswered(Exception):
+    """The prefill server answered with an error: its KV write, if any, is over."""
+
+    def __init__(self, error: APIError) -> None:
+        self.error = error
+
+
+# Codes the client side can raise on its own (deadline, cancel, lost connection): the server's
+# write may still be running then.
+_UNSETTLED_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                              grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN})
+
+
+async def _prefill(worker: Worker, call):
+    try:
+        return await call
+    except grpc.aio.AioRpcError as exc:
+        error = APIError.from_grpc(exc, f"{worker.role} worker {worker.address}")
+        if exc.code() in _UNSETTLED_CODES:
+            raise error from None
+        raise _PrefillAnswered(error) from None
 
 
 async def _stream(worker: Worker, call: grpc.aio.UnaryStreamCall) -> AsyncIterator[decode_pb2.GenerateResponse]:
@@ -125,10 +182,12 @@ async def _stream(worker: Worker, call: grpc.aio.UnaryStreamCall) -> AsyncIterat
         raise APIError.from_grpc(exc, f"{worker.role} worker {worker.address}") from None
 
 
-async def _release(decode: Worker, request_id: str, generate: grpc.aio.UnaryStreamCall | None) -> None:
+async def _release(decode: Worker, request_id: str, generate: grpc.aio.UnaryStreamCall | None,
+                   write_settled: bool) -> None:
     """Free the decode server's pages for an unfinished trip (cancelling the stream does it too)."""
     if generate is not None:
         generate.cancel()
     with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
-        await asyncio.shield(decode.stub.Abort(common_pb2.AbortRequest(request_id=request_id),
-                                               timeout=_ABORT_TIMEOUT_S))
+        await asyncio.shield(decode.stub.Abort(
+            common_pb2.AbortRequest(request_id=request_id, kv_write_settled=write_settled),
+            timeout=_ABORT_TIMEOUT_S))

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 
 from gateway.errors import bad_request
 from gateway.generation import Finish, GenerationRequest, GenerationResult, generate_choices
-from gateway.sampling import SamplingFields, build_sampling, check_token_ids, stop_list
+from gateway.sampling import SamplingFields, build_sampling, check_token_ids, output_constraint, stop_list
 from gateway.schemas import GenerateRequest
 from gateway.sse import sse_response
 from gateway.state import GatewayState, gateway_state
@@ -19,7 +19,7 @@ router = APIRouter()
 
 _SAMPLING_KEYS = {"n", "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
                   "stop_token_ids", "ignore_eos", "skip_special_tokens", "seed", "sampling_seed", "presence_penalty",
-                  "frequency_penalty", "repetition_penalty"}
+                  "frequency_penalty", "repetition_penalty", "json_schema", "regex", "ebnf"}
 
 
 @router.get("/health")
@@ -90,7 +90,9 @@ def _requests_for(state: GatewayState, body: GenerateRequest, limits, prompt_ids
         min_new_tokens=params.get("min_new_tokens"), presence_penalty=params.get("presence_penalty"),
         frequency_penalty=params.get("frequency_penalty"), repetition_penalty=params.get("repetition_penalty"),
         top_logprobs_num=body.top_logprobs_num if body.return_logprob else 0,
-        token_ids_logprob=tuple(body.token_ids_logprob or ()) if body.return_logprob else ())
+        token_ids_logprob=tuple(body.token_ids_logprob or ()) if body.return_logprob else (),
+        constraint=output_constraint(params.get("json_schema"), params.get("regex"), params.get("ebnf"),
+                                     schema_param="sampling_params.json_schema"))
     sampling = build_sampling(fields, len(prompt_ids), limits, state.config.sampling_defaults,
                               "sampling_params.max_new_tokens", "text" if body.text is not None else "input_ids")
     requests = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import AsyncIterator
 
@@ -10,11 +11,14 @@ from fastapi import APIRouter, Depends
 from gateway.errors import bad_request
 from gateway.generation import GenerationRequest, GenerationResult, generate_choices
 from gateway.openai_format import chat_logprobs, completion_logprobs, finish_name, matched_stop, usage
-from gateway.sampling import SamplingFields, build_sampling, check_token_ids, parse_logit_bias, stop_list
+from gateway.sampling import (SamplingFields, build_sampling, check_token_ids, output_constraint, parse_logit_bias,
+                              stop_list)
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.sse import sse_response
 from gateway.state import GatewayState, gateway_state
+from gateway.reasoning import ReasoningSplitter, split_reasoning
 from gateway.tokenizer import TokenizerError
+from gateway.tool_calls import ToolPlan, parse_tool_calls, plan_tools, tools_system_prompt
 
 router = APIRouter()
 
@@ -37,10 +41,16 @@ async def get_model(model_id: str, state: GatewayState = Depends(gateway_state))
 async def chat_completions(body: ChatCompletionRequest, state: GatewayState = Depends(gateway_state)):
     state.check_model(body.model)
     state.require_generation()
-    _reject_unsupported_chat(body)
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
+    tokenizer = state.require_tokenizer("messages")
+    plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    messages, template_kwargs = _chat_prompt(body, plan, tokenizer.template_uses("tools"))
+    if body.continue_final_message:
+        if body.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs the last message to be the assistant's", "messages")
+        template_kwargs["continue_final_message"] = True
     try:
-        prompt_ids = state.require_tokenizer("messages").apply_chat_template(messages, add_generation_prompt=True)
+        prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=not body.continue_final_message,
+                                                   **template_kwargs)
     except TokenizerError as exc:
         raise bad_request(str(exc), "messages") from None
     if body.top_logprobs is not None and not body.logprobs:
@@ -49,20 +59,61 @@ async def chat_completions(body: ChatCompletionRequest, state: GatewayState = De
     _check_top(num_top, "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    requests = _choice_requests(state, body, [prompt_ids], body.n, max_tokens, param, num_top)
+    requests = _choice_requests(state, body, [prompt_ids], body.n, max_tokens, param, num_top, plan)
     created, rid = int(time.time()), f"chatcmpl-{requests[0].request_id}"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(_chat_chunks(state, requests, body, rid, created, include_usage, num_top))
+        return sse_response(_chat_chunks(state, requests, body, rid, created, include_usage, num_top, plan))
     results = await _gather(state, requests)
     choices = []
     for index, result in enumerate(results):
-        choices.append({"index": index, "message": {"role": "assistant", "content": result.text, "tool_calls": None},
-                        "logprobs": chat_logprobs(state.require_tokenizer("logprobs"), result.tokens, num_top)
-                        if body.logprobs else None,
-                        "finish_reason": finish_name(result), "matched_stop": matched_stop(result)})
+        content, calls = parse_tool_calls(result.text, plan) if plan.parses_calls else (result.text, [])
+        reasoning = None
+        if body.separate_reasoning and content:
+            reasoning, content = split_reasoning(content)
+        choices.append({"index": index,
+                        "message": {"role": "assistant", "content": content, "reasoning_content": reasoning,
+                                    "tool_calls": [c.to_openai() for c in calls] or None},
+                        "logprobs": chat_logprobs(tokenizer, result.tokens, num_top) if body.logprobs else None,
+                        "finish_reason": "tool_calls" if calls else finish_name(result),
+                        "matched_stop": matched_stop(result)})
     return {"id": rid, "object": "chat.completion", "created": created, "model": body.model, "choices": choices,
             "usage": usage(len(prompt_ids), results, body.n)}
+
+
+def _chat_prompt(body: ChatCompletionRequest, plan: ToolPlan, template_takes_tools: bool) -> tuple[list[dict], dict]:
+    """Messages (and template arguments) for the chat template, tools included one way or the other."""
+    messages = []
+    for m in body.messages:
+        message = {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+        extra = m.model_extra or {}
+        if extra.get("tool_call_id"):
+            message["tool_call_id"] = extra["tool_call_id"]
+        if extra.get("tool_calls"):
+            if template_takes_tools:
+                message["tool_calls"] = extra["tool_calls"]
+            else:   # show earlier calls in the same format we ask the model to use
+                message["content"] += "".join(
+                    f"<tool_call>{json.dumps({'name': c['function']['name'], 'arguments': _arguments(c)})}</tool_call>"
+                    for c in extra["tool_calls"])
+        messages.append(message)
+    kwargs = dict(body.chat_template_kwargs or {})
+    if plan.tools:
+        if template_takes_tools:
+            kwargs["tools"] = plan.tools
+        elif messages and messages[0]["role"] == "system":
+            messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + tools_system_prompt(plan.tools)}
+        else:
+            messages.insert(0, {"role": "system", "content": tools_system_prompt(plan.tools)})
+    return messages, kwargs
+
+
+def _arguments(call: dict):
+    arguments = call.get("function", {}).get("arguments", "{}")
+    try:
+        return json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError:
+        return arguments
 
 
 @router.post("/v1/completions")
@@ -127,7 +178,7 @@ def _completion_prompts(state: GatewayState, prompt) -> list[list[int]]:
 
 
 def _choice_requests(state: GatewayState, body, prompts: list[list[int]], n: int, max_tokens: int | None,
-                     max_tokens_param: str, num_top: int) -> list[GenerationRequest]:
+                     max_tokens_param: str, num_top: int, plan: ToolPlan | None = None) -> list[GenerationRequest]:
     if not (1 <= n <= MAX_N):
         raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", "n")
     requests = []
@@ -137,7 +188,8 @@ def _choice_requests(state: GatewayState, body, prompts: list[list[int]], n: int
             max_new_tokens=max_tokens, stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
             min_new_tokens=body.min_tokens, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-            logit_bias=parse_logit_bias(body.logit_bias), top_logprobs_num=num_top)
+            logit_bias=parse_logit_bias(body.logit_bias), top_logprobs_num=num_top,
+            constraint=_constraint(body, plan))
         sampling = build_sampling(fields, len(prompt_ids), state.pool.limits(), state.config.sampling_defaults,
                                   max_tokens_param, "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
         for i in range(n):
@@ -164,12 +216,28 @@ def _stops(state: GatewayState, stop) -> tuple[str, ...]:
     return stops
 
 
-def _reject_unsupported_chat(body: ChatCompletionRequest) -> None:
-    """Parameters the server does not implement yet answer 400 instead of being silently ignored."""
-    if body.tools:
-        raise bad_request("tools are not supported yet", "tools")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise bad_request("response_format other than text is not supported yet", "response_format")
+def _constraint(body, plan: ToolPlan | None = None) -> tuple[str, str] | None:
+    """response_format (chat), a forced tool call, or SGLang's regex / ebnf -> one output constraint."""
+    schema, json_object = None, False
+    response_format = getattr(body, "response_format", None)
+    if response_format:
+        kind = response_format.get("type", "text")
+        if kind == "json_object":
+            json_object = True
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise bad_request("response_format json_schema needs {\"json_schema\": {\"name\", \"schema\"}}",
+                                  "response_format")
+            schema = spec["schema"]
+        elif kind != "text":
+            raise bad_request(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                              "response_format")
+    if plan is not None and plan.forced_schema is not None:
+        if schema is not None or json_object:
+            raise bad_request("tool_choice required or named cannot be combined with response_format", "tool_choice")
+        schema = plan.forced_schema
+    return output_constraint(schema, body.regex, body.ebnf, json_object, "response_format")
 
 
 def _check_top(num_top: int, param: str) -> None:
@@ -178,7 +246,9 @@ def _check_top(num_top: int, param: str) -> None:
 
 
 async def _chat_chunks(state: GatewayState, requests: list[GenerationRequest], body: ChatCompletionRequest, rid: str,
-                       created: int, include_usage: bool, num_top: int) -> AsyncIterator[dict]:
+                       created: int, include_usage: bool, num_top: int, plan: ToolPlan) -> AsyncIterator[dict]:
+    """Content streams as it comes; with tools, each choice's text is held until it finishes and then
+    sent as tool_calls deltas (or as content, if it holds no call)."""
     def chunk(index: int, delta: dict, logprobs=None, finish: str | None = None, matched=None) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         if finish is not None:
@@ -186,20 +256,46 @@ async def _chat_chunks(state: GatewayState, requests: list[GenerationRequest], b
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,
                 "choices": [choice]}
 
+    tokenizer = state.tokenizer
     for index in range(len(requests)):
         yield chunk(index, {"role": "assistant", "content": ""})
     results = [GenerationResult() for _ in requests]
-    async for index, delta in generate_choices(state.pool, state.config, state.tokenizer, requests):
-        results[index].add(delta)
-        logprobs = chat_logprobs(state.require_tokenizer("logprobs"), delta.tokens, num_top) if body.logprobs else None
-        if delta.text or (logprobs and delta.finish is None):
-            yield chunk(index, {"content": delta.text}, logprobs)
+    splitters = [ReasoningSplitter() if body.separate_reasoning else None for _ in requests]
+    async for index, delta in generate_choices(state.pool, state.config, tokenizer, requests):
+        result = results[index]
+        result.add(delta)
+        logprobs = chat_logprobs(tokenizer, delta.tokens, num_top) if body.logprobs else None
+        if plan.parses_calls:
+            if delta.finish is None:
+                continue
+            content, calls = parse_tool_calls(result.text, plan)
+            if calls:
+                yield chunk(index, {"tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]})
+            elif content:
+                yield chunk(index, {"content": content})
+            yield chunk(index, {}, None, "tool_calls" if calls else finish_name(result), matched_stop(result))
+            continue
+        reasoning, content = _split_delta(splitters[index], delta.text, delta.finish is not None)
+        if reasoning:
+            yield chunk(index, {"reasoning_content": reasoning})
+        if content or (logprobs and delta.finish is None):
+            yield chunk(index, {"content": content}, logprobs)
             logprobs = None
         if delta.finish is not None:
-            yield chunk(index, {}, logprobs, finish_name(results[index]), matched_stop(results[index]))
+            yield chunk(index, {}, logprobs, finish_name(result), matched_stop(result))
     if include_usage:
         yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model, "choices": [],
                "usage": usage(len(requests[0].prompt_ids), results, body.n)}
+
+
+def _split_delta(splitter: ReasoningSplitter | None, text: str, is_last: bool) -> tuple[str, str]:
+    if splitter is None:
+        return "", text
+    reasoning, content = splitter.feed(text)
+    if is_last:
+        tail_reasoning, tail_content = splitter.flush()
+        reasoning, content = reasoning + tail_reasoning, content + tail_content
+    return reasoning, content
 
 
 async def _completion_chunks(state: GatewayState, requests: list[GenerationRequest], body: CompletionRequest,

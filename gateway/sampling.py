@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from typing import Any
 from dataclasses import dataclass
 
 from gateway.errors import APIError, bad_request, context_length_exceeded
@@ -28,6 +30,7 @@ class SamplingFields:
     logit_bias: tuple[tuple[int, float], ...] = ()
     top_logprobs_num: int = 0
     token_ids_logprob: tuple[int, ...] = ()
+    constraint: tuple[str, str] | None = None    # (json_schema | json_object | regex | ebnf, text)
 
 
 def build_sampling(fields: SamplingFields, prompt_len: int, limits: ModelLimits, defaults: SamplingDefaults,
@@ -73,6 +76,12 @@ def build_sampling(fields: SamplingFields, prompt_len: int, limits: ModelLimits,
             setattr(params, name, getattr(fields, name))
     if fields.top_logprobs_num:
         params.top_logprobs_num = fields.top_logprobs_num
+    if fields.constraint is not None:
+        kind, text = fields.constraint
+        if kind == "json_object":
+            params.json_object = True
+        else:
+            setattr(params, kind, text)
     temperature = _first_set(fields.temperature, defaults.temperature)
     top_p = _first_set(fields.top_p, defaults.top_p)
     top_k = _first_set(fields.top_k, defaults.top_k)
@@ -104,6 +113,29 @@ def parse_logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], 
         return tuple((int(token), float(value)) for token, value in bias.items())
     except (TypeError, ValueError):
         raise bad_request("logit_bias keys must be token ids and values numbers", "logit_bias") from None
+
+
+def output_constraint(json_schema: Any = None, regex: str | None = None, ebnf: str | None = None,
+                      json_object: bool = False, schema_param: str = "json_schema") -> tuple[str, str] | None:
+    """At most one of the constraints; a JSON schema may come as a dict or as JSON text."""
+    given = [name for name, value in (("json_schema", json_schema), ("regex", regex), ("ebnf", ebnf),
+                                      ("json_object", json_object)) if value]
+    if len(given) > 1:
+        raise bad_request(f"only one output constraint may be given, got {', '.join(given)}", given[1])
+    if not given:
+        return None
+    if given[0] == "json_schema":
+        if isinstance(json_schema, str):
+            try:
+                json_schema = json.loads(json_schema)
+            except json.JSONDecodeError as exc:
+                raise bad_request(f"the JSON schema is not valid JSON: {exc}", schema_param) from None
+        if not isinstance(json_schema, dict):
+            raise bad_request("the JSON schema must be a JSON object", schema_param)
+        return "json_schema", json.dumps(json_schema)
+    if given[0] == "json_object":
+        return "json_object", ""
+    return given[0], regex if given[0] == "regex" else ebnf
 
 
 def stop_list(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -45,6 +45,8 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     min_tokens: int | None = None
     repetition_penalty: float | None = None
+    regex: str | None = None
+    ebnf: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
@@ -61,7 +63,11 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
+    separate_reasoning: bool = True
 
 
 class CompletionRequest(_SamplingFields):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -73,6 +74,13 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TokenizerError(f"text to encode must be a str, got {type(text).__name__}")
         return _as_id_list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def template_uses(self, variable: str) -> bool:
+        """Whether the chat template refers to `variable` (e.g. "tools")."""
+        template = getattr(self._hf, "chat_template", None)
+        if isinstance(template, dict):
+            template = " ".join(template.values())
+        return bool(template) and re.search(rf"\b{re.escape(variable)}\b", template) is not None
 
     def render_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.discovery import REFRESH_INTERVAL_S, RoleDiscovery
 from gateway.errors import APIError
+from gateway.metrics import GatewayMetrics
 from tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -22,6 +23,9 @@ _PROBE_TIMEOUT_S = 2.0
 # A worker whose address left DNS gets no new requests, but its channel stays open this long so
 # that streams already on it can finish (the gateway's default --request-timeout).
 _RETIRED_CHANNEL_GRACE_S = 3600.0
+# gRPC backs off reconnecting to a worker that went away by up to 120 s; cap it near the poll interval
+# so that a restarted worker is ready again within seconds.
+_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 1000))
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +48,7 @@ class Worker:
     def __init__(self, role: str, address: str) -> None:
         self.role = role
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         stub_cls = prefill_pb2_grpc.PrefillServiceStub if role == "prefill" else decode_pb2_grpc.DecodeServiceStub
         self.stub = stub_cls(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
@@ -68,10 +72,12 @@ class Worker:
 
 class WorkerPool:
     """The prefill and decode workers: static addresses, plus `dns:///name:port` ones re-resolved
-    (`gateway/discovery.py`) on every probe round once their refresh interval has passed."""
+    (`gateway/discovery.py`) on every probe round once their refresh interval has passed. `metrics`
+    gets the number of ready workers per role, and the handoffs run through the pool record theirs."""
 
     def __init__(self, prefill_addrs: tuple[str, ...], decode_addrs: tuple[str, ...],
-                 refresh_interval_s: float = REFRESH_INTERVAL_S) -> None:
+                 refresh_interval_s: float = REFRESH_INTERVAL_S, metrics: GatewayMetrics | None = None) -> None:
+        self.metrics = metrics or GatewayMetrics()
         self._discovery = {"prefill": RoleDiscovery("prefill", prefill_addrs, refresh_interval_s),
                            "decode": RoleDiscovery("decode", decode_addrs, refresh_interval_s)}
         self.workers = {role: [Worker(role, a) for a in d.static_addresses] for role, d in self._discovery.items()}
@@ -94,6 +100,8 @@ class WorkerPool:
     async def probe_all(self) -> None:
         await self.refresh_members()
         await asyncio.gather(*(w.probe() for w in self.all_workers()))
+        for role, workers in self.workers.items():
+            self.metrics.workers_ready.labels(role).set(sum(w.is_ready for w in workers))
 
     async def refresh_members(self) -> None:
         """Add a worker for each new address of a DNS spec; retire those whose address is gone."""

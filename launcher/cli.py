@@ -17,17 +17,21 @@ from launcher.healthcheck import add_healthcheck_args, run_healthcheck
 DEFAULT_GATEWAY_PORT = 30000
 DEFAULT_PREFILL_PORT = 30001
 DEFAULT_DECODE_PORT = 30002
+# vLLM's spellings are accepted too, so its serving commands work unchanged.
+_DTYPE_ALIASES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "float": "float32",
+                  "float16": "float16", "half": "float16", "fp16": "float16"}
+METRICS_PORT_OFFSET = 100   # a worker's metrics port defaults to its gRPC port + 100 (30101, 30102)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-path", default=None,
+    p.add_argument("--model-path", "--model", dest="model_path", default=None,
                    help="HF safetensors directory or GGUF file (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def _add_worker_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
-                   help="auto: bfloat16 on CPUs with AVX512-BF16/AMX, else float32")
+    p.add_argument("--dtype", default="auto", choices=sorted(["auto", *_DTYPE_ALIASES]),
+                   help="auto: bfloat16 on CPUs with AVX512-BF16/AMX, else float32 (vLLM's half/float/bf16 too)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool size in GiB when --max-total-tokens is unset")
@@ -35,7 +39,8 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-tokens", type=int, default=8192, help="prompt tokens per prefill batch")
     p.add_argument("--disable-prefix-cache", action="store_true",
                    help="prefill: recompute every prompt instead of reusing cached prefix pages")
-    p.add_argument("--context-length", type=int, default=None, help="cap the model's context length")
+    p.add_argument("--context-length", "--max-model-len", dest="context_length", type=int, default=None,
+                   help="cap the model's context length")
     p.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker process")
     p.add_argument("--kv-transport", default="mooncake", choices=["mooncake", "local"])
     p.add_argument("--kv-host", default=None, help="address peers use to reach this worker's KV transport")
@@ -66,12 +71,16 @@ def _add_gateway_args(p: argparse.ArgumentParser) -> None:
                         "gateway per directory (default: $XDG_DATA_HOME/tandem, i.e. ~/.local/share/tandem)")
     p.add_argument("--batch-concurrency", type=int, default=8,
                    help="batch lines run at once; a new one starts only while no interactive request is in flight")
+    p.add_argument("--expert-distribution-dir", default=None,
+                   help="where /dump_expert_distribution_record writes expert_distribution_*.csv "
+                        "(default: the gateway's working directory)")
 
 
 def _add_embedding_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--is-embedding", action="store_true",
                    help="serve an embedding model (/v1/embeddings, /encode): a BERT directory, or a Llama/Qwen2 "
-                        "checkpoint pooled at its last token; prefill workers only, no decode worker")
+                        "checkpoint pooled at its last token, or a Llama/Qwen2 *ForSequenceClassification reward "
+                        "model (/classify: its scores); prefill workers only, no decode worker")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill-port", type=int, default=DEFAULT_PREFILL_PORT)
     serve.add_argument("--decode-port", type=int, default=DEFAULT_DECODE_PORT)
     serve.add_argument("--startup-timeout", type=float, default=600.0)
+    serve.add_argument("--prefill-metrics-port", type=int, default=None,
+                       help="prefill worker's Prometheus port (default: --prefill-port + 100; 0: off)")
+    serve.add_argument("--decode-metrics-port", type=int, default=None,
+                       help="decode worker's Prometheus port (default: --decode-port + 100; 0: off)")
     _add_embedding_arg(serve)
 
     gateway = sub.add_parser("gateway", help="the HTTP gateway alone")
@@ -108,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
         _add_worker_args(worker)
         worker.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
         worker.add_argument("--port", type=int, default=port)
+        worker.add_argument("--metrics-port", type=int, default=None,
+                            help="HTTP port serving Prometheus text at /metrics (default: --port + 100; 0: off)")
         if role == "prefill":
             _add_embedding_arg(worker)
 
@@ -149,9 +164,13 @@ def _serve(args: argparse.Namespace) -> int:
     prefill_addr, decode_addr = f"127.0.0.1:{args.prefill_port}", f"127.0.0.1:{args.decode_port}"
     # An embedding stack is gateway + one embedding prefill worker: embeddings need no decode.
     embedding_flags = ["--is-embedding"] if args.is_embedding else []
+    prefill_metrics = ("--metrics-port", str(_metrics_port(args.prefill_metrics_port, args.prefill_port)))
+    decode_metrics = ("--metrics-port", str(_metrics_port(args.decode_metrics_port, args.decode_port)))
     children = [
-        ChildSpec("prefill", ("prefill", *worker_flags, *embedding_flags, "--port", str(args.prefill_port))),
-        *([] if args.is_embedding else [ChildSpec("decode", ("decode", *worker_flags, "--port", str(args.decode_port)))]),
+        ChildSpec("prefill", ("prefill", *worker_flags, *embedding_flags, "--port", str(args.prefill_port),
+                              *prefill_metrics)),
+        *([] if args.is_embedding else [ChildSpec("decode", ("decode", *worker_flags, "--port", str(args.decode_port),
+                                                             *decode_metrics))]),
         ChildSpec("gateway", ("gateway", *shared, "--served-model-name", served_name, "--host", args.host,
                               "--port", str(args.port), "--prefill", prefill_addr,
                               *(embedding_flags or ["--decode", decode_addr]),
@@ -160,7 +179,9 @@ def _serve(args: argparse.Namespace) -> int:
                               "--data-dir", args.data_dir or default_data_dir(),
                               "--batch-concurrency", str(args.batch_concurrency),
                               *(["--default-sampling", args.default_sampling] if args.default_sampling else []),
-                              *(["--skip-tokenizer-init"] if args.skip_tokenizer_init else []))),
+                              *(["--skip-tokenizer-init"] if args.skip_tokenizer_init else []),
+                              *(["--expert-distribution-dir", args.expert_distribution_dir]
+                                if args.expert_distribution_dir else []))),
     ]
     if args.api_key:   # handed to the gateway child by environment, never on a command line
         os.environ["TANDEM_API_KEY"] = args.api_key
@@ -193,7 +214,8 @@ def _gateway(args: argparse.Namespace) -> int:
                            port=args.port, prefill_timeout_s=args.prefill_timeout,
                            request_timeout_s=args.request_timeout,
                            data_dir=os.path.abspath(args.data_dir or default_data_dir()),
-                           batch_concurrency=args.batch_concurrency)
+                           batch_concurrency=args.batch_concurrency,
+                           expert_distribution_dir=os.path.abspath(args.expert_distribution_dir or os.getcwd()))
     serve_gateway(config)
     return 0
 
@@ -217,17 +239,26 @@ def _worker(args: argparse.Namespace) -> int:
                                   device_name=args.kv_device),
         torch_threads=args.torch_threads or default_torch_threads(2),
         reservation_ttl_s=args.reservation_ttl, transfer_timeout_s=args.transfer_timeout,
-        write_grace_s=args.kv_write_grace, is_embedding=getattr(args, "is_embedding", False))
+        write_grace_s=args.kv_write_grace, is_embedding=getattr(args, "is_embedding", False),
+        metrics_port=_metrics_port(args.metrics_port, args.port))
     add_servicer = add_prefill_servicer if args.command == "prefill" else add_decode_servicer
     asyncio.run(serve_worker(config, add_servicer))
     return 0
+
+
+def _metrics_port(flag: int | None, grpc_port: int) -> int:
+    """A worker's metrics port: the flag when given, else its gRPC port + 100 (off when that is no port)."""
+    if flag is not None:
+        return flag
+    port = grpc_port + METRICS_PORT_OFFSET
+    return port if grpc_port and port < 65536 else 0
 
 
 def _worker_dtype(args: argparse.Namespace) -> str:
     """--dtype, where auto is float32 for embedding models (small, and compared with fp32 references),
     else bfloat16 on CPUs that compute it natively."""
     if args.dtype != "auto":
-        return args.dtype
+        return _DTYPE_ALIASES[args.dtype]
     return "float32" if getattr(args, "is_embedding", False) else default_dtype()
 
 

@@ -66,6 +66,8 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
             if transfer is not None and not transfer.done():
                 await asyncio.wait([transfer])  # never free pages a write is still reading
             await asyncio.shield(self.ctx.loop.abort(rid))
+        self.ctx.loop.metrics.record_prefill(len(request.token_ids), output.cached_tokens, stats.num_bytes,
+                                             stats.seconds)
         return prefill_pb2.PrefillResponse(
             request_id=rid,
             first_token=token_to_proto(output),

@@ -1,4 +1,5 @@
-"""The RPCs every worker answers the same way, whatever its role: Abort, GetModelInfo, GetLoad.
+"""The RPCs every worker answers the same way, whatever its role: Abort, GetModelInfo, GetLoad,
+FlushCache, UpdateWeights, and the expert distribution record (start, stop, dump).
 
 A role's servicer lists `WorkerRpcs` before its generated base class and sets `role`.
 """
@@ -6,15 +7,21 @@ A role's servicer lists `WorkerRpcs` before its generated base class and sets `r
 from __future__ import annotations
 
 import asyncio
+from typing import Callable, TypeVar
 
 import grpc
 
 from engine.config import ConfigError
-from engine.errors import InvalidRequestError
+from engine.errors import EngineError, InvalidRequestError
+from engine.moe import ExpertRecorder
 from engine.weights import open_checkpoint
 
+from server_runtime.convert import expert_distribution_to_proto
+from server_runtime.errors import abort_with
 from server_runtime.worker import WorkerContext
 from tandem.v1 import common_pb2
+
+T = TypeVar("T")
 
 
 class WorkerRpcs:
@@ -25,7 +32,8 @@ class WorkerRpcs:
 
     async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> common_pb2.AbortResponse:
-        return common_pb2.AbortResponse(found=await self.ctx.loop.abort(request.request_id, "aborted by client"))
+        return common_pb2.AbortResponse(found=await self.ctx.loop.abort(request.request_id, "aborted by client",
+                                                                        request.kv_write_settled))
 
     async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
                            ) -> common_pb2.GetModelInfoResponse:
@@ -65,3 +73,29 @@ class WorkerRpcs:
                                                     weights_version=self.ctx.engine.weights_version)
         return common_pb2.UpdateWeightsResponse(success=True, message="Succeeded to update model weights.",
                                                 weights_version=version)
+
+    # The expert counts live in the model runner and are touched only on the engine thread.
+
+    async def StartExpertDistributionRecord(self, request: common_pb2.StartExpertDistributionRecordRequest,
+                                            context: grpc.aio.ServicerContext
+                                            ) -> common_pb2.StartExpertDistributionRecordResponse:
+        await self._on_recorder(context, lambda recorder: recorder.start())
+        return common_pb2.StartExpertDistributionRecordResponse()
+
+    async def StopExpertDistributionRecord(self, request: common_pb2.StopExpertDistributionRecordRequest,
+                                           context: grpc.aio.ServicerContext
+                                           ) -> common_pb2.StopExpertDistributionRecordResponse:
+        await self._on_recorder(context, lambda recorder: recorder.stop())
+        return common_pb2.StopExpertDistributionRecordResponse()
+
+    async def DumpExpertDistributionRecord(self, request: common_pb2.DumpExpertDistributionRecordRequest,
+                                           context: grpc.aio.ServicerContext
+                                           ) -> common_pb2.DumpExpertDistributionRecordResponse:
+        return expert_distribution_to_proto(await self._on_recorder(context, lambda recorder: recorder.dump()))
+
+    async def _on_recorder(self, context: grpc.aio.ServicerContext, fn: Callable[[ExpertRecorder], T]) -> T:
+        """`fn(expert recorder)` on the engine thread; a model without experts ends the RPC (INVALID_ARGUMENT)."""
+        try:
+            return await self.ctx.loop.call(lambda engine: fn(engine.runner.expert_recorder))
+        except EngineError as exc:
+            await abort_with(context, exc)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from engine.errors import InvalidRequestError
+from engine.grammar_spec import GrammarKind, GrammarSpec
 from engine.kv_pool import KVLayout
+from engine.moe import ExpertDistribution
 from engine.request import FinishReason, SamplingParams, StepOutput
 from tandem.v1 import common_pb2
 
@@ -34,7 +36,17 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         top_logprobs_num=msg.top_logprobs_num if msg.HasField("top_logprobs_num") else 0,
         token_ids_logprob=tuple(msg.token_ids_logprob),
+        grammar=_grammar_from_proto(msg),
     )
+
+
+def _grammar_from_proto(msg: common_pb2.SamplingParams) -> GrammarSpec | None:
+    kind = msg.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        return GrammarSpec(GrammarKind.JSON_OBJECT) if msg.json_object else None
+    return GrammarSpec(GrammarKind(kind), getattr(msg, kind))
 
 
 def layout_to_proto(layout: KVLayout) -> common_pb2.KvLayout:
@@ -61,6 +73,12 @@ def token_to_proto(output: StepOutput) -> common_pb2.TokenOutput:
         token_id=output.token_id, logprob=output.logprob,
         top_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in output.top_logprobs],
         token_ids_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in output.token_ids_logprobs])
+
+
+def expert_distribution_to_proto(record: ExpertDistribution) -> common_pb2.DumpExpertDistributionRecordResponse:
+    return common_pb2.DumpExpertDistributionRecordResponse(
+        layer_ids=record.layer_ids, num_experts=record.num_experts, num_experts_per_tok=record.num_experts_per_tok,
+        counts=[count for row in record.counts for count in row])
 
 
 def _describe(layout: common_pb2.KvLayout) -> str:

@@ -17,6 +17,7 @@ from typing import Any, Callable, TypeVar
 
 from engine.engine import Engine
 from engine.request import FinishReason, Request, SamplingParams, StepOutput
+from server_runtime.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +26,9 @@ _EXPIRY_INTERVAL_S = 0.25
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, metrics: WorkerMetrics | None = None) -> None:
         self.engine = engine
+        self.metrics = metrics or WorkerMetrics("unknown")   # steps and pool state: written on the engine thread
         self._loop = loop
         self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future]] = queue.SimpleQueue()
         self._sinks: dict[str, asyncio.Queue] = {}   # touched only on the engine thread
@@ -74,11 +76,11 @@ class EngineLoop:
         await self.call(admit)
         return sink
 
-    async def abort(self, request_id: str, message: str = "aborted") -> bool:
+    async def abort(self, request_id: str, message: str = "aborted", write_settled: bool = False) -> bool:
         """Abort a request (its stream gets a final ABORT output) or drop what it holds."""
         def abort(engine: Engine) -> bool:
             held = request_id in self._sinks or engine.holds(request_id)
-            output = engine.abort(request_id, message)
+            output = engine.abort(request_id, message, write_settled)
             if output is not None:
                 self._deliver(output)
             self._sinks.pop(request_id, None)
@@ -102,6 +104,7 @@ class EngineLoop:
             now = time.monotonic()
             if now >= next_expiry:
                 self.engine.expire_reservations(now)
+                self.metrics.observe_engine(self.engine)   # not every step: counting cached pages walks the cache
                 next_expiry = now + _EXPIRY_INTERVAL_S
             if self.engine.has_work:
                 self._step()
@@ -129,6 +132,7 @@ class EngineLoop:
             self._loop.call_soon_threadsafe(_set_result, future, result)
 
     def _step(self) -> None:
+        started = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception:
@@ -139,6 +143,8 @@ class EngineLoop:
                                                    abort_message="internal error in the engine step"))
             return
         self.num_steps += 1
+        self.metrics.observe_step(time.perf_counter() - started, len(outputs),
+                                  sum(o.token_id is not None for o in outputs))
         for output in outputs:
             self._deliver(output)
 

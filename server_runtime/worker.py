@@ -21,6 +21,7 @@ from kv_transfer import KVTransport, TransportConfig, create_transport
 from server_runtime.convert import layout_to_proto
 from server_runtime.embedding import EmbeddingContext, start_embedding
 from server_runtime.engine_loop import EngineLoop
+from server_runtime.metrics import WorkerMetrics, serve_metrics
 import tandem
 from tandem.v1 import common_pb2
 
@@ -44,12 +45,15 @@ class WorkerConfig:
     write_grace_s: float = 30.0       # decode: unused reservation pages rest this long before reuse
     transfer_timeout_s: float = 30.0  # prefill: longest KV write before the request fails
     is_embedding: bool = False        # prefill: serve Embed from an embedding model; no engine, KV or decode
+    metrics_port: int = 0             # HTTP port serving Prometheus text; 0: no metrics endpoint
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
         if not (0 <= self.port < 65536):
             raise ValueError(f"port out of range: {self.port}")
+        if not (0 <= self.metrics_port < 65536) or (self.metrics_port and self.metrics_port == self.port):
+            raise ValueError(f"metrics_port must be 0 (off) or a port other than port, got {self.metrics_port}")
         if self.torch_threads < 1:
             raise ValueError("torch_threads must be >= 1")
         if self.reservation_ttl_s <= 0 or self.transfer_timeout_s <= 0 or self.write_grace_s < 0:
@@ -103,6 +107,7 @@ async def serve_worker(config: WorkerConfig,
     With `config.is_embedding` it gets an `EmbeddingContext` instead: no engine, KV pool or transport.
     """
     context: WorkerContext | EmbeddingContext
+    metrics = WorkerMetrics(config.role, config.model_path, tandem.version())
     if config.is_embedding:
         torch.set_num_threads(config.torch_threads)
         torch.set_flush_denormal(True)
@@ -116,7 +121,7 @@ async def serve_worker(config: WorkerConfig,
         transport = create_transport(config.transport)
         pool = engine.runner.kv_pool
         transport.register(pool.base_addr, pool.num_bytes)
-        loop = EngineLoop(engine, asyncio.get_running_loop())
+        loop = EngineLoop(engine, asyncio.get_running_loop(), metrics)
         loop.start()
         context = WorkerContext(config, loop, transport, tandem.version())
         transport_text = f"KV transport {config.transport.backend} at {transport.session_id}"
@@ -125,7 +130,8 @@ async def serve_worker(config: WorkerConfig,
             loop.stop()
             transport.close()
 
-    server = grpc.aio.server(options=[("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+    server = grpc.aio.server(interceptors=[metrics.interceptor()],
+                             options=[("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                                       ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)])
     service_name = add_servicer(server, context)
     health_servicer = health.aio.HealthServicer()
@@ -135,10 +141,12 @@ async def serve_worker(config: WorkerConfig,
     address = f"{config.host}:{config.port}"
     if server.add_insecure_port(address) == 0:
         raise OSError(f"cannot listen on {address}")
+    metrics_server = serve_metrics(metrics.registry, config.host, config.metrics_port) if config.metrics_port else None
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)
-    logger.info("%s server ready on %s (%s)", config.role, address, transport_text)
+    logger.info("%s server ready on %s (%s; metrics %s)", config.role, address, transport_text,
+                f"on http://{config.host}:{config.metrics_port}/metrics" if metrics_server else "off")
 
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -147,4 +155,7 @@ async def serve_worker(config: WorkerConfig,
     logger.info("%s server shutting down", config.role)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=5)
+    if metrics_server is not None:
+        metrics_server.shutdown()
+        metrics_server.server_close()
     close()

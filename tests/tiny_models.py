@@ -12,8 +12,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGUFWriter
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, BertConfig, BertModel, LlamaConfig, LlamaForCausalLM,
-                          PreTrainedModel, Qwen2Config, Qwen2ForCausalLM)
+                          LlamaForSequenceClassification, MixtralConfig, MixtralForCausalLM, PreTrainedModel,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification,
+                          Qwen2MoeConfig, Qwen2MoeForCausalLM)
 
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
@@ -42,6 +46,66 @@ def save_tiny_qwen2(path: str | Path, seed: int = 0, max_shard_size: str | None 
     return _save(Qwen2ForCausalLM(config), path, seed, max_shard_size, dtype)
 
 
+# Routers get larger weights than the rest so that routing is decisive: no two experts' probabilities
+# are close enough for float rounding (ours vs HF's) to swap the chosen ones.
+_ROUTER_SCALE = {".gate.weight": 40.0}
+
+
+def save_tiny_qwen2_moe(path: str | Path, seed: int = 0, norm_topk_prob: bool = False,
+                        dtype: torch.dtype = torch.float32) -> Path:
+    """Write a random 3-layer Qwen2-MoE to `path`: layers 0 and 2 route each token to 2 of 8 experts
+    (width 32) plus a sigmoid-gated shared expert (width 96); layer 1 is dense (`mlp_only_layers`).
+    512 positions, so that a generation stack can run SGLang's default 128 new tokens."""
+    config = Qwen2MoeConfig(**{**_COMMON, "num_hidden_layers": 3, "max_position_embeddings": 512},
+                            tie_word_embeddings=False, use_sliding_window=False, num_experts=8,
+                            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=96,
+                            norm_topk_prob=norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[1])
+    return _save(Qwen2MoeForCausalLM(config), path, seed, None, dtype, _ROUTER_SCALE)
+
+
+def save_tiny_mixtral(path: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+    """Write a random 2-layer Mixtral to `path`: every layer routes each token to 2 of 4 experts (width 32)."""
+    config = MixtralConfig(**{**_COMMON, "intermediate_size": 32}, tie_word_embeddings=False, num_local_experts=4,
+                           num_experts_per_tok=2, sliding_window=None)
+    return _save(MixtralForCausalLM(config), path, seed, None, dtype, _ROUTER_SCALE)
+
+
+def save_tiny_classifier(path: str | Path, seed: int = 0, num_labels: int = 1, qwen2: bool = False) -> Path:
+    """Write a random 2-layer `LlamaForSequenceClassification` (or Qwen2's) with `num_labels` outputs
+    (1: a reward model) to `path`. No pad token, so HF scores the last token as Tandem does."""
+    if qwen2:
+        model: PreTrainedModel = Qwen2ForSequenceClassification(
+            Qwen2Config(num_labels=num_labels, use_sliding_window=False, **_COMMON))
+    else:
+        model = LlamaForSequenceClassification(LlamaConfig(num_labels=num_labels, **_COMMON))
+    return _save(model, path, seed, None, torch.float32)
+
+
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|eot|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+
+
+def save_tiny_tokenizer(path: str | Path) -> Path:
+    """Train a tiny BPE tokenizer (vocabulary under 256, so any tiny model here can
+    take its ids) with a chat template, and save it as HF tokenizer files into `path`."""
+    raw = RawTokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace()
+    raw.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=250, show_progress=False, special_tokens=[
+        "<unk>", "<s>", "</s>", "<|eot|>", "<|user|>", "<|assistant|>", "<|system|>"])
+    corpus = ["What is the capital of France? The capital of France is Paris.",
+              "What is the range of the numeric output of a sigmoid node in a neural network?",
+              "The output of a sigmoid node is bounded between -1 and 1, or between 0 and 1."]
+    raw.train_from_iterator(corpus * 5, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(directory))
+    return directory
+
+
 def save_tiny_bert(path: str | Path, seed: int = 0) -> Path:
     """Write a random 2-layer BertModel (hidden 64, 4 heads, vocab 256, 128 positions) to `path`."""
     config = BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -50,7 +114,9 @@ def save_tiny_bert(path: str | Path, seed: int = 0) -> Path:
 
 
 def _save(model: PreTrainedModel, path: str | Path, seed: int, max_shard_size: str | None,
-          dtype: torch.dtype) -> Path:
+          dtype: torch.dtype, scales: dict[str, float] | None = None) -> Path:
+    """Randomize every parameter (weights whose name ends with a key of `scales` are multiplied by
+    its value) and save `model` in `dtype`."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -60,7 +126,8 @@ def _save(model: PreTrainedModel, path: str | Path, seed: int, max_shard_size: s
             elif name.endswith(".bias"):
                 param.copy_(0.1 * noise)
             else:
-                param.copy_(0.05 * noise)
+                scale = next((v for k, v in (scales or {}).items() if name.endswith(k)), 1.0)
+                param.copy_(0.05 * scale * noise)
     model = model.to(dtype)
     directory = Path(path)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}

@@ -1,7 +1,8 @@
 """Parameter names and shapes a checkpoint must provide, and llama.cpp's names for them.
 
-Every loader yields names exactly as transformers' `LlamaForCausalLM` / `Qwen2ForCausalLM`
-`state_dict()` spells them, minus `lm_head.weight` when the embeddings are tied.
+Every loader yields names exactly as transformers' `LlamaForCausalLM` / `Qwen2ForCausalLM` (and
+`Qwen2MoeForCausalLM`, `MixtralForCausalLM`, `*ForSequenceClassification`) checkpoints spell them,
+minus `lm_head.weight` when the embeddings are tied.
 """
 
 from __future__ import annotations
@@ -9,9 +10,10 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
-from engine.config import ConfigError, ModelConfig
+from engine.config import Architecture, ConfigError, ModelConfig
 
 LM_HEAD = "lm_head.weight"
+SCORE = "score.weight"   # the head of *ForSequenceClassification, instead of lm_head
 
 # Buffers some older HF checkpoints saved next to the parameters; they carry no weights.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -54,14 +56,42 @@ def expected_shapes(config: ModelConfig) -> dict[str, Shape]:
         shapes[f"{attn}o_proj.weight"] = (hidden, q_dim)
         if config.o_proj_bias:
             shapes[f"{attn}o_proj.bias"] = (hidden,)
-        shapes[f"{mlp}gate_proj.weight"] = (inter, hidden)
-        shapes[f"{mlp}up_proj.weight"] = (inter, hidden)
-        shapes[f"{mlp}down_proj.weight"] = (hidden, inter)
+        if config.is_moe_layer(i):
+            shapes.update(_moe_shapes(config, f"model.layers.{i}."))
+        else:
+            shapes.update(_swiglu_shapes(mlp, hidden, inter))
         shapes[f"model.layers.{i}.input_layernorm.weight"] = (hidden,)
         shapes[f"model.layers.{i}.post_attention_layernorm.weight"] = (hidden,)
     shapes["model.norm.weight"] = (hidden,)
-    if not config.tie_word_embeddings:
+    if config.num_labels:
+        shapes[SCORE] = (config.num_labels, hidden)
+    elif not config.tie_word_embeddings:
         shapes[LM_HEAD] = (config.vocab_size, hidden)
+    return shapes
+
+
+def _swiglu_shapes(prefix: str, hidden: int, inter: int) -> dict[str, Shape]:
+    return {f"{prefix}gate_proj.weight": (inter, hidden), f"{prefix}up_proj.weight": (inter, hidden),
+            f"{prefix}down_proj.weight": (hidden, inter)}
+
+
+def _moe_shapes(config: ModelConfig, layer: str) -> dict[str, Shape]:
+    """One MoE layer: Qwen2-MoE's `mlp.{gate, experts.<e>.*_proj, shared_expert.*, shared_expert_gate}`
+    or Mixtral's `block_sparse_moe.{gate, experts.<e>.w1/w2/w3}`."""
+    hidden, width = config.hidden_size, config.moe_intermediate_size
+    is_mixtral = config.architecture is Architecture.MIXTRAL
+    block = f"{layer}block_sparse_moe." if is_mixtral else f"{layer}mlp."
+    shapes: dict[str, Shape] = {f"{block}gate.weight": (config.num_experts, hidden)}
+    for e in range(config.num_experts):
+        expert = f"{block}experts.{e}."
+        if is_mixtral:
+            shapes.update({f"{expert}w1.weight": (width, hidden), f"{expert}w2.weight": (hidden, width),
+                           f"{expert}w3.weight": (width, hidden)})
+        else:
+            shapes.update(_swiglu_shapes(expert, hidden, width))
+    if config.shared_expert_intermediate_size:
+        shapes.update(_swiglu_shapes(f"{block}shared_expert.", hidden, config.shared_expert_intermediate_size))
+        shapes[f"{block}shared_expert_gate.weight"] = (1, hidden)
     return shapes
 
 

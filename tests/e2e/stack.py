@@ -50,10 +50,19 @@ class Stack:
     prefill_port: int
     decode_port: int
     log_path: Path
+    prefill_metrics_port: int = 0
+    decode_metrics_port: int = 0
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def worker_metrics(self, role: str) -> str:
+        """The Prometheus text of the `role` worker's metrics endpoint."""
+        port = self.prefill_metrics_port if role == "prefill" else self.decode_metrics_port
+        reply = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+        reply.raise_for_status()
+        return reply.text
 
     def load(self) -> dict[str, common_pb2.GetLoadResponse]:
         loads = {}
@@ -91,17 +100,20 @@ class Stack:
 
 def start_stack(tmp_dir: Path, *flags: str, timeout_s: float = 300) -> Stack:
     """`tandem serve` with `flags`; its gateway keeps files and batches under `tmp_dir/data` unless
-    `flags` has a --data-dir."""
+    `flags` has a --data-dir. The workers serve their metrics on free ports (`Stack.worker_metrics`)."""
     port, prefill_port, decode_port = free_port(), free_port(), free_port()
+    prefill_metrics_port, decode_metrics_port = free_port(), free_port()
     if "--data-dir" not in flags:
         flags = (*flags, "--data-dir", str(tmp_dir / "data"))
+    flags = (*flags, "--prefill-metrics-port", str(prefill_metrics_port),
+             "--decode-metrics-port", str(decode_metrics_port))
     log_path = tmp_dir / "stack.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "launcher", "serve", "--port", str(port), "--prefill-port", str(prefill_port),
          "--decode-port", str(decode_port), *flags],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    stack = Stack(proc, port, prefill_port, decode_port, log_path)
+    stack = Stack(proc, port, prefill_port, decode_port, log_path, prefill_metrics_port, decode_metrics_port)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -128,8 +140,8 @@ def wait_health(url: str, status: int, timeout_s: float = 30) -> None:
 @dataclass
 class Services:
     """Prefill, decode and gateway as three separate processes (`tandem prefill|decode|gateway`), unlike
-    `tandem serve`, which stops everything when one child dies: here the gateway can be killed and started
-    again on its own."""
+    `tandem serve`, which stops everything when one child dies: here the gateway or the decode worker can
+    be killed and started again on its own."""
 
     prefill: subprocess.Popen
     decode: subprocess.Popen
@@ -139,6 +151,8 @@ class Services:
     log_dir: Path
     gateway: subprocess.Popen | None = None
     num_gateway_starts: int = 0
+    worker_flags: tuple[str, ...] = ()
+    num_decode_starts: int = 1
 
     @property
     def url(self) -> str:
@@ -169,6 +183,17 @@ class Services:
         self.gateway.kill()
         self.gateway.wait()
 
+    def kill_decode(self) -> None:
+        """SIGKILL the decode worker, as a crash would."""
+        self.decode.kill()
+        self.decode.wait()
+
+    def start_decode(self) -> None:
+        """Start a decode worker again, on the same ports and flags (it loads in the background)."""
+        self.num_decode_starts += 1
+        self.decode = _launch(_decode_args(self.decode_port, self.worker_flags),
+                              self.log_dir / f"decode-{self.num_decode_starts}.log")
+
     def stop(self) -> None:
         procs = [p for p in (self.gateway, self.prefill, self.decode) if p is not None]
         for proc in procs:
@@ -188,9 +213,14 @@ class Services:
 def start_services(tmp_dir: Path, *worker_flags: str) -> Services:
     """Start a prefill and a decode worker with `worker_flags`; call `start_gateway` next."""
     port, prefill_port, decode_port = free_port(), free_port(), free_port()
-    prefill = _launch(["prefill", "--port", str(prefill_port), *worker_flags], tmp_dir / "prefill.log")
-    decode = _launch(["decode", "--port", str(decode_port), *worker_flags], tmp_dir / "decode.log")
-    return Services(prefill, decode, port, prefill_port, decode_port, tmp_dir)
+    prefill = _launch(["prefill", "--port", str(prefill_port), "--metrics-port", "0", *worker_flags],
+                      tmp_dir / "prefill.log")
+    decode = _launch(_decode_args(decode_port, worker_flags), tmp_dir / "decode.log")
+    return Services(prefill, decode, port, prefill_port, decode_port, tmp_dir, worker_flags=tuple(worker_flags))
+
+
+def _decode_args(port: int, worker_flags: tuple[str, ...]) -> list[str]:
+    return ["decode", "--port", str(port), "--metrics-port", "0", *worker_flags]
 
 
 def _launch(args: list[str], log_path: Path) -> subprocess.Popen:

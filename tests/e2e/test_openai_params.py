@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
@@ -166,3 +167,139 @@ def test_cached_tokens_report_the_prefill_servers_prefix_cache_hits(client: open
     again = httpx.post(f"{stack.url}/generate", json={"text": "Answer briefly and exactly. " * 30 + "Yo",
                                                       "sampling_params": {"max_new_tokens": 1}}).json()["meta_info"]
     assert meta["cached_tokens"] < again["cached_tokens"] <= again["prompt_tokens"]
+
+
+CITY_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                                "population": {"type": "integer"}},
+               "required": ["name", "population"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_and_json_object_are_enforced(client: openai.OpenAI) -> None:
+    strict = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Give me a city as JSON."}], max_tokens=100,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA,
+                                                                "strict": True}})
+    value = json.loads(strict.choices[0].message.content)
+    assert set(value) == {"name", "population"} and isinstance(value["population"], int)
+    anything = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a cat."}], max_tokens=80,
+        response_format={"type": "json_object"})
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+
+
+def test_regex_and_ebnf_extras_and_generate_json_schema(client: openai.OpenAI, stack: Stack) -> None:
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Is fire cold?"}],
+                                            max_tokens=5, extra_body={"regex": "(yes|no)"})
+    assert answer.choices[0].message.content in ("yes", "no")
+    grammar = 'root ::= "The answer is " ("red" | "blue")'
+    colour = client.completions.create(model=MODEL, prompt="Pick a colour:", max_tokens=20,
+                                       extra_body={"ebnf": grammar})
+    assert colour.choices[0].text in ("The answer is red", "The answer is blue")
+    flag_schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                                    "is_capital": {"type": "boolean"}},
+                   "required": ["name", "is_capital"], "additionalProperties": False}
+    native = httpx.post(f"{stack.url}/generate", json={"text": "A city as JSON:", "sampling_params": {
+        "max_new_tokens": 100, "json_schema": json.dumps(flag_schema)}}, timeout=120).json()
+    value = json.loads(native["text"])
+    assert set(value) == {"name", "is_capital"} and isinstance(value["is_capital"], bool)
+
+
+def test_bad_constraints_are_400s(stack: Stack) -> None:
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for extra, param in (({"response_format": {"type": "json_schema"}}, "response_format"),
+                         ({"response_format": {"type": "xml"}}, "response_format"),
+                         ({"regex": "a", "ebnf": 'root ::= "a"'}, "ebnf")):
+        response = httpx.post(f"{stack.url}/v1/chat/completions", json={**base, **extra})
+        assert response.status_code == 400, extra
+        assert response.json()["error"]["param"] == param
+    broken = httpx.post(f"{stack.url}/v1/chat/completions", json={**base, "regex": "(a|"})
+    assert broken.status_code == 400 and "invalid regex" in broken.json()["error"]["message"]
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                                 "parameters": {"type": "object", "properties": {
+                                                     "city": {"type": "string", "maxLength": 30}},
+                                                     "required": ["city"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "description": "Current time",
+                                              "parameters": {"type": "object", "properties": {},
+                                                             "additionalProperties": False}}}
+
+
+def test_named_and_required_tool_choice_return_parsed_tool_calls(client: openai.OpenAI) -> None:
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER_TOOL, TIME_TOOL], max_tokens=60,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = named.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    required = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER_TOOL, TIME_TOOL],
+                                              tool_choice="required", max_tokens=80)
+    assert required.choices[0].message.tool_calls
+    assert {c.function.name for c in required.choices[0].message.tool_calls} <= {"get_weather", "get_time"}
+    none = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER_TOOL], tool_choice="none",
+                                          max_tokens=20)
+    assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
+
+
+def test_streamed_tool_calls_and_a_tool_result_round_trip(client: openai.OpenAI) -> None:
+    ask = [{"role": "user", "content": "Weather in Oslo?"}]
+    stream = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER_TOOL], stream=True,
+                                            max_tokens=60,
+                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    calls, finish = [], None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.tool_calls:
+            calls += chunk.choices[0].delta.tool_calls
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    assert finish == "tool_calls" and calls[0].function.name == "get_weather"
+    follow_up = client.chat.completions.create(model=MODEL, max_tokens=30, tools=[WEATHER_TOOL], messages=[
+        *ask, {"role": "assistant", "content": None, "tool_calls": [{"id": calls[0].id, "type": "function", "function": {
+            "name": "get_weather", "arguments": calls[0].function.arguments}}]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "Sunny, 21 C"}])
+    assert follow_up.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_reasoning_is_separated_and_a_final_message_can_be_continued(client: openai.OpenAI) -> None:
+    thinking = 'root ::= "<think>" "France, capital" "</think>" "\\n\\n" "Paris."'
+    ask = [{"role": "user", "content": "Capital of France?"}]
+    whole = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=30, extra_body={"ebnf": thinking})
+    message = whole.choices[0].message
+    assert message.content == "Paris." and message.model_extra["reasoning_content"] == "France, capital"
+    kept = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=30,
+                                          extra_body={"ebnf": thinking, "separate_reasoning": False})
+    assert kept.choices[0].message.content.startswith("<think>")
+    stream = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=30, stream=True,
+                                            extra_body={"ebnf": thinking})
+    reasoning = content = ""
+    for chunk in stream:
+        if chunk.choices:
+            reasoning += (chunk.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+            content += chunk.choices[0].delta.content or ""
+    assert (reasoning, content) == ("France, capital", "Paris.")
+    continued = client.chat.completions.create(
+        model=MODEL, max_tokens=8, temperature=0,
+        messages=[*ask, {"role": "assistant", "content": "The capital of France is"}],
+        extra_body={"continue_final_message": True})
+    assert "Paris" in continued.choices[0].message.content
+
+
+def test_malformed_requests_are_400s_never_500s(stack: Stack) -> None:
+    ok = [{"role": "user", "content": "hi"}]
+    cases = [({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+             ({"model": MODEL, "messages": []}, "messages"),
+             ({"model": MODEL, "messages": ok, "temperature": "hot"}, "temperature"),
+             ({"model": MODEL, "messages": "hi"}, "messages"),
+             ({"model": MODEL, "messages": ok, "n": 0}, "n"),
+             ({"model": MODEL, "messages": ok, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+             ({"messages": ok}, "model")]
+    for body, param in cases:
+        response = httpx.post(f"{stack.url}/v1/chat/completions", json=body)
+        assert response.status_code == 400, body
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == param, (body, error)
+    not_json = httpx.post(f"{stack.url}/v1/chat/completions", content=b"{not json",
+                          headers={"content-type": "application/json"})
+    assert not_json.status_code == 400 and "error" in not_json.json()

@@ -163,7 +163,7 @@ async def _hosts_scenario(hosts_path: str) -> None:
     """Runs inside the namespace: the pool follows /etc/hosts as DNS answers change."""
     port, decode_port = free_port("127.0.0.2"), free_port()
     interval = 0.05
-    _write_hosts(hosts_path, [f"127.0.0.1 tandem-prefill", f"127.0.0.2 tandem-prefill", "127.0.0.1 tandem-decode"])
+    _write_hosts(hosts_path, ["127.0.0.1 tandem-prefill", "127.0.0.2 tandem-prefill", "127.0.0.1 tandem-decode"])
     servers = [await start_worker("prefill", f"127.0.0.1:{port}"), await start_worker("prefill", f"127.0.0.2:{port}"),
                await start_worker("decode", f"127.0.0.1:{decode_port}")]
     pool = WorkerPool((f"dns:///tandem-prefill:{port}",), (f"dns:///tandem-decode:{decode_port}",),
@@ -174,20 +174,20 @@ async def _hosts_scenario(hosts_path: str) -> None:
         assert {w.address for w in pool.workers["prefill"]} == both and pool.is_ready
         assert {pool.pick("prefill").address for _ in range(4)} == both       # round-robin over every pod
 
-        _write_hosts(hosts_path, [f"127.0.0.1 tandem-prefill", "127.0.0.1 tandem-decode"])   # a pod went away
+        _write_hosts(hosts_path, ["127.0.0.1 tandem-prefill", "127.0.0.1 tandem-decode"])   # a pod went away
         await asyncio.sleep(interval)
         await pool.probe_all()
         assert [w.address for w in pool.workers["prefill"]] == [f"127.0.0.1:{port}"]
         assert {pool.pick("prefill").address for _ in range(4)} == {f"127.0.0.1:{port}"}
 
-        _write_hosts(hosts_path, [f"127.0.0.1 tandem-prefill"])                # no decode pod at all: NXDOMAIN
+        _write_hosts(hosts_path, ["127.0.0.1 tandem-prefill"])                # no decode pod at all: NXDOMAIN
         await asyncio.sleep(interval)
         await pool.probe_all()
         assert pool.workers["decode"] == [] and not pool.is_ready
         with pytest.raises(APIError):
             pool.pick("decode")
 
-        _write_hosts(hosts_path, [f"127.0.0.1 tandem-prefill", f"127.0.0.2 tandem-prefill",
+        _write_hosts(hosts_path, ["127.0.0.1 tandem-prefill", "127.0.0.2 tandem-prefill",
                                   "127.0.0.1 tandem-decode"])                  # both come back
         await asyncio.sleep(interval)
         await pool.probe_all()

@@ -1,0 +1,67 @@
+"""Print one image's pip requirements, one a line, read from pyproject.toml so the images follow it.
+
+    python3 docker/python_deps.py gateway|worker [--accelerator cpu|cuda] [--pyproject PATH]
+
+torch is left out: `docker/install-torch.sh` installs it first (a wheel from the build's wheels
+directory, or the PyTorch index for the accelerator). The gateway gets only what it imports; the
+worker image can run every role, `tandem serve` included, so it gets everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+INSTALLED_SEPARATELY = frozenset({"torch"})
+# The KV transport's wheel differs per accelerator: pyproject names the CPU one, which the CUDA
+# image swaps for the CUDA build (both install the same `mooncake` package).
+MOONCAKE = "mooncake-transfer-engine"
+ACCELERATOR_EXTRAS = {"cpu": (), "cuda": ("mooncake-transfer-engine", "flashinfer-python")}
+# What only the workers import: checkpoint reading, server reflection, stub generation at build time,
+# grammar-constrained decoding (the engine applies the grammar masks).
+WORKER_ONLY = frozenset({"safetensors", "grpcio-reflection", "grpcio-tools", "xgrammar"})
+
+
+def requirement_name(requirement: str) -> str:
+    """The normalized project name at the start of a PEP 508 requirement string."""
+    match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
+    if match is None:
+        raise ValueError(f"not a requirement: {requirement!r}")
+    return re.sub(r"[-_.]+", "-", match.group(1)).lower()
+
+
+def image_requirements(dependencies: list[str], role: str, accelerator: str) -> list[str]:
+    """The requirement lines for `role` ("gateway" or "worker") on `accelerator` ("cpu" or "cuda")."""
+    if role not in ("gateway", "worker") or accelerator not in ACCELERATOR_EXTRAS:
+        raise ValueError(f"unknown role/accelerator {role!r}/{accelerator!r}")
+    lines = []
+    for requirement in dependencies:
+        name = requirement_name(requirement)
+        if name in INSTALLED_SEPARATELY:
+            continue
+        if name.startswith(MOONCAKE) and (role == "gateway" or accelerator != "cpu"):
+            continue
+        if role == "gateway" and name in WORKER_ONLY:
+            continue
+        lines.append(requirement)
+    if role == "worker":
+        lines.extend(ACCELERATOR_EXTRAS[accelerator])
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("role", choices=["gateway", "worker"])
+    parser.add_argument("--accelerator", choices=sorted(ACCELERATOR_EXTRAS), default="cpu")
+    parser.add_argument("--pyproject", type=Path, default=Path(__file__).resolve().parent.parent / "pyproject.toml")
+    args = parser.parse_args(argv)
+    dependencies = tomllib.loads(args.pyproject.read_text())["project"]["dependencies"]
+    print("\n".join(image_requirements(dependencies, args.role, args.accelerator)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

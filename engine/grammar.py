@@ -1,0 +1,90 @@
+"""Grammar-constrained decoding: JSON schema, any JSON object, regex, EBNF (xgrammar).
+
+Each constrained request holds a matcher that tracks what it has generated; before sampling, its
+row of logits is masked to the tokens the grammar allows next. xgrammar and the tokenizer (for the
+vocabulary's byte strings) load on the first constrained request, so unconstrained serving never
+pays for them. Compiled grammars are cached by spec.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.grammar_spec import GrammarKind, GrammarSpec
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarBackend:
+    """Compiles specs into per-request matchers and masks logits with them. Engine thread only."""
+
+    def __init__(self, tokenizer_path: str, vocab_size: int) -> None:
+        self._tokenizer_path = tokenizer_path
+        self._vocab_size = vocab_size
+        self._compiler: Any = None
+        self._compiled: dict[GrammarSpec, Any] = {}
+
+    def new_matcher(self, spec: GrammarSpec) -> Any:
+        """A fresh matcher for `spec`; an invalid schema, regex or grammar raises InvalidRequestError."""
+        compiled = self._compiled.get(spec)
+        if compiled is None:
+            compiled = self._compile(spec)
+            self._compiled[spec] = compiled
+        import xgrammar
+        return xgrammar.GrammarMatcher(compiled)
+
+    def mask_logits(self, logits: torch.Tensor, matchers: list[Any]) -> torch.Tensor:
+        """Return `logits` with each constrained row limited to its grammar's next tokens."""
+        import xgrammar
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return logits
+        bitmask = xgrammar.allocate_token_bitmask(len(rows), self._vocab_size)
+        for slot, row in enumerate(rows):
+            matchers[row].fill_next_token_bitmask(bitmask, slot)
+        constrained = logits[rows].contiguous()
+        xgrammar.apply_token_bitmask_inplace(constrained, bitmask)
+        logits = logits.clone()
+        logits[rows] = constrained
+        return logits
+
+    def _compile(self, spec: GrammarSpec) -> Any:
+        compiler = self._ensure_compiler()
+        try:
+            if spec.kind is GrammarKind.JSON_SCHEMA:
+                return compiler.compile_json_schema(spec.text)
+            if spec.kind is GrammarKind.JSON_OBJECT:   # OpenAI's json_object: an object, not any JSON value
+                return compiler.compile_json_schema('{"type": "object"}')
+            if spec.kind is GrammarKind.REGEX:
+                return compiler.compile_regex(spec.text)
+            return compiler.compile_grammar(spec.text)
+        except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses with the parse error
+            raise InvalidRequestError(f"invalid {spec.kind.value}: {exc}") from None
+
+    def _ensure_compiler(self) -> Any:
+        if self._compiler is None:
+            import xgrammar
+            info = xgrammar.TokenizerInfo.from_huggingface(_load_hf_tokenizer(self._tokenizer_path),
+                                                          vocab_size=self._vocab_size)
+            self._compiler = xgrammar.GrammarCompiler(info)
+            logger.info("grammar backend ready (xgrammar, vocabulary %d)", self._vocab_size)
+        return self._compiler
+
+
+def accept_token(matcher: Any, token_id: int) -> None:
+    """Advance a matcher past a sampled token; a token outside the grammar is an engine bug."""
+    if not matcher.accept_token(token_id):
+        raise InvalidRequestError(f"token {token_id} does not continue the requested grammar")
+
+
+def _load_hf_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+    model = Path(path)
+    if model.is_file() and model.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(model.parent, gguf_file=model.name)
+    return AutoTokenizer.from_pretrained(model, local_files_only=True)

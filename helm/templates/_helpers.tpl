@@ -1,0 +1,67 @@
+{{/* Names and labels. */}}
+{{- define "tandem.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "tandem.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "tandem.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "tandem.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{/* Selector labels of one component: call with (dict "root" $ "component" "prefill"). */}}
+{{- define "tandem.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tandem.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* The headless Service of a worker role, and the name the gateway resolves for it. */}}
+{{- define "tandem.headlessName" -}}
+{{- printf "%s-%s-headless" (include "tandem.fullname" .root) .role | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "tandem.workerTarget" -}}
+{{- $values := index .root.Values .role -}}
+{{- printf "dns:///%s.%s.svc.%s:%v" (include "tandem.headlessName" .) .root.Release.Namespace .root.Values.clusterDomain $values.port -}}
+{{- end -}}
+
+{{- define "tandem.image" -}}
+{{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag) -}}
+{{- end -}}
+
+{{/* The model volume and its mount, when the model comes from a PVC (call only then). */}}
+{{- define "tandem.modelVolumeMount" -}}
+- name: model
+  mountPath: /models
+  readOnly: true
+  {{- with .Values.model.pvc.subPath }}
+  subPath: {{ . }}
+  {{- end }}
+{{- end -}}
+
+{{- define "tandem.modelVolume" -}}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ required "model.pvc.claimName is required when model.source is pvc" .Values.model.pvc.claimName }}
+    readOnly: true
+{{- end -}}
+
+{{- define "tandem.configChecksum" -}}
+{{- include (print .Template.BasePath "/configmap.yaml") . | sha256sum -}}
+{{- end -}}

@@ -1,0 +1,242 @@
+"""The Helm chart under helm/, rendered and linted in-process by helm-python-sdk (no helm binary, no
+cluster), with the default values, the GPU/RDMA profile and an everything-on variant. The rendered
+manifests are checked against Kubernetes' own schemas (kubernetes-validate, strict) and against the
+wiring Tandem needs: probes and resources on every container, GPU requests, Service ports equal to
+container ports, and gateway arguments naming the worker Services."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk is a test dependency (pip install '.[test]')")
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+CHART = Path(__file__).resolve().parents[2] / "helm"
+RELEASE, NAMESPACE = "tandem", "llm"
+KUBE_VERSIONS = ("1.27.0", "1.30.0")
+WORKERS = ("prefill", "decode")
+
+
+def _values_file(name: str) -> dict:
+    return yaml.safe_load((CHART / name).read_text())
+
+
+EVERYTHING_ON = {
+    "gateway": {"replicas": 2, "ingress": {"enabled": True, "className": "nginx"},
+                "autoscaling": {"enabled": True}, "extraPrefill": ["10.0.0.9:30001"]},
+    "model": {"source": "pvc", "path": "/models/Qwen2-0.5B-Instruct", "servedModelName": "qwen",
+              "pvc": {"claimName": "models", "subPath": "hf"}},
+    "config": {"maxTotalTokens": 65536, "contextLength": 4096, "defaultSampling": '{"temperature": 0.7}'},
+    "prefill": {"replicas": 3, "extraArgs": ["--max-prefill-tokens=16384"]},
+}
+EVERYTHING_ON["gateway"]["apiKeySecret"] = {"name": "tandem-api-key", "key": "key"}
+PROFILES = {"default": None, "gpu-rdma": _values_file("values-gpu-rdma.yaml"), "everything-on": EVERYTHING_ON}
+
+
+def render(values: dict | None) -> list[dict]:
+    with helm.Chart.load(CHART) as chart:
+        rendered = chart.render(values=copy.deepcopy(values), name=RELEASE, namespace=NAMESPACE, is_install=True)
+    return [doc for path, text in sorted(rendered.items()) if path.endswith(".yaml")
+            for doc in yaml.safe_load_all(text) if doc]
+
+
+@pytest.fixture(scope="module", params=sorted(PROFILES))
+def profile(request) -> tuple[str, dict | None, list[dict]]:
+    return request.param, PROFILES[request.param], render(PROFILES[request.param])
+
+
+def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def deployment(docs: list[dict], component: str) -> dict:
+    return by_kind(docs, "Deployment")[f"{RELEASE}-{component}"]
+
+
+def container(docs: list[dict], component: str) -> dict:
+    (only,) = deployment(docs, component)["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def test_chart_lints_clean_with_each_values_file():
+    for name, values in PROFILES.items():
+        report = helm.lint(CHART, copy.deepcopy(values), strict=True, kube_version="v1.30.0")
+        problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+        assert problems == [], f"{name}: {problems}"
+
+
+def test_manifests_match_the_kubernetes_schemas(profile):
+    name, _, docs = profile
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds.count("Deployment") == 3 and kinds.count("Service") == 3 and "ConfigMap" in kinds
+    for version in KUBE_VERSIONS:
+        for doc in docs:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_every_container_has_probes_resources_and_a_drain(profile):
+    _, _, docs = profile
+    for deploy in by_kind(docs, "Deployment").values():
+        pod = deploy["spec"]["template"]["spec"]
+        for c in pod["containers"]:
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert probe in c, (deploy["metadata"]["name"], probe)
+            assert c["resources"].get("requests") and c["resources"].get("limits"), deploy["metadata"]["name"]
+            sleep = int(c["lifecycle"]["preStop"]["exec"]["command"][-1])
+            assert 0 < sleep < pod["terminationGracePeriodSeconds"]
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def test_workers_are_probed_on_grpc_health_and_the_gateway_on_health(profile):
+    _, _, docs = profile
+    for role in WORKERS:
+        c = container(docs, role)
+        (grpc_port,) = [p["containerPort"] for p in c["ports"] if p["name"] == "grpc"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"]["port"] == grpc_port
+    gateway = container(docs, "gateway")
+    assert gateway["readinessProbe"]["httpGet"]["path"] == "/health"
+    # Workers being away (503 on /health) or an API key must not restart the gateway.
+    assert gateway["livenessProbe"]["tcpSocket"]["port"] == "http"
+
+
+def test_gpu_requests_only_where_asked(profile):
+    name, _, docs = profile
+    for role in WORKERS:
+        resources = container(docs, role)["resources"]
+        expected = 1 if name == "gpu-rdma" else None
+        assert resources["limits"].get("nvidia.com/gpu") == expected
+        assert resources["requests"].get("nvidia.com/gpu") == expected
+    assert "nvidia.com/gpu" not in container(docs, "gateway")["resources"].get("limits", {})
+
+
+def test_service_ports_are_the_container_ports(profile):
+    _, _, docs = profile
+    deployments = by_kind(docs, "Deployment").values()
+    for service in by_kind(docs, "Service").values():
+        selector = service["spec"]["selector"]
+        matched = [d for d in deployments
+                   if selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(matched) == 1, service["metadata"]["name"]
+        (pod_container,) = matched[0]["spec"]["template"]["spec"]["containers"]
+        ports = {p["name"]: p["containerPort"] for p in pod_container["ports"]}
+        for port in service["spec"]["ports"]:
+            assert port["targetPort"] in ports, (service["metadata"]["name"], port)
+            if service["spec"].get("clusterIP") == "None":     # DNS hands out pod IPs: same port numbers
+                assert port["port"] == ports[port["targetPort"]]
+
+
+def test_gateway_is_pointed_at_the_worker_services(profile):
+    _, _, docs = profile
+    args = container(docs, "gateway")["args"]
+    services = by_kind(docs, "Service")
+    for role in WORKERS:
+        headless = services[f"{RELEASE}-{role}-headless"]
+        assert headless["spec"]["clusterIP"] == "None"
+        (grpc,) = [p["port"] for p in headless["spec"]["ports"] if p["name"] == "grpc"]
+        target = f"--{role}=dns:///{RELEASE}-{role}-headless.{NAMESPACE}.svc.cluster.local:{grpc}"
+        assert target in args
+        worker_args = container(docs, role)["args"]
+        assert worker_args[0] == role and f"--port={grpc}" in worker_args
+        assert "--kv-host=$(POD_IP)" in worker_args
+
+
+def test_every_variable_in_args_is_defined(profile):
+    _, _, docs = profile
+    config = by_kind(docs, "ConfigMap")[f"{RELEASE}-config"]["data"]
+    for deploy in by_kind(docs, "Deployment").values():
+        c = deploy["spec"]["template"]["spec"]["containers"][0]
+        assert c["envFrom"] == [{"configMapRef": {"name": f"{RELEASE}-config"}}]
+        defined = set(config) | {e["name"] for e in c.get("env", [])}
+        used = {v for arg in c["args"] for v in re.findall(r"\$\((\w+)\)", arg)}
+        assert used <= defined, (deploy["metadata"]["name"], used - defined)
+
+
+def test_mooncake_ports_are_pinned_and_declared(profile):
+    _, _, docs = profile
+    seen: set[int] = set()
+    for role in WORKERS:
+        c = container(docs, role)
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        low, high = int(env["MC_MIN_RPC_PORT"]), int(env["MC_MAX_RPC_PORT"])
+        assert high - low + 1 >= 2           # Mooncake listens on two ports: handshake RPC and TCP data
+        kv_ports = {p["containerPort"] for p in c["ports"] if p["name"].startswith("kv-")}
+        assert kv_ports == set(range(low, high + 1))
+        assert not kv_ports & seen           # distinct per role, so hostNetwork pods can share a node
+        seen |= kv_ports
+
+
+def test_disruption_budgets_cover_each_component(profile):
+    _, _, docs = profile
+    budgets = by_kind(docs, "PodDisruptionBudget")
+    for component in ("gateway", *WORKERS):
+        selector = budgets[f"{RELEASE}-{component}"]["spec"]["selector"]["matchLabels"]
+        assert selector.items() <= deployment(docs, component)["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_rdma_profile_wires_the_transport():
+    docs = render(PROFILES["gpu-rdma"])
+    assert by_kind(docs, "ConfigMap")[f"{RELEASE}-config"]["data"]["TANDEM_KV_PROTOCOL"] == "rdma"
+    for role in WORKERS:
+        pod = deployment(docs, role)["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
+        assert c["resources"]["limits"]["rdma/rdma_shared_device_a"] == 1
+        assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+        assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+
+
+def test_default_profile_is_tcp_on_the_pod_network():
+    docs = render(None)
+    assert by_kind(docs, "ConfigMap")[f"{RELEASE}-config"]["data"]["TANDEM_KV_PROTOCOL"] == "tcp"
+    for role in WORKERS:
+        pod = deployment(docs, role)["spec"]["template"]["spec"]
+        assert "hostNetwork" not in pod
+        assert "add" not in pod["containers"][0]["securityContext"]["capabilities"]
+
+
+def test_model_from_a_pvc_is_mounted_everywhere_and_needs_a_claim():
+    docs = render(EVERYTHING_ON)
+    for component in ("gateway", *WORKERS):
+        pod = deployment(docs, component)["spec"]["template"]["spec"]
+        mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+        assert mounts["model"]["mountPath"] == "/models" and mounts["model"]["readOnly"] is True
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "model"]
+        assert volume["persistentVolumeClaim"]["claimName"] == "models"
+    with pytest.raises(helm.HelmError, match="claimName"):
+        render({"model": {"source": "pvc"}})
+
+
+def test_optional_ingress_autoscaler_and_replicas():
+    docs = render(EVERYTHING_ON)
+    ingress = by_kind(docs, "Ingress")[f"{RELEASE}-gateway"]
+    assert ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["name"] == f"{RELEASE}-gateway"
+    hpa = by_kind(docs, "HorizontalPodAutoscaler")[f"{RELEASE}-gateway"]
+    assert hpa["spec"]["scaleTargetRef"]["name"] == f"{RELEASE}-gateway"
+    assert "replicas" not in deployment(docs, "gateway")["spec"]          # the autoscaler owns it
+    assert deployment(docs, "prefill")["spec"]["replicas"] == 3
+    assert "--prefill=10.0.0.9:30001" in container(docs, "gateway")["args"]
+    assert '--default-sampling={"temperature": 0.7}' in container(docs, "gateway")["args"]
+    (key,) = [e for e in container(docs, "gateway")["env"] if e["name"] == "TANDEM_API_KEY"]
+    assert key["valueFrom"]["secretKeyRef"] == {"name": "tandem-api-key", "key": "key"}
+    assert not by_kind(render(None), "Ingress") and not by_kind(render(None), "HorizontalPodAutoscaler")
+
+
+def test_values_schema_rejects_an_unknown_protocol():
+    with pytest.raises(helm.HelmError):
+        render({"kv": {"protocol": "carrier-pigeon"}})
+
+
+def test_a_config_change_rolls_the_pods():
+    before = render(None)
+    after = render({"config": {"logLevel": "debug"}})
+    for component in ("gateway", *WORKERS):
+        key = "checksum/config"
+        assert (deployment(before, component)["spec"]["template"]["metadata"]["annotations"][key]
+                != deployment(after, component)["spec"]["template"]["metadata"]["annotations"][key])

@@ -1,0 +1,118 @@
+"""The image recipe without building it: requirement lists follow pyproject.toml, both targets run as
+a non-root user with a health check, and the build context holds what the build reads."""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib.util
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+
+
+def _load_python_deps():
+    spec = importlib.util.spec_from_file_location("python_deps", ROOT / "docker" / "python_deps.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+python_deps = _load_python_deps()
+DEPENDENCIES = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+
+
+def names(requirements: list[str]) -> set[str]:
+    return {python_deps.requirement_name(r) for r in requirements}
+
+
+def test_worker_image_gets_every_dependency_but_torch():
+    assert names(python_deps.image_requirements(DEPENDENCIES, "worker", "cpu")) == names(DEPENDENCIES) - {"torch"}
+
+
+def test_cuda_worker_swaps_the_mooncake_build_and_adds_flashinfer():
+    cuda = names(python_deps.image_requirements(DEPENDENCIES, "worker", "cuda"))
+    assert "mooncake-transfer-engine" in cuda and "flashinfer-python" in cuda
+    assert "mooncake-transfer-engine-non-cuda" not in cuda and "torch" not in cuda
+
+
+def test_gateway_image_leaves_out_the_engine_side():
+    gateway = python_deps.image_requirements(DEPENDENCIES, "gateway", "cpu")
+    assert set(gateway) <= set(DEPENDENCIES)                  # same specifiers as pyproject
+    assert not names(gateway) & {"torch", "safetensors", "mooncake-transfer-engine-non-cuda", "grpcio-reflection"}
+    assert {"transformers", "gguf", "fastapi", "uvicorn", "grpcio", "grpcio-health-checking"} <= names(gateway)
+
+
+def test_gateway_imports_are_covered_by_its_requirements():
+    """Every third-party module the gateway (and `tandem healthcheck`) imports is installed in its image."""
+    provided = names(python_deps.image_requirements(DEPENDENCIES, "gateway", "cpu"))
+    module_to_project = {"grpc": "grpcio", "grpc_health": "grpcio-health-checking", "google": "protobuf",
+                         "fastapi": "fastapi", "starlette": "fastapi", "pydantic": "fastapi", "uvicorn": "uvicorn",
+                         "transformers": "transformers", "jinja2": "jinja2", "httpx": "httpx",
+                         "multipart": "python-multipart", "python_multipart": "python-multipart",
+                         "prometheus_client": "prometheus-client"}
+    imported = set()
+    for path in [*(ROOT / "gateway").glob("*.py"), ROOT / "launcher" / "healthcheck.py"]:
+        imported |= set(re.findall(r"^\s*(?:from|import) ([a-zA-Z_]\w*)", path.read_text(), re.MULTILINE))
+    stdlib = set(sys.stdlib_module_names) | {"gateway", "tandem", "launcher", "__future__"}
+    third_party = imported - stdlib
+    unknown = third_party - module_to_project.keys()
+    assert not unknown, f"map these gateway imports to their PyPI projects: {unknown}"
+    missing = {module_to_project[m] for m in third_party} - provided
+    assert not missing, f"the gateway imports {missing}, which pyproject.toml's dependencies (and so its image) lack"
+
+
+def test_python_deps_cli_prints_one_requirement_a_line():
+    out = subprocess.run([sys.executable, str(ROOT / "docker" / "python_deps.py"), "worker", "--accelerator", "cuda"],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out == python_deps.image_requirements(DEPENDENCIES, "worker", "cuda")
+    with pytest.raises(ValueError):
+        python_deps.image_requirements(DEPENDENCIES, "worker", "rocm")
+
+
+def _stage(name: str) -> str:
+    match = re.search(rf"^FROM \S+ AS {name}\n(.*?)(?=^FROM |\Z)", DOCKERFILE, re.MULTILINE | re.DOTALL)
+    assert match, name
+    return match.group(1)
+
+
+@pytest.mark.parametrize("target", ["gateway", "worker"])
+def test_final_images_are_non_root_with_a_health_check(target):
+    stage = _stage(target)
+    assert re.search(r"^USER tandem$", stage, re.MULTILINE)
+    assert re.search(r"^HEALTHCHECK .*\n?.*tandem.*healthcheck", stage, re.MULTILINE)
+    assert 'ENTRYPOINT ["tandem"]' in stage
+    assert "COPY --from=" in stage and "/models" in stage
+
+
+def test_base_image_is_a_build_argument_with_a_cpu_default():
+    assert re.search(r"^ARG BASE_IMAGE=debian:bookworm-slim$", DOCKERFILE, re.MULTILINE)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\} AS system$", DOCKERFILE, re.MULTILINE)
+    for arg in ("ACCELERATOR", "TORCH_VERSION", "TORCH_INDEX_URL"):
+        assert f"ARG {arg}=" in DOCKERFILE
+
+
+def test_build_context_has_what_the_build_reads_and_not_the_rest():
+    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+
+    def ignored(relative: str) -> bool:
+        return any(fnmatch.fnmatch(relative, p.lstrip("/")) or relative.split("/")[0] == p.lstrip("/")
+                   for p in patterns)
+
+    for needed in ("pyproject.toml", "README.md", "scripts/gen_protos.py", "docker/python_deps.py",
+                   "docker/install-torch.sh", "docker/bundle_model.py", "docker/check_cpu_grammar.py",
+                   "docker/wheels/README.md", "docker/certs/README.md", "protos/tandem/v1/common.proto"):
+        assert (ROOT / needed).exists() and not ignored(needed), needed
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    for package in (p.rstrip("*") for p in include):
+        if (ROOT / package).is_dir():
+            assert not ignored(package), package
+    for excluded in (".git", ".venv", "tests", "helm", "protos/tandem/v1/common_pb2.py"):
+        assert ignored(excluded), excluded
