@@ -10,6 +10,7 @@ import logging
 import grpc
 
 from engine.errors import EngineError
+from server_runtime.common_rpcs import WorkerInfoRpcs
 from server_runtime.embedding import EmbeddingContext
 from server_runtime.errors import abort_with
 from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -17,11 +18,11 @@ from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 logger = logging.getLogger(__name__)
 
 
-class EmbeddingServicer(prefill_pb2_grpc.PrefillServiceServicer):
+class EmbeddingServicer(WorkerInfoRpcs, prefill_pb2_grpc.PrefillServiceServicer):
     role = common_pb2.WORKER_ROLE_PREFILL
 
     def __init__(self, ctx: EmbeddingContext) -> None:
-        self.ctx = ctx
+        super().__init__(ctx)
 
     async def Embed(self, request: prefill_pb2.EmbedRequest, context: grpc.aio.ServicerContext
                     ) -> prefill_pb2.EmbedResponse:
@@ -46,11 +47,3 @@ class EmbeddingServicer(prefill_pb2_grpc.PrefillServiceServicer):
                     ) -> common_pb2.AbortResponse:
         # Nothing is held between calls: an Embed call ends with its batch.
         return common_pb2.AbortResponse(found=False)
-
-    async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
-                           ) -> common_pb2.GetModelInfoResponse:
-        return self.ctx.model_info(self.role)
-
-    async def GetLoad(self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
-                      ) -> common_pb2.GetLoadResponse:
-        return await self.ctx.load()

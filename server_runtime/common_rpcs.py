@@ -1,7 +1,8 @@
-"""The RPCs every worker answers the same way, whatever its role: Abort, GetModelInfo, GetLoad,
-FlushCache, UpdateWeights, and the expert distribution record (start, stop, dump).
+"""The RPCs every worker answers the same way, whatever its role.
 
-A role's servicer lists `WorkerRpcs` before its generated base class and sets `role`.
+`WorkerInfoRpcs` (GetModelInfo, GetLoad) is all an embedding worker shares; `WorkerRpcs` adds what an
+engine worker answers: Abort, FlushCache, UpdateWeights and the expert distribution record. A role's
+servicer lists one of them before its generated base class and sets `role`.
 """
 
 from __future__ import annotations
@@ -24,16 +25,13 @@ from tandem.v1 import common_pb2
 T = TypeVar("T")
 
 
-class WorkerRpcs:
+class WorkerInfoRpcs:
+    """GetModelInfo and GetLoad, from any context with `model_info(role)` and `load()`."""
+
     role: int = common_pb2.WORKER_ROLE_UNSPECIFIED
 
-    def __init__(self, ctx: WorkerContext) -> None:
+    def __init__(self, ctx) -> None:
         self.ctx = ctx
-
-    async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
-                    ) -> common_pb2.AbortResponse:
-        return common_pb2.AbortResponse(found=await self.ctx.loop.abort(request.request_id, "aborted by client",
-                                                                        request.kv_write_settled))
 
     async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
                            ) -> common_pb2.GetModelInfoResponse:
@@ -42,6 +40,17 @@ class WorkerRpcs:
     async def GetLoad(self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
                       ) -> common_pb2.GetLoadResponse:
         return await self.ctx.load()
+
+
+class WorkerRpcs(WorkerInfoRpcs):
+    """The engine worker's shared RPCs; `ctx` is a `WorkerContext`."""
+
+    ctx: WorkerContext
+
+    async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
+                    ) -> common_pb2.AbortResponse:
+        return common_pb2.AbortResponse(found=await self.ctx.loop.abort(request.request_id, "aborted by client",
+                                                                        request.kv_write_settled))
 
     async def FlushCache(self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
                          ) -> common_pb2.FlushCacheResponse:
