@@ -40,10 +40,11 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         finished = False
         try:
             try:
+                sampling = sampling_from_proto(request.sampling_params)
+                if sampling.grammar is not None:   # compile off the engine thread (see GrammarBackend)
+                    await asyncio.to_thread(self.ctx.engine.grammar.prepare, sampling.grammar)
                 sink = await self.ctx.loop.admit(rid, list(request.prompt_token_ids), request.first_token.token_id,
-                                                 request.first_token.logprob,
-                                                 sampling_from_proto(request.sampling_params),
-                                                 request.weights_version)
+                                                 request.first_token.logprob, sampling, request.weights_version)
             except EngineError as exc:
                 await abort_with(context, exc)   # the finally below drops the reservation
             while not finished:

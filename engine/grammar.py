@@ -9,6 +9,7 @@ pays for them. Compiled grammars are cached by spec.
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,22 +22,31 @@ logger = logging.getLogger(__name__)
 
 
 class GrammarBackend:
-    """Compiles specs into per-request matchers and masks logits with them. Engine thread only."""
+    """Compiles specs into per-request matchers and masks logits with them.
+
+    `prepare` may run on any thread (servicers call it off the engine thread, so loading the
+    tokenizer or compiling a large schema never stalls running requests); `new_matcher` and
+    `mask_logits` run on the engine thread and then only hit the cache.
+    """
 
     def __init__(self, tokenizer_path: str, vocab_size: int) -> None:
         self._tokenizer_path = tokenizer_path
         self._vocab_size = vocab_size
         self._compiler: Any = None
         self._compiled: dict[GrammarSpec, Any] = {}
+        self._lock = threading.Lock()
+
+    def prepare(self, spec: GrammarSpec) -> None:
+        """Compile `spec` into the cache; an invalid schema, regex or grammar raises InvalidRequestError."""
+        with self._lock:
+            if spec not in self._compiled:
+                self._compiled[spec] = self._compile(spec)
 
     def new_matcher(self, spec: GrammarSpec) -> Any:
-        """A fresh matcher for `spec`; an invalid schema, regex or grammar raises InvalidRequestError."""
-        compiled = self._compiled.get(spec)
-        if compiled is None:
-            compiled = self._compile(spec)
-            self._compiled[spec] = compiled
+        """A fresh matcher for `spec` (compiled here if `prepare` was not called first)."""
+        self.prepare(spec)
         import xgrammar
-        return xgrammar.GrammarMatcher(compiled)
+        return xgrammar.GrammarMatcher(self._compiled[spec])
 
     def mask_logits(self, logits: torch.Tensor, matchers: list[Any]) -> torch.Tensor:
         """Return `logits` with each constrained row limited to its grammar's next tokens."""

@@ -36,6 +36,7 @@ class PrefixCache:
         self.page_size = page_size
         self._by_key: dict[tuple[int, tuple[int, ...]], int] = {}
         self._nodes: dict[int, _Node] = {}
+        self._num_unused = 0          # nodes with ref_count 0, kept current on every transition
         self._clock = itertools.count(1)
 
     @property
@@ -44,7 +45,8 @@ class PrefixCache:
 
     @property
     def num_evictable_pages(self) -> int:
-        return sum(1 for node in self._nodes.values() if node.ref_count == 0)
+        """Cached pages no request uses (all reclaimable, leaves first). O(1): the scheduler asks often."""
+        return self._num_unused
 
     def match(self, token_ids: list[int]) -> list[int]:
         """Pages holding the longest cached prefix of `token_ids` (at most len - 1 tokens, so one
@@ -56,6 +58,8 @@ class PrefixCache:
             if page_id is None:
                 break
             node = self._nodes[page_id]
+            if node.ref_count == 0:
+                self._num_unused -= 1
             node.ref_count += 1
             node.last_access = now
             pages.append(page_id)
@@ -93,6 +97,8 @@ class PrefixCache:
                 if node.ref_count <= 0:
                     raise ValueError(f"cached page {page_id} released more often than referenced")
                 node.ref_count -= 1
+                if node.ref_count == 0:
+                    self._num_unused += 1
         self.allocator.free(private)
 
     def can_allocate(self, num: int) -> bool:
@@ -116,6 +122,7 @@ class PrefixCache:
         while leaves and freed < num:
             _, page_id = heapq.heappop(leaves)
             node = self._nodes.pop(page_id)
+            self._num_unused -= 1
             del self._by_key[node.key]
             self.allocator.free([page_id])
             freed += 1
@@ -140,3 +147,4 @@ class PrefixCache:
         for page_id, node in self._nodes.items():
             assert node.num_children == children.get(page_id, 0), f"child count of page {page_id}"
         assert len(self._by_key) == len(self._nodes)
+        assert self._num_unused == sum(1 for n in self._nodes.values() if n.ref_count == 0), "unused count"

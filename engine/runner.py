@@ -102,9 +102,12 @@ class ModelRunner:
         pos: list[int] = []
         query_lens, seq_lens = [], []
         for req in requests:
-            tokens = req.prompt_ids + req.output_ids
-            start = req.seq_len - 1 if is_decode else req.num_computed
-            new = tokens[start:req.seq_len] if is_decode else tokens[start:req.prompt_len]
+            if is_decode:   # only the newest token is fed; copying the whole sequence would be O(length)
+                start = req.seq_len - 1
+                new = [req.output_ids[-1]] if req.output_ids else req.prompt_ids[-1:]
+            else:
+                start = req.num_computed
+                new = req.prompt_ids[start:]
             ids.extend(new)
             pos.extend(range(start, start + len(new)))
             query_lens.append(len(new))

@@ -43,8 +43,10 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
         if len(target.page_ids) < num_pages:
             raise InvalidRequestError(
                 f"kv_target has {len(target.page_ids)} pages; the prompt needs {num_pages}")
-        req = Request(rid, list(request.token_ids), sampling_from_proto(request.sampling_params),
-                      is_prefill_only=True)
+        sampling = sampling_from_proto(request.sampling_params)
+        if sampling.grammar is not None:   # compile off the engine thread, so running requests never wait
+            await asyncio.to_thread(self.ctx.engine.grammar.prepare, sampling.grammar)
+        req = Request(rid, list(request.token_ids), sampling, is_prefill_only=True)
         timeout_s = (request.transfer_timeout_ms / 1000 if request.HasField("transfer_timeout_ms")
                      else self.ctx.config.transfer_timeout_s)
         received = time.perf_counter()
