@@ -42,7 +42,7 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
             try:
                 sampling = sampling_from_proto(request.sampling_params)
                 if sampling.grammar is not None:   # compile off the engine thread (see GrammarBackend)
-                    await asyncio.to_thread(self.ctx.engine.grammar.prepare, sampling.grammar)
+                    await self.ctx.loop.prepare_grammar(sampling.grammar)
                 sink = await self.ctx.loop.admit(rid, list(request.prompt_token_ids), request.first_token.token_id,
                                                  request.first_token.logprob, sampling, request.weights_version)
             except EngineError as exc:

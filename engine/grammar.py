@@ -9,7 +9,6 @@ pays for them. Compiled grammars are cached by spec.
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +23,9 @@ logger = logging.getLogger(__name__)
 class GrammarBackend:
     """Compiles specs into per-request matchers and masks logits with them.
 
-    `prepare` may run on any thread (servicers call it off the engine thread, so loading the
-    tokenizer or compiling a large schema never stalls running requests); `new_matcher` and
-    `mask_logits` run on the engine thread and then only hit the cache.
+    `prepare` may run off the engine thread, one call at a time (the server runtime does so before
+    submitting a request, so loading the tokenizer or compiling a large schema never stalls running
+    requests); `new_matcher` and `mask_logits` run on the engine thread and then only hit the cache.
     """
 
     def __init__(self, tokenizer_path: str, vocab_size: int) -> None:
@@ -34,13 +33,11 @@ class GrammarBackend:
         self._vocab_size = vocab_size
         self._compiler: Any = None
         self._compiled: dict[GrammarSpec, Any] = {}
-        self._lock = threading.Lock()
 
     def prepare(self, spec: GrammarSpec) -> None:
         """Compile `spec` into the cache; an invalid schema, regex or grammar raises InvalidRequestError."""
-        with self._lock:
-            if spec not in self._compiled:
-                self._compiled[spec] = self._compile(spec)
+        if spec not in self._compiled:
+            self._compiled[spec] = self._compile(spec)
 
     def new_matcher(self, spec: GrammarSpec) -> Any:
         """A fresh matcher for `spec` (compiled here if `prepare` was not called first)."""

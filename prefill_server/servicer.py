@@ -45,7 +45,7 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
                 f"kv_target has {len(target.page_ids)} pages; the prompt needs {num_pages}")
         sampling = sampling_from_proto(request.sampling_params)
         if sampling.grammar is not None:   # compile off the engine thread, so running requests never wait
-            await asyncio.to_thread(self.ctx.engine.grammar.prepare, sampling.grammar)
+            await self.ctx.loop.prepare_grammar(sampling.grammar)
         req = Request(rid, list(request.token_ids), sampling, is_prefill_only=True)
         timeout_s = (request.transfer_timeout_ms / 1000 if request.HasField("transfer_timeout_ms")
                      else self.ctx.config.transfer_timeout_s)

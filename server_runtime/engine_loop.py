@@ -16,6 +16,7 @@ import time
 from typing import Any, Callable, TypeVar
 
 from engine.engine import Engine
+from engine.grammar_spec import GrammarSpec
 from engine.request import FinishReason, Request, SamplingParams, StepOutput
 from server_runtime.metrics import WorkerMetrics
 
@@ -33,6 +34,7 @@ class EngineLoop:
         self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future]] = queue.SimpleQueue()
         self._sinks: dict[str, asyncio.Queue] = {}   # touched only on the engine thread
         self._stopped = threading.Event()
+        self._grammar_lock = asyncio.Lock()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.num_steps = 0
 
@@ -51,6 +53,12 @@ class EngineLoop:
         future = self._loop.create_future()
         self._commands.put((fn, future))
         return await future
+
+    async def prepare_grammar(self, spec: GrammarSpec) -> None:
+        """Compile a request's grammar on a worker thread, one at a time, so the engine thread never
+        stalls on it (the first one also loads the tokenizer's vocabulary)."""
+        async with self._grammar_lock:
+            await asyncio.to_thread(self.engine.grammar.prepare, spec)
 
     async def submit(self, req: Request) -> asyncio.Queue:
         """Queue a prompt; its outputs arrive on the returned queue."""
