@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
@@ -37,6 +38,8 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
 
     async def Generate(self, request: decode_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
+        received = time.perf_counter()
+        queue_ms: float | None = None
         finished = False
         try:
             try:
@@ -47,12 +50,16 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
                                                  request.first_token.logprob, sampling, request.weights_version)
             except EngineError as exc:
                 await abort_with(context, exc)   # the finally below drops the reservation
+            queue_ms = (time.perf_counter() - received) * 1000
             while not finished:
                 outputs = [await sink.get()]
                 while not sink.empty():
                     outputs.append(sink.get_nowait())
                 finished = outputs[-1].finish_reason is not None
-                yield _response(rid, outputs)
+                response = _response(rid, outputs)
+                if queue_ms is not None:   # the first message
+                    response.queue_ms, queue_ms = queue_ms, None
+                yield response
         finally:
             if not finished:     # rejected, or the client went away: free the request's pages now
                 # Generate comes after the prefill answered, so its KV write has settled.

@@ -81,6 +81,10 @@ class Engine:
         if req.request_id in self._reservations:
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
         self._validate(req.request_id, req.prompt_ids)
+        start = req.prompt_logprob_start
+        if start is not None and not (0 <= start < req.prompt_len):
+            raise InvalidRequestError(f"logprob_start_len must be in [0, {req.prompt_len}) for a "
+                                      f"{req.prompt_len}-token prompt, got {start}")
         self.scheduler.check_capacity(req.prompt_len)
         if req.sampling.grammar is not None:
             req.grammar_matcher = self.grammar.new_matcher(req.sampling.grammar)
@@ -226,8 +230,14 @@ class Engine:
         outputs = [self._finished_output(self._requests.pop(r.request_id)) for r in evicted]
         if batch is None:
             return outputs
+        if not batch.is_decode:
+            started = time.perf_counter()
+            for req in batch.requests:
+                req.prefill_started_at = started
         sampled = self.runner.run(batch.requests, batch.is_decode, self.grammar)
         for row, req in enumerate(batch.requests):
+            if sampled.prompt is not None:
+                req.prompt_logprobs = sampled.prompt[row]
             token = _Token(sampled.token_ids[row], sampled.logprobs[row],
                            sampled.extras.top[row] if sampled.extras else (),
                            sampled.extras.requested[row] if sampled.extras else ())
@@ -248,7 +258,8 @@ class Engine:
         self._held[req.request_id] = self._requests.pop(req.request_id)
         return StepOutput(req.request_id, token.token_id, token.logprob, top_logprobs=token.top,
                           token_ids_logprobs=token.requested, cached_tokens=req.num_cached_tokens,
-                          weights_version=self.weights_version)
+                          weights_version=self.weights_version, prompt_logprobs=req.prompt_logprobs,
+                          prefill_started_at=req.prefill_started_at)
 
     def _append_token(self, req: Request, token: "_Token", emit_token: bool) -> StepOutput | None:
         if emit_token and req.grammar_matcher is not None:
@@ -264,10 +275,13 @@ class Engine:
             if reason is None:
                 return None
             return StepOutput(req.request_id, None, None, reason, matched_token_id=req.matched_token_id)
+        is_first = len(req.output_ids) == 1
         return StepOutput(req.request_id, token.token_id, token.logprob, reason,
                           matched_token_id=req.matched_token_id, top_logprobs=token.top,
                           token_ids_logprobs=token.requested,
-                          cached_tokens=req.num_cached_tokens if len(req.output_ids) == 1 else 0)
+                          cached_tokens=req.num_cached_tokens if is_first else 0,
+                          prompt_logprobs=req.prompt_logprobs if is_first else None,
+                          prefill_started_at=req.prefill_started_at if is_first else None)
 
     def _finish_reason(self, req: Request, token_id: int) -> FinishReason | None:
         params = req.sampling

@@ -6,10 +6,11 @@ Reported logprobs always come from the raw logits; adjustments only steer which 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from engine.request import Request
+from engine.request import PromptLogprobs, Request, SamplingParams
 from kernels.logits_processors import PenaltyBatch, apply_logit_bias, apply_penalties, mask_tokens, token_histories
 
 
@@ -64,3 +65,30 @@ def logprob_extras(raw_logprobs: torch.Tensor, requests: list[Request]) -> Logpr
     requested = [tuple((t, float(raw_logprobs[row, t])) for t in p.token_ids_logprob)
                  for row, p in enumerate(params)]
     return LogprobExtras(top, requested)
+
+
+_PROMPT_ROWS_PER_CHUNK = 256   # bounds the [rows, vocab] fp32 logits held at once
+
+
+def score_prompt(compute_logits: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor,
+                 prompt_ids: list[int], first: int, params: SamplingParams) -> PromptLogprobs:
+    """Raw logprobs of prompt_ids[first:], where `rows` [len(prompt_ids) - first, hidden] holds
+    the hidden states of positions first - 1 ... len - 2, plus top / requested logprobs per
+    `params`. Computed in chunks so a long prompt never holds all its logits at once."""
+    targets = torch.tensor(prompt_ids[first:], dtype=torch.int64)
+    chosen: list[float] = []
+    top: list[tuple[tuple[int, float], ...]] = []
+    requested: list[tuple[tuple[int, float], ...]] = []
+    k, wanted = params.top_logprobs_num, list(params.token_ids_logprob)
+    for begin in range(0, len(targets), _PROMPT_ROWS_PER_CHUNK):
+        chunk = slice(begin, begin + _PROMPT_ROWS_PER_CHUNK)
+        logprobs = torch.log_softmax(compute_logits(rows[chunk]), dim=-1)
+        chosen += logprobs.gather(1, targets[chunk].unsqueeze(1)).squeeze(1).tolist()
+        if k:
+            values, ids = logprobs.topk(k, dim=-1)
+            top += [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        if wanted:
+            requested += [tuple(zip(wanted, v)) for v in logprobs[:, wanted].tolist()]
+    n = len(targets)
+    return PromptLogprobs(first, tuple(prompt_ids[first:]), tuple(chosen), tuple(top) if k else ((),) * n,
+                          tuple(requested) if wanted else ((),) * n)

@@ -85,6 +85,8 @@ class Request:
     `prompt_ids` + `output_ids` is the sequence; KV is held in `page_ids` for the first
     `num_computed` tokens. A prefill-only request (`is_prefill_only`) finishes after its first
     sampled token and keeps its pages until the server releases them (after the KV transfer).
+    With `prompt_logprob_start` set, prefill also scores the prompt's own tokens from that position
+    on (`prompt_logprobs`), so the prefix cache may serve at most the tokens before it.
     """
 
     request_id: str
@@ -101,6 +103,9 @@ class Request:
     finish_reason: FinishReason | None = None
     matched_token_id: int | None = None
     abort_message: str = ""
+    prompt_logprob_start: int | None = None   # score the prompt from this position (None: don't)
+    prompt_logprobs: "PromptLogprobs | None" = None
+    prefill_started_at: float | None = None   # time.perf_counter() when its prefill forward began
 
     @property
     def prompt_len(self) -> int:
@@ -113,6 +118,19 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """Logprobs of a prompt's own tokens at positions `start`, `start` + 1, ... (each given the
+    tokens before it; position 0 has none, so `start` >= 1), with the top / requested logprobs
+    the request's sampling params ask for at each position."""
+
+    start: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    top: tuple[tuple[tuple[int, float], ...], ...]
+    requested: tuple[tuple[tuple[int, float], ...], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,3 +151,5 @@ class StepOutput:
     token_ids_logprobs: tuple[tuple[int, float], ...] = ()
     cached_tokens: int = 0       # set on a request's first token: prompt tokens served from the cache
     weights_version: int = 0     # the engine's weights version when this output was computed
+    prompt_logprobs: PromptLogprobs | None = None   # on the first token, when the request asked
+    prefill_started_at: float | None = None         # on the first token: when its prefill forward began

@@ -14,10 +14,10 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.grammar import GrammarBackend
 from engine.kv_pool import KVLayout, KVPool
-from engine.logits import LogprobExtras, adjust_logits, logprob_extras
+from engine.logits import LogprobExtras, adjust_logits, logprob_extras, score_prompt
 from engine.model import CausalLM
 from engine.moe import ExpertRecorder
-from engine.request import Request
+from engine.request import PromptLogprobs, Request
 from engine.weights import Checkpoint
 from kernels.attention import AttentionMetadata, create_attention_backend
 from kernels.layers import RotaryEmbedding
@@ -30,11 +30,13 @@ _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16"
 
 @dataclass(frozen=True, slots=True)
 class SampledTokens:
-    """One token per scheduled request, in batch order; `extras` when any request asked for them."""
+    """One token per scheduled request, in batch order; `extras` when any request asked for them,
+    and `prompt` (per request, None where not asked) when a prefill request wanted prompt logprobs."""
 
     token_ids: list[int]
     logprobs: list[float]
     extras: LogprobExtras | None = None
+    prompt: list[PromptLogprobs | None] | None = None
 
 
 class ModelRunner:
@@ -74,7 +76,11 @@ class ModelRunner:
         Writes the new tokens' KV into the pool. For prefill, the new tokens are
         prompt_ids[num_computed:]; for decode, the last generated token.
         """
-        logits = self.forward_logits(requests, is_decode)
+        hidden, query_lens = self._forward(requests, is_decode)
+        logits = self.model.compute_logits(hidden[torch.tensor(query_lens).cumsum(0) - 1])
+        prompt = None
+        if not is_decode and any(r.prompt_logprob_start is not None for r in requests):
+            prompt = self._prompt_logprobs(hidden, requests, query_lens)
         adjusted = adjust_logits(logits, requests, self.model_config.eos_token_ids)
         if grammar is not None and any(r.grammar_matcher is not None for r in requests):
             adjusted = grammar.mask_logits(adjusted, [r.grammar_matcher for r in requests])
@@ -86,16 +92,36 @@ class ModelRunner:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
             logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
             extras = logprob_extras(raw_logprobs, requests)
-        return SampledTokens(token_ids.tolist(), logprobs.tolist(), extras)
+        return SampledTokens(token_ids.tolist(), logprobs.tolist(), extras, prompt)
 
     @torch.inference_mode()
     def forward_logits(self, requests: list[Request], is_decode: bool) -> torch.Tensor:
         """One forward pass; fp32 logits [B, V] at each request's last new token (KV written)."""
+        hidden, query_lens = self._forward(requests, is_decode)
+        return self.model.compute_logits(hidden[torch.tensor(query_lens).cumsum(0) - 1])
+
+    def _forward(self, requests: list[Request], is_decode: bool) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """Final hidden states [T, hidden] of every new token, and how many rows each request has."""
         input_ids, positions, meta = self._prepare(requests, is_decode)
         hidden = self.model(input_ids, positions, self.rotary, self.attention, self.kv_pool.tensor, meta,
                             self.expert_recorder.step_counts())
-        last_rows = torch.tensor(meta.query_lens).cumsum(0) - 1
-        return self.model.compute_logits(hidden[last_rows])
+        return hidden, meta.query_lens
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, requests: list[Request], query_lens: tuple[int, ...]
+                         ) -> list[PromptLogprobs | None]:
+        """Score each asking request's prompt tokens from max(prompt_logprob_start, 1) on. The row of
+        position p predicts token p + 1; the scheduler kept positions from start - 1 uncached."""
+        results: list[PromptLogprobs | None] = []
+        offset = 0
+        for req, num_rows in zip(requests, query_lens):
+            if req.prompt_logprob_start is None:
+                results.append(None)
+            else:
+                first = max(req.prompt_logprob_start, 1)
+                rows = hidden[offset + first - 1 - req.num_computed: offset + num_rows - 1]
+                results.append(score_prompt(self.model.compute_logits, rows, req.prompt_ids, first, req.sampling))
+            offset += num_rows
+        return results
 
     def _prepare(self, requests: list[Request], is_decode: bool) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids: list[int] = []

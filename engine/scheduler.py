@@ -131,10 +131,14 @@ class Scheduler:
         return self._allocate(pages_needed(num_tokens, self.page_size))
 
     def _match_prefix(self, req: Request) -> list[int]:
-        """On a request's first scheduling, take the cached pages of its longest cached prefix."""
+        """On a request's first scheduling, take the cached pages of its longest cached prefix.
+        A request scoring its prompt from `prompt_logprob_start` needs the hidden state of position
+        start - 1, so only the tokens before that may come from the cache."""
         if self.prefix_cache is None or req.page_ids or req.num_computed:
             return []
-        matched = self.prefix_cache.match(req.prompt_ids)
+        start = req.prompt_logprob_start
+        tokens = req.prompt_ids if start is None else req.prompt_ids[:start]
+        matched = self.prefix_cache.match(tokens)
         req.page_ids = list(matched)
         req.num_computed = req.num_cached_tokens = len(matched) * self.page_size
         return matched

@@ -34,7 +34,7 @@ class IncrementalDetokenizer:
 
     Contract: for generated ids fed with no ``prompt_ids``, the concatenation of every
     :meth:`add` result followed by :meth:`flush` equals
-    ``tokenizer.decode(all_ids, skip_special_tokens=skip_special_tokens)``. With
+    ``tokenizer.decode(all_ids, skip_special_tokens, spaces_between_special_tokens)``. With
     ``prompt_ids``, their last few ids give the first generated ids their left context, and
     the output is the text that the generated ids append to the prompt's text. The one
     exception is malformed output: once ``_MAX_PENDING_IDS`` ids stay held from one call to
@@ -45,14 +45,16 @@ class IncrementalDetokenizer:
     length of the whole sequence.
     """
 
-    __slots__ = ("_tokenizer", "_skip_special_tokens", "_ids", "_prefix_offset", "_read_offset")
+    __slots__ = ("_tokenizer", "_skip_special_tokens", "_spaces_between_special_tokens", "_ids",
+                 "_prefix_offset", "_read_offset")
 
     def __init__(
         self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
-        prompt_ids: Sequence[int] = (),
+        prompt_ids: Sequence[int] = (), spaces_between_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._spaces_between_special_tokens = spaces_between_special_tokens
         self._ids: list[int] = [int(i) for i in prompt_ids[-_NUM_PROMPT_CONTEXT_IDS:]]
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -99,7 +101,8 @@ class IncrementalDetokenizer:
         num_ids = len(self._ids)
         for end in range(num_ids - 1, max(self._read_offset, num_ids - 4), -1):
             text = self._tokenizer.decode(
-                self._ids[self._prefix_offset : end], self._skip_special_tokens
+                self._ids[self._prefix_offset : end], self._skip_special_tokens,
+                self._spaces_between_special_tokens,
             )
             if len(text) > len(prefix_text) and not text.endswith(_REPLACEMENT_CHAR):
                 return self._advance(prefix_text, text, end)
@@ -108,9 +111,9 @@ class IncrementalDetokenizer:
     def _decode_window(self, end: int) -> tuple[str, str]:
         """Decode the context ids alone and together with the pending ids up to ``end``."""
         decode = self._tokenizer.decode
-        skip = self._skip_special_tokens
-        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], skip)
-        new_text = decode(self._ids[self._prefix_offset : end], skip)
+        skip, spaces = self._skip_special_tokens, self._spaces_between_special_tokens
+        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], skip, spaces)
+        new_text = decode(self._ids[self._prefix_offset : end], skip, spaces)
         return prefix_text, new_text
 
     def _advance(self, prefix_text: str, new_text: str, end: int) -> str:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from gateway.config import GatewayConfig
 from gateway.detokenizer import IncrementalDetokenizer
-from gateway.handoff import GeneratedToken, HandoffTimings, run_handoff
+from gateway.handoff import GeneratedToken, HandoffTimings, TokenEvent, run_handoff
 from gateway.stop_strings import StopStringMatcher
 from gateway.tokenizer import Tokenizer
 from gateway.workers import WorkerPool
@@ -23,11 +24,21 @@ from tandem.v1 import common_pb2
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
+    """One generation. Text options: `skip_special_tokens`, `spaces_between_special_tokens` (False
+    joins special tokens to their neighbours without the spaces some tokenizers put around them),
+    and `no_stop_trim` (keep the matched stop string, or the text of the matched stop token, at the
+    end of the text; by default both are trimmed, as in SGLang). `prompt_logprob_start` asks for
+    the prompt's logprobs from that position; `arrived_at` is when the HTTP request arrived."""
+
     prompt_ids: list[int]
     sampling: common_pb2.SamplingParams
     stop: tuple[str, ...] = ()
     skip_special_tokens: bool = True
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    prompt_logprob_start: int | None = None
+    arrived_at: float = field(default_factory=time.perf_counter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +54,7 @@ class TextDelta:
     tokens: list[GeneratedToken]
     finish: Finish | None = None
     timings: HandoffTimings | None = None
+    prompt_logprobs: list[GeneratedToken] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -57,6 +69,7 @@ class GenerationResult:
     tokens: list[GeneratedToken] = field(default_factory=list)
     finish: Finish | None = None
     timings: HandoffTimings | None = None
+    prompt_logprobs: list[GeneratedToken] = field(default_factory=list)
 
     @property
     def output_ids(self) -> list[int]:
@@ -67,30 +80,62 @@ class GenerationResult:
         self.tokens.extend(delta.tokens)
         self.finish = delta.finish or self.finish
         self.timings = delta.timings or self.timings
+        self.prompt_logprobs = delta.prompt_logprobs or self.prompt_logprobs
 
 
 async def generate_text(pool: WorkerPool, config: GatewayConfig, tokenizer: Tokenizer | None,
                         request: GenerationRequest) -> AsyncIterator[TextDelta]:
     """Stream text deltas; the last one carries `finish`. Without a tokenizer the text stays empty."""
-    detokenizer = (IncrementalDetokenizer(tokenizer, request.skip_special_tokens, request.prompt_ids)
+    detokenizer = (IncrementalDetokenizer(tokenizer, request.skip_special_tokens, request.prompt_ids,
+                                          request.spaces_between_special_tokens)
                    if tokenizer is not None else None)
     stops = StopStringMatcher(request.stop)
-    events = run_handoff(pool, config, request.request_id, request.prompt_ids, request.sampling)
+    trim = _StopTokenTrim(request, pool)
+    events = run_handoff(pool, config, request.request_id, request.prompt_ids, request.sampling,
+                         request.prompt_logprob_start, request.arrived_at)
     async with contextlib.aclosing(events):
         async for event in events:
-            text = detokenizer.add(event.token_ids) if detokenizer else ""
+            ids = trim.text_ids(event)
+            text = detokenizer.add(ids) if detokenizer else ""
             if event.finish_reason is not None and detokenizer:
                 text += detokenizer.flush()
             result = stops.feed(text)
             if result.matched is not None:
-                yield TextDelta(result.text, event.tokens, Finish("stop", result.matched), event.timings)
+                kept = result.text + result.matched if request.no_stop_trim else result.text
+                yield TextDelta(kept, event.tokens, Finish("stop", result.matched), event.timings,
+                                event.prompt_logprobs)
                 return
             if event.finish_reason is None:
-                yield TextDelta(result.text, event.tokens, None, event.timings)
+                yield TextDelta(result.text, event.tokens, None, event.timings, event.prompt_logprobs)
                 continue
             yield TextDelta(result.text + stops.flush(), event.tokens,
-                            Finish(event.finish_reason, event.matched_token_id, event.message), event.timings)
+                            Finish(event.finish_reason, event.matched_token_id, event.message), event.timings,
+                            event.prompt_logprobs)
             return
+
+
+class _StopTokenTrim:
+    """Which generated ids reach the text: all of them but the eos / stop token id that ended
+    generation (unless `no_stop_trim`). A token that may be that id is held back until the next
+    event says whether it ended generation (it always does, unless eos is ignored, so holding it
+    never delays real text)."""
+
+    def __init__(self, request: GenerationRequest, pool: WorkerPool) -> None:
+        self._enabled = not request.no_stop_trim
+        eos = () if request.sampling.ignore_eos else pool.limits().eos_token_ids
+        self._stop_ids = frozenset(request.sampling.stop_token_ids) | frozenset(eos)
+        self._held: list[int] = []
+
+    def text_ids(self, event: TokenEvent) -> list[int]:
+        ids, self._held = self._held + event.token_ids, []
+        if not self._enabled or not ids:
+            return ids
+        if event.finish_reason == "stop" and event.matched_token_id == ids[-1]:
+            return ids[:-1]
+        if event.finish_reason is None and ids[-1] in self._stop_ids:
+            self._held = ids[-1:]
+            return ids[:-1]
+        return ids
 
 
 async def generate_all(pool: WorkerPool, config: GatewayConfig, tokenizer: Tokenizer | None,

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 import grpc
@@ -30,7 +30,9 @@ _ABORT_TIMEOUT_S = 2.0
 
 @dataclass(frozen=True, slots=True)
 class HandoffTimings:
-    """Per-phase timings of one request, in milliseconds."""
+    """Per-phase timings of one request, in milliseconds. `first_token_ms` counts from the trip's
+    start; `gateway_queue_ms` is the time before it (from the HTTP request's arrival), and
+    `decode_queue_ms` arrives with the decode server's first message (None until then)."""
 
     reserve_ms: float
     prefill_queue_ms: float
@@ -39,6 +41,8 @@ class HandoffTimings:
     kv_bytes: int
     first_token_ms: float
     cached_tokens: int
+    gateway_queue_ms: float = 0.0
+    decode_queue_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +68,8 @@ class TokenEvent:
     finish_reason: str | None = None     # "stop" | "length" | "abort"
     matched_token_id: int | None = None
     message: str = ""
-    timings: HandoffTimings | None = field(default=None)
+    timings: HandoffTimings | None = field(default=None)   # on the first event, again once decode_queue_ms is known
+    prompt_logprobs: list[GeneratedToken] = field(default_factory=list)   # first event, when asked for
 
     @property
     def token_ids(self) -> list[int]:
@@ -72,19 +77,26 @@ class TokenEvent:
 
 
 async def run_handoff(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt_ids: list[int],
-                      sampling: common_pb2.SamplingParams) -> AsyncIterator[TokenEvent]:
-    """Yield the first token (with timings), then the decode server's tokens until a finish. Records the
-    trip's latencies, phases and outcome in `pool.metrics`."""
+                      sampling: common_pb2.SamplingParams, prompt_logprob_start: int | None = None,
+                      arrived_at: float | None = None) -> AsyncIterator[TokenEvent]:
+    """Yield the first token (with timings, and the prompt's logprobs from `prompt_logprob_start` when
+    set), then the decode server's tokens until a finish. `arrived_at` (time.perf_counter()) is when
+    the HTTP request arrived. Records the trip's latencies, phases and outcome in `pool.metrics`."""
     started = last = time.perf_counter()
     outcome = "error"
-    events = _trip(pool, config, request_id, prompt_ids, sampling)
+    events = _trip(pool, config, request_id, prompt_ids, sampling, prompt_logprob_start,
+                   (started - arrived_at) * 1000 if arrived_at is not None else 0.0)
+    is_first = True
     try:
         async with contextlib.aclosing(events):
             async for event in events:
                 now = time.perf_counter()
-                if event.timings is not None:
+                if is_first:
                     pool.metrics.observe_first_token(event.timings, len(prompt_ids))
+                    is_first = False
                 else:
+                    if event.timings is not None and event.timings.decode_queue_ms is not None:
+                        pool.metrics.observe_decode_queue(event.timings.decode_queue_ms)
                     pool.metrics.observe_tokens(len(event.tokens), now - last)
                 last = now
                 outcome = event.finish_reason or "closed"   # "closed" if the reader stops after this event
@@ -101,7 +113,8 @@ async def run_handoff(pool: WorkerPool, config: GatewayConfig, request_id: str, 
 
 
 async def _trip(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt_ids: list[int],
-                sampling: common_pb2.SamplingParams) -> AsyncIterator[TokenEvent]:
+                sampling: common_pb2.SamplingParams, prompt_logprob_start: int | None,
+                gateway_queue_ms: float) -> AsyncIterator[TokenEvent]:
     """The trip itself, as `run_handoff` describes it, without the metrics."""
     started = time.perf_counter()
     decode, prefill = pool.pick("decode"), pool.pick("prefill")
@@ -113,14 +126,16 @@ async def _trip(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt
     finished = False
     write_settled = False   # True once the prefill server has answered: no KV write can be in flight
     try:
-        first = await _prefill(prefill, prefill.stub.Prefill(
-            prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt_ids, sampling_params=sampling,
-                                       kv_target=reserved.kv_target),
-            timeout=config.prefill_timeout_s))
+        prefill_request = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt_ids,
+                                                     sampling_params=sampling, kv_target=reserved.kv_target)
+        if prompt_logprob_start is not None:
+            prefill_request.logprob_start_len = prompt_logprob_start
+        first = await _prefill(prefill, prefill.stub.Prefill(prefill_request, timeout=config.prefill_timeout_s))
         write_settled = True
         timings = HandoffTimings(reserve_ms, first.queue_ms, first.compute_ms, first.transfer_ms, first.kv_bytes,
-                                 (time.perf_counter() - started) * 1000, first.cached_tokens)
-        yield TokenEvent([GeneratedToken.from_proto(first.first_token)], timings=timings)
+                                 (time.perf_counter() - started) * 1000, first.cached_tokens, gateway_queue_ms)
+        yield TokenEvent([GeneratedToken.from_proto(first.first_token)], timings=timings,
+                         prompt_logprobs=[GeneratedToken.from_proto(t) for t in first.prompt_logprobs])
         generate = decode.stub.Generate(
             decode_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                        first_token=first.first_token, sampling_params=sampling,
@@ -131,7 +146,9 @@ async def _trip(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt
             finished = reason is not None
             yield TokenEvent([GeneratedToken.from_proto(t) for t in message.tokens], reason,
                              message.matched_token_id if message.HasField("matched_token_id") else None,
-                             message.message)
+                             message.message,
+                             replace(timings, decode_queue_ms=message.queue_ms)
+                             if message.HasField("queue_ms") else None)
             if finished:
                 return
         raise APIError(502, f"decode worker {decode.address} ended the stream without a finish reason",

@@ -24,7 +24,7 @@ _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                       10.0, 20.0, 40.0, 80.0)
 _PHASE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _UNMATCHED_ROUTE = "unmatched"   # 404s and anything no route claimed: one label, whatever the path
-_PHASES = ("reserve", "prefill_queue", "prefill_compute", "kv_transfer")
+_PHASES = ("gateway_queue", "reserve", "prefill_queue", "prefill_compute", "kv_transfer")
 
 
 class GatewayMetrics:
@@ -47,8 +47,9 @@ class GatewayMetrics:
             "tandem_gateway_e2e_request_latency_seconds", "From the handoff's start to its last token, for "
             "generations that finished or were closed by their reader", buckets=_LATENCY_BUCKETS_S, registry=r)
         self.handoff_phase = Histogram(
-            "tandem_gateway_handoff_phase_seconds", "Each handoff phase: reserve (decode RPC), prefill_queue, "
-            "prefill_compute, kv_transfer (as the prefill server reports them)", ["phase"],
+            "tandem_gateway_handoff_phase_seconds", "Each handoff phase: gateway_queue (HTTP arrival to the "
+            "trip's start), reserve (decode RPC), prefill_queue, prefill_compute, kv_transfer (as the prefill "
+            "server reports them), decode_queue (as the decode server reports it)", ["phase"],
             buckets=_PHASE_BUCKETS_S, registry=r)
         self.kv_transfer_bytes = Counter("tandem_gateway_kv_transfer_bytes",
                                          "KV bytes the prefill servers wrote for this gateway's requests", registry=r)
@@ -66,13 +67,16 @@ class GatewayMetrics:
 
     def observe_first_token(self, timings: HandoffTimings, num_prompt_tokens: int) -> None:
         self.time_to_first_token.observe(timings.first_token_ms / 1000)
-        for phase, ms in zip(_PHASES, (timings.reserve_ms, timings.prefill_queue_ms, timings.prefill_compute_ms,
-                                       timings.transfer_ms)):
+        for phase, ms in zip(_PHASES, (timings.gateway_queue_ms, timings.reserve_ms, timings.prefill_queue_ms,
+                                       timings.prefill_compute_ms, timings.transfer_ms)):
             self.handoff_phase.labels(phase).observe(ms / 1000)
         self.kv_transfer_bytes.inc(timings.kv_bytes)
         self.prompt_tokens.inc(num_prompt_tokens)
         self.cached_prompt_tokens.inc(timings.cached_tokens)
         self.generation_tokens.inc()
+
+    def observe_decode_queue(self, ms: float) -> None:
+        self.handoff_phase.labels("decode_queue").observe(ms / 1000)
 
     def observe_tokens(self, num_tokens: int, seconds: float) -> None:
         """`num_tokens` arrived together, `seconds` after the previous ones: each token waited its share."""

@@ -19,7 +19,8 @@ router = APIRouter()
 
 _SAMPLING_KEYS = {"n", "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
                   "stop_token_ids", "ignore_eos", "skip_special_tokens", "seed", "sampling_seed", "presence_penalty",
-                  "frequency_penalty", "repetition_penalty", "json_schema", "regex", "ebnf"}
+                  "frequency_penalty", "repetition_penalty", "json_schema", "regex", "ebnf",
+                  "spaces_between_special_tokens", "no_stop_trim"}
 
 
 @router.get("/health")
@@ -34,6 +35,7 @@ async def health(state: GatewayState = Depends(gateway_state)):
 async def generate(body: GenerateRequest, state: GatewayState = Depends(gateway_state)):
     """One prompt, or a batch (`text` / `input_ids` as lists), each with `n` samples. A single
     prompt with n == 1 answers one object; anything else answers a list, in prompt-major order."""
+    arrived_at = time.perf_counter()
     state.require_generation()
     limits = state.pool.limits()
     prompts, is_batch = _prompts(body, state, limits)
@@ -43,14 +45,20 @@ async def generate(body: GenerateRequest, state: GatewayState = Depends(gateway_
     rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
     if len(rids) != len(prompts):
         raise bad_request(f"{len(rids)} rids for {len(prompts)} prompts", "rid")
-    if body.return_logprob and body.logprob_start_len >= 0:
-        raise bad_request("prompt logprobs (logprob_start_len >= 0) are not supported yet", "logprob_start_len")
     if not (0 <= body.top_logprobs_num <= 20):
         raise bad_request("top_logprobs_num must be between 0 and 20", "top_logprobs_num")
+    if body.return_logprob and body.logprob_start_len >= 0:
+        shortest = min(len(ids) for ids in prompts)
+        if body.logprob_start_len >= shortest:
+            raise bad_request(f"logprob_start_len ({body.logprob_start_len}) must be less than the prompt's length "
+                              f"({shortest} tokens)", "logprob_start_len")
+    elif body.logprob_start_len < -1:
+        raise bad_request("logprob_start_len must be -1 (output logprobs only) or a prompt position >= 0",
+                          "logprob_start_len")
     requests = []
     for prompt_ids, params, rid in zip(prompts, param_sets, rids):
-        requests += _requests_for(state, body, limits, prompt_ids, params, rid)
-    started = time.perf_counter()
+        requests += _requests_for(state, body, limits, prompt_ids, params, rid, arrived_at)
+    started = arrived_at
     if body.stream:
         return sse_response(_stream(state, body, requests, started, is_batch or len(requests) > 1))
     results = [GenerationResult() for _ in requests]
@@ -75,7 +83,7 @@ def _prompts(body: GenerateRequest, state: GatewayState, limits) -> tuple[list[l
 
 
 def _requests_for(state: GatewayState, body: GenerateRequest, limits, prompt_ids: list[int], params: dict,
-                  rid: str | None) -> list[GenerationRequest]:
+                  rid: str | None, arrived_at: float) -> list[GenerationRequest]:
     unknown = sorted(set(params) - _SAMPLING_KEYS)
     if unknown:
         raise bad_request(f"unsupported sampling_params: {', '.join(unknown)}", f"sampling_params.{unknown[0]}")
@@ -95,15 +103,26 @@ def _requests_for(state: GatewayState, body: GenerateRequest, limits, prompt_ids
                                      schema_param="sampling_params.json_schema"))
     sampling = build_sampling(fields, len(prompt_ids), limits, state.config.sampling_defaults,
                               "sampling_params.max_new_tokens", "text" if body.text is not None else "input_ids")
+    stops = stop_list(params.get("stop"))
+    if stops:
+        state.require_tokenizer("sampling_params.stop")
+    text_options = {name: _flag(params, name, default) for name, default in
+                    (("skip_special_tokens", True), ("spaces_between_special_tokens", True), ("no_stop_trim", False))}
     requests = []
     for i in range(n):
         ids = {"request_id": rid if n == 1 else f"{rid}-{i}"} if rid else {}
-        stops = stop_list(params.get("stop"))
-        if stops:
-            state.require_tokenizer("sampling_params.stop")
-        requests.append(GenerationRequest(prompt_ids, sampling, stops,
-                                          bool(params.get("skip_special_tokens", True)), **ids))
+        requests.append(GenerationRequest(
+            prompt_ids, sampling, stops, **text_options, **ids, arrived_at=arrived_at,
+            prompt_logprob_start=body.logprob_start_len if body.return_logprob and body.logprob_start_len >= 0
+            else None))
     return requests
+
+
+def _flag(params: dict, name: str, default: bool) -> bool:
+    value = params.get(name, default)
+    if not isinstance(value, bool):
+        raise bad_request(f"sampling_params.{name} must be true or false", f"sampling_params.{name}")
+    return value
 
 
 async def _stream(state: GatewayState, body: GenerateRequest, requests: list[GenerationRequest],
@@ -126,26 +145,39 @@ def _response(state: GatewayState, body: GenerateRequest, request: GenerationReq
             "e2e_latency": time.perf_counter() - started}
     if result.timings is not None:
         t = result.timings
-        meta["tandem_timings"] = {"reserve_ms": t.reserve_ms, "prefill_queue_ms": t.prefill_queue_ms,
-                                  "prefill_compute_ms": t.prefill_compute_ms, "kv_transfer_ms": t.transfer_ms,
-                                  "kv_bytes": t.kv_bytes, "first_token_ms": t.first_token_ms}
+        meta["tandem_timings"] = {"gateway_queue_ms": t.gateway_queue_ms, "reserve_ms": t.reserve_ms,
+                                  "prefill_queue_ms": t.prefill_queue_ms, "prefill_compute_ms": t.prefill_compute_ms,
+                                  "kv_transfer_ms": t.transfer_ms, "kv_bytes": t.kv_bytes,
+                                  "decode_queue_ms": t.decode_queue_ms,
+                                  "first_token_ms": t.gateway_queue_ms + t.first_token_ms}
     if body.return_logprob:
-        meta.update(_logprob_fields(state, body, result))
+        meta.update(_logprob_fields(state, body, request, result))
     if state.tokenizer is None:   # tokenizer-free servers answer ids only, as SGLang does
         return {"token_ids": list(result.output_ids), "output_ids": list(result.output_ids), "meta_info": meta}
     return {"text": result.text, "output_ids": list(result.output_ids), "meta_info": meta}
 
 
-def _logprob_fields(state: GatewayState, body: GenerateRequest, result: GenerationResult) -> dict:
-    """SGLang's shape: [logprob, token_id, text or None] triples per position."""
-    def triple(token_id: int, logprob: float) -> list:
+def _logprob_fields(state: GatewayState, body: GenerateRequest, request: GenerationRequest,
+                    result: GenerationResult) -> dict:
+    """SGLang's shape: [logprob, token_id, text or None] triples per position. The input_* lists
+    cover the prompt from logprob_start_len on (empty when it is -1); position 0 has no
+    distribution, so its logprob is None and its top / requested entries are None."""
+    def triple(token_id: int, logprob: float | None) -> list:
         text = (state.require_tokenizer("return_text_in_logprobs").decode([token_id], skip_special_tokens=False)
                 if body.return_text_in_logprobs else None)
         return [logprob, token_id, text]
-    fields = {"output_token_logprobs": [triple(t.token_id, t.logprob) for t in result.tokens]}
+    start = request.prompt_logprob_start
+    scored = result.prompt_logprobs
+    unscored = [request.prompt_ids[0]] if start == 0 else []   # position 0
+    fields = {"input_token_logprobs": [triple(t, None) for t in unscored] +
+                                      [triple(t.token_id, t.logprob) for t in scored],
+              "output_token_logprobs": [triple(t.token_id, t.logprob) for t in result.tokens]}
     if body.top_logprobs_num:
+        fields["input_top_logprobs"] = [None] * len(unscored) + [[triple(i, lp) for i, lp in t.top] for t in scored]
         fields["output_top_logprobs"] = [[triple(i, lp) for i, lp in t.top] for t in result.tokens]
     if body.token_ids_logprob:
+        fields["input_token_ids_logprobs"] = [None] * len(unscored) + [
+            [triple(i, lp) for i, lp in t.requested] for t in scored]
         fields["output_token_ids_logprobs"] = [[triple(i, lp) for i, lp in t.requested] for t in result.tokens]
     return fields
 

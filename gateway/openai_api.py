@@ -10,7 +10,8 @@ from fastapi import APIRouter, Depends
 
 from gateway.errors import bad_request
 from gateway.generation import GenerationRequest, GenerationResult, generate_choices
-from gateway.openai_format import chat_logprobs, completion_logprobs, finish_name, matched_stop, usage
+from gateway.openai_format import (chat_logprobs, completion_logprobs, finish_name, join_completion_logprobs,
+                                   matched_stop, prompt_completion_logprobs, usage)
 from gateway.sampling import (SamplingFields, build_sampling, check_token_ids, output_constraint, parse_logit_bias,
                               stop_list)
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -129,11 +130,11 @@ async def completions(body: CompletionRequest, state: GatewayState = Depends(gat
         raise bad_request(f"best_of ({best_of}) must be >= n ({body.n})", "best_of")
     if best_of > body.n and body.stream:
         raise bad_request("best_of cannot be used with stream", "best_of")
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo with logprobs (prompt logprobs) is not supported yet", "echo")
+    prompt_logprobs = body.echo and body.logprobs is not None
     prompts = _completion_prompts(state, body.prompt)
     requests = [r for ids in prompts for r in _choice_requests(state, body, [ids], best_of, body.max_tokens,
-                                                                 "max_tokens", num_top)]
+                                                                 "max_tokens", num_top,
+                                                                 prompt_logprob_start=0 if prompt_logprobs else None)]
     created, rid = int(time.time()), f"cmpl-{requests[0].request_id}"
     echoes = [state.require_tokenizer("echo").decode(ids, skip_special_tokens=False) if body.echo else ""
               for ids in prompts]
@@ -148,10 +149,14 @@ async def completions(body: CompletionRequest, state: GatewayState = Depends(gat
         if best_of > body.n:
             candidates = sorted(candidates, key=lambda r: -sum(t.logprob for t in r.tokens))[:body.n]
         for result in candidates:
-            choices.append({"index": len(choices), "text": echoes[p] + result.text,
-                            "logprobs": completion_logprobs(state.require_tokenizer("logprobs"), result.tokens,
-                                                            num_top, len(echoes[p]))
-                            if body.logprobs is not None else None,
+            logprobs = None
+            if body.logprobs is not None:
+                tokenizer = state.require_tokenizer("logprobs")
+                logprobs = completion_logprobs(tokenizer, result.tokens, num_top, len(echoes[p]))
+                if prompt_logprobs:
+                    logprobs = join_completion_logprobs(
+                        prompt_completion_logprobs(tokenizer, prompt_ids, result.prompt_logprobs, num_top), logprobs)
+            choices.append({"index": len(choices), "text": echoes[p] + result.text, "logprobs": logprobs,
                             "finish_reason": finish_name(result), "matched_stop": matched_stop(result)})
     prompt_lens = sum(len(ids) for ids in prompts)
     report = usage(prompt_lens, results, best_of)
@@ -178,7 +183,8 @@ def _completion_prompts(state: GatewayState, prompt) -> list[list[int]]:
 
 
 def _choice_requests(state: GatewayState, body, prompts: list[list[int]], n: int, max_tokens: int | None,
-                     max_tokens_param: str, num_top: int, plan: ToolPlan | None = None) -> list[GenerationRequest]:
+                     max_tokens_param: str, num_top: int, plan: ToolPlan | None = None,
+                     prompt_logprob_start: int | None = None) -> list[GenerationRequest]:
     if not (1 <= n <= MAX_N):
         raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", "n")
     requests = []
@@ -198,7 +204,8 @@ def _choice_requests(state: GatewayState, body, prompts: list[list[int]], n: int
             if body.seed is not None and i:
                 choice_sampling.seed = (body.seed + i) % 2**63   # distinct but reproducible choices
             requests.append(GenerationRequest(prompt_ids, choice_sampling, _stops(state, body.stop),
-                                              body.skip_special_tokens))
+                                              body.skip_special_tokens,
+                                              prompt_logprob_start=prompt_logprob_start))
     return requests
 
 
@@ -308,13 +315,19 @@ async def _completion_chunks(state: GatewayState, requests: list[GenerationReque
         return {"id": rid, "object": "text_completion", "created": created, "model": body.model, "choices": [choice]}
 
     per_prompt = len(requests) // num_prompts
+    # With logprobs, each echo waits for its choice's first token, which brings the prompt's logprobs.
+    echo_pending = [bool(echoes[i // per_prompt]) and body.logprobs is not None for i in range(len(requests))]
     for index in range(len(requests)):
-        if echoes[index // per_prompt]:
+        if echoes[index // per_prompt] and not echo_pending[index]:
             yield chunk(index, echoes[index // per_prompt])
     results = [GenerationResult() for _ in requests]
     offsets = [len(echoes[i // per_prompt]) for i in range(len(requests))]
     async for index, delta in generate_choices(state.pool, state.config, state.tokenizer, requests):
         results[index].add(delta)
+        if echo_pending[index]:
+            echo_pending[index] = False
+            yield chunk(index, echoes[index // per_prompt], prompt_completion_logprobs(
+                state.require_tokenizer("logprobs"), requests[index].prompt_ids, delta.prompt_logprobs, num_top))
         logprobs = (completion_logprobs(state.require_tokenizer("logprobs"), delta.tokens, num_top, offsets[index])
                     if body.logprobs is not None else None)
         offsets[index] += len(delta.text)

@@ -29,6 +29,21 @@ def completion_logprobs(tokenizer: Tokenizer, tokens: list[GeneratedToken], num_
             "text_offset": offsets}
 
 
+def prompt_completion_logprobs(tokenizer: Tokenizer, prompt_ids: list[int], scored: list[GeneratedToken],
+                               num_top: int) -> dict:
+    """The echoed prompt's part of the legacy shape (`echo` with `logprobs`): the first token has no
+    logprob (None, and None for its top dict); the others come from the prefill server's scoring."""
+    first = GeneratedToken(prompt_ids[0], 0.0)
+    part = completion_logprobs(tokenizer, [first, *scored], num_top, 0)
+    part["token_logprobs"][0] = None
+    part["top_logprobs"][0] = None
+    return part
+
+
+def join_completion_logprobs(head: dict, tail: dict) -> dict:
+    return {key: head[key] + tail[key] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
 def finish_name(result: GenerationResult) -> str | None:
     return result.finish.reason if result.finish is not None else None
 

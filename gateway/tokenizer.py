@@ -9,6 +9,7 @@ imported only when a tokenizer is loaded, never when this module is.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -123,14 +124,42 @@ class Tokenizer:
         text = self.render_chat_template(messages, add_generation_prompt, **template_kwargs)
         return self.encode(text, add_special_tokens=False)
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Decode ``ids`` to text; bytes that are not valid UTF-8 become U+FFFD."""
-        return str(
-            self._hf.decode(
-                list(ids), skip_special_tokens=skip_special_tokens,
-                clean_up_tokenization_spaces=False,
-            )
-        )
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        """Decode ``ids`` to text; bytes that are not valid UTF-8 become U+FFFD.
+
+        ``spaces_between_special_tokens=False`` (with special tokens kept) decodes the runs
+        between special tokens on their own and joins everything with nothing in between, so a
+        tokenizer that puts spaces around special tokens ("[CLS] hi [SEP]") gives "[CLS]hi[SEP]".
+        Byte-level BPE tokenizers (GPT-2, Llama 3, SmolLM2) add no such spaces: same text either way.
+        """
+        ids = list(ids)
+        if spaces_between_special_tokens or skip_special_tokens:
+            return self._decode(ids, skip_special_tokens)
+        special = self._special_ids
+        pieces: list[str] = []
+        run: list[int] = []
+        for token_id in ids:
+            if token_id in special:
+                if run:
+                    pieces.append(self._decode(run, False))
+                    run = []
+                pieces.append(self._decode([token_id], False))
+            else:
+                run.append(token_id)
+        if run:
+            pieces.append(self._decode(run, False))
+        return "".join(pieces)
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return str(self._hf.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False))
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        """Special tokens: the named ones and every added token marked special."""
+        added = getattr(self._hf, "added_tokens_decoder", {}) or {}
+        return frozenset(self._hf.all_special_ids) | frozenset(i for i, t in added.items()
+                                                              if getattr(t, "special", False))
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         """The vocabulary strings (not decoded text) of ``ids``."""

@@ -13,7 +13,8 @@ from engine.page_allocator import pages_needed
 from engine.request import FinishReason, Request
 from kv_transfer import KVTransferError, RemotePages
 from prefill_server.embedding_servicer import EmbeddingServicer
-from server_runtime.convert import check_layout_matches, sampling_from_proto, token_to_proto
+from server_runtime.convert import (check_layout_matches, prompt_logprobs_to_proto, sampling_from_proto,
+                                    token_to_proto)
 from server_runtime.common_rpcs import WorkerRpcs
 from server_runtime.errors import abort_with
 from server_runtime.embedding import EmbeddingContext
@@ -43,13 +44,15 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
         if len(target.page_ids) < num_pages:
             raise InvalidRequestError(
                 f"kv_target has {len(target.page_ids)} pages; the prompt needs {num_pages}")
+        received = time.perf_counter()
         sampling = sampling_from_proto(request.sampling_params)
         if sampling.grammar is not None:   # compile off the engine thread, so running requests never wait
             await self.ctx.loop.prepare_grammar(sampling.grammar)
-        req = Request(rid, list(request.token_ids), sampling, is_prefill_only=True)
+        req = Request(rid, list(request.token_ids), sampling, is_prefill_only=True,
+                      prompt_logprob_start=(request.logprob_start_len if request.HasField("logprob_start_len")
+                                            else None))
         timeout_s = (request.transfer_timeout_ms / 1000 if request.HasField("transfer_timeout_ms")
                      else self.ctx.config.transfer_timeout_s)
-        received = time.perf_counter()
         transfer: asyncio.Future | None = None
         try:
             sink = await self.ctx.loop.submit(req)   # inside the try: a cancel right after still cleans up
@@ -70,12 +73,14 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
             await asyncio.shield(self.ctx.loop.abort(rid))
         self.ctx.loop.metrics.record_prefill(len(request.token_ids), output.cached_tokens, stats.num_bytes,
                                              stats.seconds)
+        started = output.prefill_started_at or received
         return prefill_pb2.PrefillResponse(
             request_id=rid,
             first_token=token_to_proto(output),
             cached_tokens=output.cached_tokens,
-            queue_ms=0.0,
-            compute_ms=(computed - received) * 1000,
+            queue_ms=(started - received) * 1000,
+            compute_ms=(computed - started) * 1000,
+            prompt_logprobs=prompt_logprobs_to_proto(output.prompt_logprobs),
             transfer_ms=stats.seconds * 1000,
             kv_bytes=stats.num_bytes,
             weights_version=output.weights_version,

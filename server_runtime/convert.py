@@ -6,7 +6,7 @@ from engine.errors import InvalidRequestError
 from engine.grammar_spec import GrammarKind, GrammarSpec
 from engine.kv_pool import KVLayout
 from engine.moe import ExpertDistribution
-from engine.request import FinishReason, SamplingParams, StepOutput
+from engine.request import FinishReason, PromptLogprobs, SamplingParams, StepOutput
 from tandem.v1 import common_pb2
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -73,6 +73,18 @@ def token_to_proto(output: StepOutput) -> common_pb2.TokenOutput:
         token_id=output.token_id, logprob=output.logprob,
         top_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in output.top_logprobs],
         token_ids_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in output.token_ids_logprobs])
+
+
+def prompt_logprobs_to_proto(scored: PromptLogprobs | None) -> list[common_pb2.TokenOutput]:
+    """One TokenOutput per scored prompt position (see PrefillResponse.prompt_logprobs)."""
+    if scored is None:
+        return []
+    return [common_pb2.TokenOutput(
+                token_id=token_id, logprob=logprob,
+                top_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in top],
+                token_ids_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in requested])
+            for token_id, logprob, top, requested in zip(scored.token_ids, scored.logprobs, scored.top,
+                                                         scored.requested)]
 
 
 def expert_distribution_to_proto(record: ExpertDistribution) -> common_pb2.DumpExpertDistributionRecordResponse:

@@ -92,6 +92,23 @@ def test_completion_logprobs_echo_best_of_and_prompt_lists(client: openai.OpenAI
     echoed = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, echo=True,
                                        temperature=0)
     assert echoed.choices[0].text == "The capital of France is" + response.choices[0].text
+    # echo + logprobs: the prompt's own tokens lead, the first without a logprob (as in OpenAI / vLLM)
+    both = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, echo=True,
+                                     temperature=0, logprobs=2)
+    prompt_ids = tokenizer.encode("The capital of France is")
+    elp = both.choices[0].logprobs
+    assert len(elp.tokens) == len(prompt_ids) + 5 and "".join(elp.tokens) == both.choices[0].text
+    assert elp.token_logprobs[0] is None and elp.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in elp.token_logprobs[1:])
+    assert elp.token_logprobs[len(prompt_ids):] == pytest.approx(lp.token_logprobs, abs=1e-4)
+    assert elp.text_offset == sorted(elp.text_offset) and elp.text_offset[len(prompt_ids)] == len(
+        "The capital of France is")
+    streamed = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, echo=True,
+                                         temperature=0, logprobs=2, stream=True)
+    chunks = [c.choices[0] for c in streamed if c.choices]
+    assert chunks[0].text == "The capital of France is"
+    assert chunks[0].logprobs.token_logprobs == pytest.approx(elp.token_logprobs[:len(prompt_ids)], abs=1e-4)
+    assert "".join(c.text for c in chunks) == both.choices[0].text
     best = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, best_of=3, n=1,
                                      temperature=1.0, seed=3)
     assert len(best.choices) == 1 and 3 <= best.usage.completion_tokens <= 24   # all three candidates count

@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine import logits as engine_logits
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.errors import InvalidRequestError
 from engine.request import FinishReason, Request, SamplingParams
 from engine.weights import open_checkpoint
 from tests.hf_oracle import hf_last_logits, load_hf_dir
@@ -125,3 +127,66 @@ def test_update_weights_checks_shapes_first_and_bumps_the_version(model_dir: Pat
     engine.reserve("late", len(PROMPT), ttl_s=30)
     with pytest.raises(RequestAbortedError, match="weights changed"):
         engine.admit("late", list(PROMPT), 5, -1.0, SamplingParams(), weights_version=0)
+
+
+def _hf_all_logprobs(model_dir: Path, ids: list[int]) -> torch.Tensor:
+    """HF's log_softmax at every position of `ids` [len, vocab]: row p predicts token p + 1."""
+    hf = load_hf_dir(model_dir)
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+
+
+@pytest.mark.parametrize("start", [0, 1, 13, 29])
+def test_prompt_logprobs_equal_hfs_and_the_cache_never_serves_the_scored_part(model_dir: Path, start: int) -> None:
+    prompt = list(range(10, 40))     # 30 tokens, 7 full pages of 4
+    engine = Engine(open_checkpoint(str(model_dir)), EngineConfig(dtype="float32", page_size=4, max_total_tokens=128,
+                                                                  enable_prefix_cache=True), progress=False)
+    sampling = SamplingParams(temperature=0, max_new_tokens=2, top_logprobs_num=3, token_ids_logprob=(5, 77))
+
+    def run(rid: str, prompt_logprob_start: int | None):
+        engine.add_request(Request(rid, list(prompt), sampling, prompt_logprob_start=prompt_logprob_start))
+        outputs = []
+        while engine.has_work:
+            outputs += engine.step()
+        return outputs
+
+    assert run("warm", None)[0].prompt_logprobs is None        # caches all 7 pages
+    outputs = run("scored", start)
+    first = outputs[0]
+    assert first.cached_tokens == max(start - 1, 0) // 4 * 4    # only pages wholly before position start - 1
+    assert all(o.prompt_logprobs is None for o in outputs[1:])
+    scored = first.prompt_logprobs
+    begin = max(start, 1)
+    assert scored.start == begin and list(scored.token_ids) == prompt[begin:]
+    hf = _hf_all_logprobs(model_dir, prompt)
+    expected = hf[torch.arange(begin - 1, len(prompt) - 1), torch.tensor(prompt[begin:])]
+    assert torch.allclose(torch.tensor(scored.logprobs), expected, atol=1e-4)
+    for offset, (top, requested) in enumerate(zip(scored.top, scored.requested)):
+        row = hf[begin - 1 + offset]
+        values, ids = row.topk(3)
+        assert [t for t, _ in top] == ids.tolist()
+        assert [lp for _, lp in top] == pytest.approx(values.tolist(), abs=1e-4)
+        assert [t for t, _ in requested] == [5, 77]
+        assert [lp for _, lp in requested] == pytest.approx([float(row[5]), float(row[77])], abs=1e-4)
+    assert engine.allocator.num_free + engine.num_cached_pages == engine.allocator.num_pages
+
+
+def test_prompt_logprobs_longer_than_one_chunk_and_bad_start_positions(model_dir: Path, monkeypatch) -> None:
+    monkeypatch.setattr(engine_logits, "_PROMPT_ROWS_PER_CHUNK", 16)
+    prompt = [(7 * i) % 251 + 3 for i in range(100)]   # 99 scored rows: seven chunks of logits
+    engine = Engine(open_checkpoint(str(model_dir)), EngineConfig(dtype="float32", page_size=4, max_total_tokens=512),
+                    progress=False)
+    engine.add_request(Request("long", prompt, SamplingParams(temperature=0, max_new_tokens=1),
+                               prompt_logprob_start=0))
+    outputs = []
+    while engine.has_work:
+        outputs += engine.step()
+    scored = outputs[0].prompt_logprobs
+    hf = _hf_all_logprobs(model_dir, prompt)
+    expected = hf[torch.arange(0, len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert len(scored.logprobs) == 99
+    assert torch.allclose(torch.tensor(scored.logprobs), expected, atol=1e-4)
+    for bad in (-1, len(PROMPT)):
+        with pytest.raises(InvalidRequestError, match="logprob_start_len"):
+            engine.add_request(Request(f"bad{bad}", list(PROMPT), SamplingParams(), prompt_logprob_start=bad))
+    assert engine.allocator.num_free == engine.allocator.num_pages

@@ -167,9 +167,10 @@ def test_decode_window_stays_small(smollm2: Tokenizer, monkeypatch: pytest.Monke
     decoded_lengths: list[int] = []
     real_decode = smollm2.decode
 
-    def recording_decode(ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    def recording_decode(ids: Sequence[int], skip_special_tokens: bool = True,
+                         spaces_between_special_tokens: bool = True) -> str:
         decoded_lengths.append(len(ids))
-        return real_decode(ids, skip_special_tokens)
+        return real_decode(ids, skip_special_tokens, spaces_between_special_tokens)
 
     ids = smollm2.encode(" ".join(TEXTS) * 8)
     assert len(ids) > 500
@@ -194,3 +195,18 @@ def test_empty_add_and_empty_flush(smollm2: Tokenizer) -> None:
     assert detokenizer.add([]) == ""
     assert detokenizer.flush() == ""
     assert detokenizer.add(smollm2.encode("hi")) == "hi"
+
+
+def test_spaces_between_special_tokens_false_joins_special_tokens_to_their_neighbours(
+        smollm2: Tokenizer, minilm_path: Path) -> None:
+    bert = load_tokenizer(str(minilm_path))
+    ids = bert.encode("hello world")            # [CLS] hello world [SEP]
+    assert bert.decode(ids, skip_special_tokens=False) == "[CLS] hello world [SEP]"
+    assert bert.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=False) == "[CLS]hello world[SEP]"
+    assert bert.decode(ids, skip_special_tokens=True, spaces_between_special_tokens=False) == "hello world"
+    detok = IncrementalDetokenizer(bert, skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert "".join(detok.add([i]) for i in ids) + detok.flush() == "[CLS]hello world[SEP]"
+    # byte-level BPE puts no spaces around special tokens: the flag changes nothing there
+    chat = smollm2.encode("<|im_start|>user\nHi there<|im_end|>\n")
+    assert (smollm2.decode(chat, skip_special_tokens=False, spaces_between_special_tokens=False)
+            == smollm2.decode(chat, skip_special_tokens=False) == "<|im_start|>user\nHi there<|im_end|>\n")
