@@ -74,7 +74,7 @@ def test_requests_tokens_latencies_and_kv_transfer_are_counted_exactly(stack: St
                            ("tandem_gateway_kv_transfer_bytes_total", kv_bytes)):
         assert delta(before, after, "gateway", name) == expected, name
     assert delta(before, after, "gateway", "tandem_gateway_generations_total", outcome="length") == 3
-    for phase in ("reserve", "prefill_queue", "prefill_compute", "kv_transfer"):
+    for phase in ("gateway_queue", "reserve", "prefill_queue", "prefill_compute", "kv_transfer", "decode_queue"):
         assert delta(before, after, "gateway", "tandem_gateway_handoff_phase_seconds_count", phase=phase) == 3
     assert delta(before, after, "gateway", "tandem_gateway_e2e_request_latency_seconds_sum") > 0
 
