@@ -14,6 +14,7 @@ from server_runtime.convert import finish_to_proto, layout_to_proto, sampling_fr
 from server_runtime.common_rpcs import WorkerRpcs
 from server_runtime.errors import abort_with
 from server_runtime.worker import WorkerContext
+from tandem.request_log import bind_request_id
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -24,6 +25,7 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
 
     async def Reserve(self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
                       ) -> decode_pb2.ReserveResponse:
+        bind_request_id(request.request_id)
         ttl_s, grace_s = self.ctx.config.reservation_ttl_s, self.ctx.config.write_grace_s
         try:
             page_ids = await self.ctx.loop.call(
@@ -38,6 +40,7 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
 
     async def Generate(self, request: decode_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
+        bind_request_id(rid)
         received = time.perf_counter()
         queue_ms: float | None = None
         finished = False

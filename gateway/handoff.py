@@ -19,6 +19,7 @@ import grpc
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.workers import Worker, WorkerPool
+from tandem.request_log import bind_request_id
 from tandem.v1 import common_pb2, decode_pb2, prefill_pb2
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ async def run_handoff(pool: WorkerPool, config: GatewayConfig, request_id: str, 
     """Yield the first token (with timings, and the prompt's logprobs from `prompt_logprob_start` when
     set), then the decode server's tokens until a finish. `arrived_at` (time.perf_counter()) is when
     the HTTP request arrived. Records the trip's latencies, phases and outcome in `pool.metrics`."""
+    bind_request_id(request_id)
     started = last = time.perf_counter()
     outcome = "error"
     events = _trip(pool, config, request_id, prompt_ids, sampling, prompt_logprob_start,

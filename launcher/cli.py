@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import sys
 
@@ -13,6 +12,7 @@ from gateway.discovery import check_worker_spec
 from launcher.defaults import (BUNDLED_MODEL_SAMPLING, default_data_dir, default_dtype, default_model_path,
                                default_torch_threads, is_bundled_model, served_name_for)
 from launcher.healthcheck import add_healthcheck_args, run_healthcheck
+from tandem.request_log import configure_logging
 
 DEFAULT_GATEWAY_PORT = 30000
 DEFAULT_PREFILL_PORT = 30001
@@ -134,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "healthcheck":
         return run_healthcheck(args)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s [{args.command}] %(name)s: %(message)s")
+    configure_logging(args.log_level, args.command)
     if args.command == "serve":
         return _serve(args)
     if args.command == "gateway":

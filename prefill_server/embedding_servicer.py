@@ -13,6 +13,7 @@ from engine.errors import EngineError
 from server_runtime.common_rpcs import WorkerInfoRpcs
 from server_runtime.embedding import EmbeddingContext
 from server_runtime.errors import abort_with
+from tandem.request_log import bind_request_id
 from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ class EmbeddingServicer(WorkerInfoRpcs, prefill_pb2_grpc.PrefillServiceServicer)
 
     async def Embed(self, request: prefill_pb2.EmbedRequest, context: grpc.aio.ServicerContext
                     ) -> prefill_pb2.EmbedResponse:
+        bind_request_id(request.request_id)
         token_lists = [list(item.token_ids) for item in request.inputs]
         dimensions = request.dimensions if request.HasField("dimensions") else None
         try:

@@ -19,6 +19,7 @@ from server_runtime.common_rpcs import WorkerRpcs
 from server_runtime.errors import abort_with
 from server_runtime.embedding import EmbeddingContext
 from server_runtime.worker import WorkerContext
+from tandem.request_log import bind_request_id
 from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
                       ) -> prefill_pb2.PrefillResponse:
+        bind_request_id(request.request_id)
         try:
             return await self._prefill(request)
         except (EngineError, KVTransferError) as exc:

@@ -20,6 +20,7 @@ from engine.weights import open_checkpoint
 from server_runtime.convert import expert_distribution_to_proto
 from server_runtime.errors import abort_with
 from server_runtime.worker import WorkerContext
+from tandem.request_log import bind_request_id
 from tandem.v1 import common_pb2
 
 T = TypeVar("T")
@@ -49,6 +50,7 @@ class WorkerRpcs(WorkerInfoRpcs):
 
     async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> common_pb2.AbortResponse:
+        bind_request_id(request.request_id)
         return common_pb2.AbortResponse(found=await self.ctx.loop.abort(request.request_id, "aborted by client",
                                                                         request.kv_write_settled))
 
