@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 
 from gateway.errors import bad_request
 from gateway.generation import Finish, GenerationRequest, GenerationResult, generate_choices
+from gateway.native_logprobs import LogprobOptions, logprob_fields, logprob_options
 from gateway.sampling import SamplingFields, build_sampling, check_token_ids, output_constraint, stop_list
 from gateway.schemas import GenerateRequest
 from gateway.sse import sse_response
@@ -45,26 +46,19 @@ async def generate(body: GenerateRequest, state: GatewayState = Depends(gateway_
     rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
     if len(rids) != len(prompts):
         raise bad_request(f"{len(rids)} rids for {len(prompts)} prompts", "rid")
-    if not (0 <= body.top_logprobs_num <= 20):
-        raise bad_request("top_logprobs_num must be between 0 and 20", "top_logprobs_num")
-    if body.return_logprob and body.logprob_start_len >= 0:
-        shortest = min(len(ids) for ids in prompts)
-        if body.logprob_start_len >= shortest:
-            raise bad_request(f"logprob_start_len ({body.logprob_start_len}) must be less than the prompt's length "
-                              f"({shortest} tokens)", "logprob_start_len")
-    elif body.logprob_start_len < -1:
-        raise bad_request("logprob_start_len must be -1 (output logprobs only) or a prompt position >= 0",
-                          "logprob_start_len")
-    requests = []
-    for prompt_ids, params, rid in zip(prompts, param_sets, rids):
-        requests += _requests_for(state, body, limits, prompt_ids, params, rid, arrived_at)
+    requests: list[GenerationRequest] = []
+    options: list[LogprobOptions] = []
+    for prompt_ids, params, rid, logprobs in zip(prompts, param_sets, rids, logprob_options(body, prompts)):
+        choices = _requests_for(state, body, limits, prompt_ids, params, rid, logprobs, arrived_at)
+        requests += choices
+        options += [logprobs] * len(choices)
     started = arrived_at
     if body.stream:
-        return sse_response(_stream(state, body, requests, started, is_batch or len(requests) > 1))
+        return sse_response(_stream(state, body, requests, options, started, is_batch or len(requests) > 1))
     results = [GenerationResult() for _ in requests]
     async for index, delta in generate_choices(state.pool, state.config, state.tokenizer, requests):
         results[index].add(delta)
-    answers = [_response(state, body, r, res, started) for r, res in zip(requests, results)]
+    answers = [_response(state, body, r, o, res, started) for r, o, res in zip(requests, options, results)]
     return answers if is_batch or len(answers) > 1 else answers[0]
 
 
@@ -83,7 +77,7 @@ def _prompts(body: GenerateRequest, state: GatewayState, limits) -> tuple[list[l
 
 
 def _requests_for(state: GatewayState, body: GenerateRequest, limits, prompt_ids: list[int], params: dict,
-                  rid: str | None, arrived_at: float) -> list[GenerationRequest]:
+                  rid: str | None, logprobs: LogprobOptions, arrived_at: float) -> list[GenerationRequest]:
     unknown = sorted(set(params) - _SAMPLING_KEYS)
     if unknown:
         raise bad_request(f"unsupported sampling_params: {', '.join(unknown)}", f"sampling_params.{unknown[0]}")
@@ -97,8 +91,7 @@ def _requests_for(state: GatewayState, body: GenerateRequest, limits, prompt_ids
         stop_token_ids=tuple(params.get("stop_token_ids") or ()), ignore_eos=bool(params.get("ignore_eos", False)),
         min_new_tokens=params.get("min_new_tokens"), presence_penalty=params.get("presence_penalty"),
         frequency_penalty=params.get("frequency_penalty"), repetition_penalty=params.get("repetition_penalty"),
-        top_logprobs_num=body.top_logprobs_num if body.return_logprob else 0,
-        token_ids_logprob=tuple(body.token_ids_logprob or ()) if body.return_logprob else (),
+        top_logprobs_num=logprobs.top_num, token_ids_logprob=logprobs.token_ids,
         constraint=output_constraint(params.get("json_schema"), params.get("regex"), params.get("ebnf"),
                                      schema_param="sampling_params.json_schema"))
     sampling = build_sampling(fields, len(prompt_ids), limits, state.config.sampling_defaults,
@@ -113,8 +106,7 @@ def _requests_for(state: GatewayState, body: GenerateRequest, limits, prompt_ids
         ids = {"request_id": rid if n == 1 else f"{rid}-{i}"} if rid else {}
         requests.append(GenerationRequest(
             prompt_ids, sampling, stops, **text_options, **ids, arrived_at=arrived_at,
-            prompt_logprob_start=body.logprob_start_len if body.return_logprob and body.logprob_start_len >= 0
-            else None))
+            prompt_logprob_start=logprobs.prompt_start))
     return requests
 
 
@@ -126,19 +118,19 @@ def _flag(params: dict, name: str, default: bool) -> bool:
 
 
 async def _stream(state: GatewayState, body: GenerateRequest, requests: list[GenerationRequest],
-                  started: float, with_index: bool) -> AsyncIterator[dict]:
+                  options: list[LogprobOptions], started: float, with_index: bool) -> AsyncIterator[dict]:
     """Each event carries the cumulative text of its prompt so far, as SGLang's stream does
     (plus `index` when several generations share the stream)."""
     results = [GenerationResult() for _ in requests]
     async for index, delta in generate_choices(state.pool, state.config, state.tokenizer, requests):
         results[index].add(delta)
         if delta.text or delta.finish is not None:
-            event = _response(state, body, requests[index], results[index], started)
+            event = _response(state, body, requests[index], options[index], results[index], started)
             yield {**event, "index": index} if with_index else event
 
 
-def _response(state: GatewayState, body: GenerateRequest, request: GenerationRequest, result: GenerationResult,
-              started: float) -> dict:
+def _response(state: GatewayState, body: GenerateRequest, request: GenerationRequest, logprobs: LogprobOptions,
+              result: GenerationResult, started: float) -> dict:
     meta = {"id": request.request_id, "finish_reason": _finish_reason(result.finish, len(result.output_ids)),
             "prompt_tokens": len(request.prompt_ids), "completion_tokens": len(result.output_ids),
             "cached_tokens": result.timings.cached_tokens if result.timings else 0,
@@ -150,36 +142,15 @@ def _response(state: GatewayState, body: GenerateRequest, request: GenerationReq
                                   "kv_transfer_ms": t.transfer_ms, "kv_bytes": t.kv_bytes,
                                   "decode_queue_ms": t.decode_queue_ms,
                                   "first_token_ms": t.gateway_queue_ms + t.first_token_ms}
-    if body.return_logprob:
-        meta.update(_logprob_fields(state, body, request, result))
+    if logprobs.is_on:
+        token_text = None
+        if body.return_text_in_logprobs:
+            tokenizer = state.require_tokenizer("return_text_in_logprobs")
+            token_text = lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)  # noqa: E731
+        meta.update(logprob_fields(logprobs, request, result, token_text))
     if state.tokenizer is None:   # tokenizer-free servers answer ids only, as SGLang does
         return {"token_ids": list(result.output_ids), "output_ids": list(result.output_ids), "meta_info": meta}
     return {"text": result.text, "output_ids": list(result.output_ids), "meta_info": meta}
-
-
-def _logprob_fields(state: GatewayState, body: GenerateRequest, request: GenerationRequest,
-                    result: GenerationResult) -> dict:
-    """SGLang's shape: [logprob, token_id, text or None] triples per position. The input_* lists
-    cover the prompt from logprob_start_len on (empty when it is -1); position 0 has no
-    distribution, so its logprob is None and its top / requested entries are None."""
-    def triple(token_id: int, logprob: float | None) -> list:
-        text = (state.require_tokenizer("return_text_in_logprobs").decode([token_id], skip_special_tokens=False)
-                if body.return_text_in_logprobs else None)
-        return [logprob, token_id, text]
-    start = request.prompt_logprob_start
-    scored = result.prompt_logprobs
-    unscored = [request.prompt_ids[0]] if start == 0 else []   # position 0
-    fields = {"input_token_logprobs": [triple(t, None) for t in unscored] +
-                                      [triple(t.token_id, t.logprob) for t in scored],
-              "output_token_logprobs": [triple(t.token_id, t.logprob) for t in result.tokens]}
-    if body.top_logprobs_num:
-        fields["input_top_logprobs"] = [None] * len(unscored) + [[triple(i, lp) for i, lp in t.top] for t in scored]
-        fields["output_top_logprobs"] = [[triple(i, lp) for i, lp in t.top] for t in result.tokens]
-    if body.token_ids_logprob:
-        fields["input_token_ids_logprobs"] = [None] * len(unscored) + [
-            [triple(i, lp) for i, lp in t.requested] for t in scored]
-        fields["output_token_ids_logprobs"] = [[triple(i, lp) for i, lp in t.requested] for t in result.tokens]
-    return fields
 
 
 def _finish_reason(finish: Finish | None, num_tokens: int) -> dict | None:

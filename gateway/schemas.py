@@ -88,10 +88,11 @@ class GenerateRequest(BaseModel):
     sampling_params: dict[str, Any] | list[dict[str, Any]] = Field(default_factory=dict)
     stream: bool = False
     rid: str | list[str] | None = None
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    token_ids_logprob: list[int] | None = None
+    # each of these four: one value for every prompt, or a list with one per prompt
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    token_ids_logprob: list[int] | list[list[int]] | None = None
     return_text_in_logprobs: bool = False
 
 

@@ -134,3 +134,23 @@ def test_unknown_sampling_params_and_bad_shapes_are_400(stack: Stack) -> None:
         response = httpx.post(f"{stack.url}/generate", json=body)
         assert response.status_code == 400, body
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_logprob_options_may_differ_per_prompt_in_a_batch(stack: Stack, smollm2_path: Path) -> None:
+    tokenizer = load_tokenizer(str(smollm2_path))
+    prompts = [tokenizer.encode("One, two, three,"), tokenizer.encode("The capital of France is")]
+    answers = _generate(stack, input_ids=prompts, return_logprob=[True, False], logprob_start_len=[1, -1],
+                        top_logprobs_num=[2, 0], token_ids_logprob=[[11], []],
+                        sampling_params={"temperature": 0, "max_new_tokens": 2})
+    first, second = (a["meta_info"] for a in answers)
+    assert [t[1] for t in first["input_token_logprobs"]] == prompts[0][1:]
+    assert all(len(top) == 2 for top in first["input_top_logprobs"] + first["output_top_logprobs"])
+    assert all(e[0][1] == 11 for e in first["input_token_ids_logprobs"])
+    assert "output_token_logprobs" not in second and "input_token_logprobs" not in second
+    for bad, param in (({"return_logprob": [True]}, "return_logprob"),
+                       ({"return_logprob": True, "logprob_start_len": [0, 99]}, "logprob_start_len"),
+                       ({"return_logprob": True, "top_logprobs_num": [1, 21]}, "top_logprobs_num"),
+                       ({"return_logprob": True, "token_ids_logprob": [[1]]}, "token_ids_logprob")):
+        response = httpx.post(f"{stack.url}/generate", json={"input_ids": prompts, **bad})
+        assert response.status_code == 400, bad
+        assert response.json()["error"]["param"] == param
