@@ -118,6 +118,9 @@ async def serve_worker(config: WorkerConfig,
         # Mooncake's own transfer timeout must fire before ours, so a write we gave up on can never
         # land later in pages the decode server has freed and handed to another request.
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(5, int(config.transfer_timeout_s * 0.8))))
+        # Mooncake logs a line per transfer at INFO: keep its warnings and errors unless we debug
+        # (per-transfer numbers are in the metrics). MC_LOG_LEVEL in the environment wins.
+        os.environ.setdefault("MC_LOG_LEVEL", "INFO" if logger.isEnabledFor(logging.DEBUG) else "WARNING")
         transport = create_transport(config.transport)
         pool = engine.runner.kv_pool
         transport.register(pool.base_addr, pool.num_bytes)
