@@ -203,9 +203,10 @@ def _choice_requests(state: GatewayState, body, prompts: list[list[int]], n: int
             choice_sampling.CopyFrom(sampling)
             if body.seed is not None and i:
                 choice_sampling.seed = (body.seed + i) % 2**63   # distinct but reproducible choices
-            requests.append(GenerationRequest(prompt_ids, choice_sampling, _stops(state, body.stop),
-                                              body.skip_special_tokens,
-                                              prompt_logprob_start=prompt_logprob_start))
+            requests.append(GenerationRequest(
+                prompt_ids, choice_sampling, _stops(state, body.stop), body.skip_special_tokens,
+                spaces_between_special_tokens=body.spaces_between_special_tokens, no_stop_trim=body.no_stop_trim,
+                prompt_logprob_start=prompt_logprob_start))
     return requests
 
 

@@ -43,6 +43,8 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False      # SGLang: keep the matched stop string / stop token's text
     min_tokens: int | None = None
     repetition_penalty: float | None = None
     regex: str | None = None

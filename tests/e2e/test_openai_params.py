@@ -120,6 +120,15 @@ def test_completion_logprobs_echo_best_of_and_prompt_lists(client: openai.OpenAI
     assert ids.choices[0].text == response.choices[0].text
 
 
+def test_no_stop_trim_extra_keeps_the_stop_string(client: openai.OpenAI) -> None:
+    trimmed = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=12, temperature=0,
+                                        stop=[" 5"])
+    kept = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=12, temperature=0,
+                                     stop=[" 5"], extra_body={"no_stop_trim": True})
+    assert trimmed.choices[0].finish_reason == kept.choices[0].finish_reason == "stop"
+    assert kept.choices[0].text == trimmed.choices[0].text + " 5"
+
+
 def test_logit_bias_and_min_tokens(client: openai.OpenAI, tokenizer) -> None:
     [token] = tokenizer.encode(" Paris")
     forced = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0,
