@@ -56,11 +56,12 @@ class Worker:
         self.info: common_pb2.GetModelInfoResponse | None = None
 
     async def probe(self) -> bool:
-        """Ask the worker's health service; fetch its model info the first time it answers."""
+        """Ask the worker's health service; fetch its model info each time it becomes ready (a
+        restarted worker may come back with another context length or pool)."""
         try:
             reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=_PROBE_TIMEOUT_S)
             ready = reply.status == health_pb2.HealthCheckResponse.SERVING
-            if ready and self.info is None:
+            if ready and (self.info is None or not self.is_ready):
                 self.info = await self.stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=_PROBE_TIMEOUT_S)
         except grpc.aio.AioRpcError:
             ready = False
