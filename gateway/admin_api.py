@@ -47,7 +47,7 @@ async def _worker_info(worker: Worker) -> dict:
                      page_size=info.kv_layout.page_size, max_total_num_tokens=info.num_pages * info.kv_layout.page_size,
                      kv_pool_bytes=info.num_pages * info.kv_layout.page_bytes, kv_dtype=info.kv_layout.dtype)
     try:
-        load = await worker.stub.GetLoad(common_pb2.GetLoadRequest(), timeout=_INFO_TIMEOUT_S)
+        load = await worker.control.GetLoad(common_pb2.GetLoadRequest(), timeout=_INFO_TIMEOUT_S)
     except grpc.aio.AioRpcError as exc:
         entry["error"] = exc.details() or exc.code().name
         return entry
@@ -95,7 +95,7 @@ async def flush_cache(state: GatewayState = Depends(gateway_state)):
     """Flush every worker's prefix cache; refused (400) while any worker has requests in flight."""
     async def flush(worker: Worker) -> common_pb2.FlushCacheResponse:
         try:
-            return await worker.stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=_INFO_TIMEOUT_S)
+            return await worker.control.FlushCache(common_pb2.FlushCacheRequest(), timeout=_INFO_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:   # an embedding worker keeps no cache
                 return common_pb2.FlushCacheResponse(success=True, message=f"{worker.address}: no cache")
@@ -119,7 +119,7 @@ async def update_weights_from_disk(body: UpdateWeightsBody, state: GatewayState 
     (they fail cleanly, never mixing weights); answers SGLang's {"success", "message"}."""
     async def update(worker: Worker) -> common_pb2.UpdateWeightsResponse:
         try:
-            return await worker.stub.UpdateWeights(common_pb2.UpdateWeightsRequest(model_path=body.model_path),
+            return await worker.control.UpdateWeights(common_pb2.UpdateWeightsRequest(model_path=body.model_path),
                                                    timeout=_UPDATE_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             return common_pb2.UpdateWeightsResponse(success=False, message=f"{worker.address}: {exc.details()}")

@@ -207,6 +207,6 @@ async def _release(decode: Worker, request_id: str, generate: grpc.aio.UnaryStre
     if generate is not None:
         generate.cancel()
     with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
-        await asyncio.shield(decode.stub.Abort(
+        await asyncio.shield(decode.control.Abort(
             common_pb2.AbortRequest(request_id=request_id, kv_write_settled=write_settled),
             timeout=_ABORT_TIMEOUT_S))

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.discovery import REFRESH_INTERVAL_S, RoleDiscovery
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
-from tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,8 @@ class Worker:
         self.address = address
         self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         stub_cls = prefill_pb2_grpc.PrefillServiceStub if role == "prefill" else decode_pb2_grpc.DecodeServiceStub
-        self.stub = stub_cls(self.channel)
+        self.stub = stub_cls(self.channel)                                # the role's own RPCs
+        self.control = worker_pb2_grpc.WorkerServiceStub(self.channel)   # what every worker answers
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.is_ready = False
         self.info: common_pb2.GetModelInfoResponse | None = None
@@ -62,7 +63,7 @@ class Worker:
             reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=_PROBE_TIMEOUT_S)
             ready = reply.status == health_pb2.HealthCheckResponse.SERVING
             if ready and (self.info is None or not self.is_ready):
-                self.info = await self.stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=_PROBE_TIMEOUT_S)
+                self.info = await self.control.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=_PROBE_TIMEOUT_S)
         except grpc.aio.AioRpcError:
             ready = False
         if ready != self.is_ready:

@@ -1,6 +1,7 @@
-"""PrefillService as a worker started with --is-embedding answers it: Embed, Abort, GetModelInfo, GetLoad.
+"""PrefillService as a worker started with --is-embedding answers it: Embed.
 
-Such a worker has no engine and no KV, so `Prefill` is refused with FAILED_PRECONDITION.
+Such a worker has no engine and no KV, so `Prefill` is refused with FAILED_PRECONDITION. Its
+WorkerService is `server_runtime.common_rpcs.WorkerInfoServicer`.
 """
 
 from __future__ import annotations
@@ -10,20 +11,17 @@ import logging
 import grpc
 
 from engine.errors import EngineError
-from server_runtime.common_rpcs import WorkerInfoRpcs
 from server_runtime.embedding import EmbeddingContext
 from server_runtime.errors import abort_with
 from tandem.request_log import bind_request_id
-from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from tandem.v1 import prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 
-class EmbeddingServicer(WorkerInfoRpcs, prefill_pb2_grpc.PrefillServiceServicer):
-    role = common_pb2.WORKER_ROLE_PREFILL
-
+class EmbeddingServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, ctx: EmbeddingContext) -> None:
-        super().__init__(ctx)
+        self.ctx = ctx
 
     async def Embed(self, request: prefill_pb2.EmbedRequest, context: grpc.aio.ServicerContext
                     ) -> prefill_pb2.EmbedResponse:
@@ -45,7 +43,3 @@ class EmbeddingServicer(WorkerInfoRpcs, prefill_pb2_grpc.PrefillServiceServicer)
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                             "this worker serves an embedding model (--is-embedding): it answers Embed, not Prefill")
 
-    async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
-                    ) -> common_pb2.AbortResponse:
-        # Nothing is held between calls: an Embed call ends with its batch.
-        return common_pb2.AbortResponse(found=False)

@@ -1,8 +1,8 @@
-"""The RPCs every worker answers the same way, whatever its role.
+"""WorkerService: the RPCs every worker answers the same way, whatever its role.
 
-`WorkerInfoRpcs` (GetModelInfo, GetLoad) is all an embedding worker shares; `WorkerRpcs` adds what an
-engine worker answers: Abort, FlushCache, UpdateWeights and the expert distribution record. A role's
-servicer lists one of them before its generated base class and sets `role`.
+`WorkerInfoServicer` (GetModelInfo, GetLoad; Abort finds nothing) is what an embedding worker answers;
+`WorkerServicer` is an engine worker's: Abort, FlushCache, UpdateWeights and the expert distribution
+record too. `add_worker_servicer` registers the right one next to the role's own service.
 """
 
 from __future__ import annotations
@@ -20,19 +20,20 @@ from engine.weights import open_checkpoint
 from server_runtime.convert import expert_distribution_to_proto
 from server_runtime.errors import abort_with
 from server_runtime.worker import WorkerContext
+from server_runtime.embedding import EmbeddingContext
 from tandem.request_log import bind_request_id
-from tandem.v1 import common_pb2
+from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 T = TypeVar("T")
 
 
-class WorkerInfoRpcs:
-    """GetModelInfo and GetLoad, from any context with `model_info(role)` and `load()`."""
+class WorkerInfoServicer(worker_pb2_grpc.WorkerServiceServicer):
+    """GetModelInfo and GetLoad, from any context with `model_info(role)` and `load()`; `role` is a
+    `common_pb2.WorkerRole`. Abort finds nothing: such a worker holds nothing between calls."""
 
-    role: int = common_pb2.WORKER_ROLE_UNSPECIFIED
-
-    def __init__(self, ctx) -> None:
+    def __init__(self, ctx, role: int) -> None:
         self.ctx = ctx
+        self.role = role
 
     async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
                            ) -> common_pb2.GetModelInfoResponse:
@@ -42,9 +43,13 @@ class WorkerInfoRpcs:
                       ) -> common_pb2.GetLoadResponse:
         return await self.ctx.load()
 
+    async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
+                    ) -> common_pb2.AbortResponse:
+        return common_pb2.AbortResponse(found=False)
 
-class WorkerRpcs(WorkerInfoRpcs):
-    """The engine worker's shared RPCs; `ctx` is a `WorkerContext`."""
+
+class WorkerServicer(WorkerInfoServicer):
+    """The engine worker's WorkerService; `ctx` is a `WorkerContext`."""
 
     ctx: WorkerContext
 
@@ -110,3 +115,10 @@ class WorkerRpcs(WorkerInfoRpcs):
             return await self.ctx.loop.call(lambda engine: fn(engine.runner.expert_recorder))
         except EngineError as exc:
             await abort_with(context, exc)
+
+
+def add_worker_servicer(server: grpc.aio.Server, ctx: WorkerContext | EmbeddingContext, role: int) -> str:
+    """Register WorkerService for a worker of `role`; returns the service's full name."""
+    servicer = WorkerInfoServicer(ctx, role) if isinstance(ctx, EmbeddingContext) else WorkerServicer(ctx, role)
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
+    return worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name

@@ -100,10 +100,11 @@ def build_engine(config: WorkerConfig) -> Engine:
 
 
 async def serve_worker(config: WorkerConfig,
-                       add_servicer: Callable[[grpc.aio.Server, WorkerContext | EmbeddingContext], str]) -> None:
+                       add_servicer: Callable[[grpc.aio.Server, WorkerContext | EmbeddingContext], tuple[str, ...]]
+                       ) -> None:
     """Load the model, register the KV pool, serve gRPC until SIGINT/SIGTERM, then drain and exit.
 
-    `add_servicer` registers the role's service on the server and returns its full service name.
+    `add_servicer` registers the role's services (its own and WorkerService) and returns their full names.
     With `config.is_embedding` it gets an `EmbeddingContext` instead: no engine, KV pool or transport.
     """
     context: WorkerContext | EmbeddingContext
@@ -136,18 +137,19 @@ async def serve_worker(config: WorkerConfig,
     server = grpc.aio.server(interceptors=[metrics.interceptor()],
                              options=[("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                                       ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)])
-    service_name = add_servicer(server, context)
+    service_names = add_servicer(server, context)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+        (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
     if server.add_insecure_port(address) == 0:
         raise OSError(f"cannot listen on {address}")
     metrics_server = serve_metrics(metrics.registry, config.host, config.metrics_port) if config.metrics_port else None
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)
+    for name in service_names:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     logger.info("%s server ready on %s (%s; metrics %s)", config.role, address, transport_text,
                 f"on http://{config.host}:{config.metrics_port}/metrics" if metrics_server else "off")
 

@@ -162,8 +162,8 @@ def test_each_container_served_its_part(stack: ComposeStack):
             if line.startswith("data: ") and line != "data: [DONE]" and not first_chunk.is_set():
                 first_chunk.set()
                 # Prefill is done once a token streams; decode is generating the other 399 right now.
-                loads["decode"] = stack.exec_python("decode", _GET_LOAD.format(port=30002, stub="decode"))
-                loads["prefill"] = stack.exec_python("prefill", _GET_LOAD.format(port=30001, stub="prefill"))
+                loads["decode"] = stack.exec_python("decode", _GET_LOAD.format(port=30002))
+                loads["prefill"] = stack.exec_python("prefill", _GET_LOAD.format(port=30001))
                 break
     assert first_chunk.is_set()
     decode_running, _ = map(int, loads["decode"].split())
@@ -178,8 +178,8 @@ def test_each_container_served_its_part(stack: ComposeStack):
     assert "decode server ready" in stack.logs("decode")
 
 
-_GET_LOAD = ("import grpc; from tandem.v1 import common_pb2, {stub}_pb2_grpc as g; "
-             "stub = getattr(g, '{stub}'.capitalize() + 'ServiceStub')(grpc.insecure_channel('127.0.0.1:{port}')); "
+_GET_LOAD = ("import grpc; from tandem.v1 import common_pb2, worker_pb2_grpc as g; "
+             "stub = g.WorkerServiceStub(grpc.insecure_channel('127.0.0.1:{port}')); "
              "r = stub.GetLoad(common_pb2.GetLoadRequest(), timeout=10); print(r.num_running, r.num_free_pages)")
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import httpx
 
-from tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from tandem.v1 import common_pb2, worker_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,10 +66,9 @@ class Stack:
 
     def load(self) -> dict[str, common_pb2.GetLoadResponse]:
         loads = {}
-        for role, port, stub_cls in (("prefill", self.prefill_port, prefill_pb2_grpc.PrefillServiceStub),
-                                     ("decode", self.decode_port, decode_pb2_grpc.DecodeServiceStub)):
+        for role, port in (("prefill", self.prefill_port), ("decode", self.decode_port)):
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-                loads[role] = stub_cls(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=5)
+                loads[role] = worker_pb2_grpc.WorkerServiceStub(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=5)
         return loads
 
     def assert_no_pages_held(self, within_s: float = 5.0) -> None:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer
 
-from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc, worker_pb2_grpc
 from tests.conftest import minilm_dir
 from tests.e2e.stack import Stack, start_stack
 
@@ -148,7 +148,7 @@ def test_encode_as_in_the_seeds(embedding_stack, model, tokenizer, reference) ->
 def test_embedding_stack_is_healthy_without_a_decode_worker(embedding_stack) -> None:
     assert httpx.get(f"{embedding_stack.url}/health").status_code == 200
     with grpc.insecure_channel(f"127.0.0.1:{embedding_stack.prefill_port}") as channel:
-        info = prefill_pb2_grpc.PrefillServiceStub(channel).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=5)
+        info = worker_pb2_grpc.WorkerServiceStub(channel).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=5)
     assert info.is_embedding and info.embedding_dim == 384 and info.context_len == 512
     assert info.architecture == "BertModel"
 

@@ -17,7 +17,7 @@ import requests
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from tandem.v1 import common_pb2, worker_pb2_grpc
 from tests.e2e.stack import Stack, start_stack
 from tests.tiny_models import save_tiny_classifier, save_tiny_qwen2_moe, save_tiny_tokenizer
 
@@ -172,8 +172,8 @@ def test_each_worker_counts_its_own_tokens_and_only_while_recording(moe_stack: S
     per_token = NUM_EXPERTS_PER_TOK * NUM_MOE_LAYERS
     with grpc.insecure_channel(f"127.0.0.1:{moe_stack.prefill_port}") as prefill, \
             grpc.insecure_channel(f"127.0.0.1:{moe_stack.decode_port}") as decode:
-        prefill_stub = prefill_pb2_grpc.PrefillServiceStub(prefill)
-        decode_stub = decode_pb2_grpc.DecodeServiceStub(decode)
+        prefill_stub = worker_pb2_grpc.WorkerServiceStub(prefill)
+        decode_stub = worker_pb2_grpc.WorkerServiceStub(decode)
         assert _dump(prefill_stub) == (40 + 8) * per_token
         assert _dump(decode_stub) == 2 * 5 * per_token
         assert _dump(prefill_stub) == 0 and _dump(decode_stub) == 0     # the dump cleared them

@@ -146,22 +146,22 @@ def test_workers_serve_health_reflection_and_model_info(stack: Stack) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    from tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
-    for port, stub_cls, service, role in (
-            (stack.prefill_port, prefill_pb2_grpc.PrefillServiceStub, "tandem.v1.PrefillService",
-             common_pb2.WORKER_ROLE_PREFILL),
-            (stack.decode_port, decode_pb2_grpc.DecodeServiceStub, "tandem.v1.DecodeService",
-             common_pb2.WORKER_ROLE_DECODE)):
+    from tandem.v1 import common_pb2, worker_pb2_grpc
+    for port, service, role in (
+            (stack.prefill_port, "tandem.v1.PrefillService", common_pb2.WORKER_ROLE_PREFILL),
+            (stack.decode_port, "tandem.v1.DecodeService", common_pb2.WORKER_ROLE_DECODE)):
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))
-            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            for name in (service, "tandem.v1.WorkerService"):
+                health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=name))
+                assert health.status == health_pb2.HealthCheckResponse.SERVING
             reflection = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
                 iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
             names = {s.name for s in next(reflection).list_services_response.service}
-            assert {service, "grpc.health.v1.Health"} <= names
-            info = stub_cls(channel).GetModelInfo(common_pb2.GetModelInfoRequest())
+            assert {service, "tandem.v1.WorkerService", "grpc.health.v1.Health"} <= names
+            control = worker_pb2_grpc.WorkerServiceStub(channel)
+            info = control.GetModelInfo(common_pb2.GetModelInfoRequest())
             assert (info.role, info.context_len, info.architecture) == (role, CONTEXT_LEN, "LlamaForCausalLM")
-            assert not stub_cls(channel).Abort(common_pb2.AbortRequest(request_id="nothing-here")).found
+            assert not control.Abort(common_pb2.AbortRequest(request_id="nothing-here")).found
 
 
 def test_models_and_health(stack: Stack) -> None:

@@ -50,7 +50,7 @@ async def _scenario(model_path: Path) -> None:
     port = _free_port()
     ctx = start_embedding(_config(model_path, port), "test")
     server = grpc.aio.server()
-    name = add_prefill_servicer(server, ctx)
+    names = add_prefill_servicer(server, ctx)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.add_insecure_port(f"127.0.0.1:{port}")
@@ -58,7 +58,7 @@ async def _scenario(model_path: Path) -> None:
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     pool = WorkerPool((f"127.0.0.1:{port}",), ())
     try:
-        assert name == "tandem.v1.PrefillService"
+        assert names == ("tandem.v1.PrefillService", "tandem.v1.WorkerService")
         await pool.probe_all()
         assert pool.is_ready                            # ready with a prefill worker alone
         limits = pool.limits()
@@ -67,8 +67,13 @@ async def _scenario(model_path: Path) -> None:
         stub: prefill_pb2_grpc.PrefillServiceStub = pool.pick("prefill").stub
         await _check_embed(stub, ctx.embedder.embed(INPUTS))
         await _check_refusals(stub)
-        load = await stub.GetLoad(common_pb2.GetLoadRequest())
+        control = pool.pick("prefill").control
+        load = await control.GetLoad(common_pb2.GetLoadRequest())
         assert (load.num_running, load.num_waiting) == (0, 0)
+        assert not (await control.Abort(common_pb2.AbortRequest(request_id="r"))).found
+        with pytest.raises(grpc.aio.AioRpcError) as caught:       # no engine: nothing to flush
+            await control.FlushCache(common_pb2.FlushCacheRequest())
+        assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
     finally:
         await pool.close()
         await server.stop(None)

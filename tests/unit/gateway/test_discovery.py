@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from gateway.discovery import REFRESH_INTERVAL_S, RoleDiscovery, WorkerSpec, check_worker_spec, resolve_all
 from gateway.errors import APIError
 from gateway.workers import WorkerPool
-from tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from tandem.v1 import common_pb2, worker_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -35,27 +35,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-class _Info:
+class _Info(worker_pb2_grpc.WorkerServiceServicer):
     async def GetModelInfo(self, request, context):
         return common_pb2.GetModelInfoResponse(model_path="m", architecture="LlamaForCausalLM", context_len=2048,
                                                vocab_size=100, eos_token_ids=[2])
 
 
-class _Prefill(_Info, prefill_pb2_grpc.PrefillServiceServicer):
-    pass
-
-
-class _Decode(_Info, decode_pb2_grpc.DecodeServiceServicer):
-    pass
-
-
 async def start_worker(role: str, address: str) -> grpc.aio.Server:
-    """A gRPC server on `address` that is SERVING and answers GetModelInfo for `role`."""
+    """A gRPC server on `address` that is SERVING and answers GetModelInfo (for any role)."""
     server = grpc.aio.server()
-    if role == "prefill":
-        prefill_pb2_grpc.add_PrefillServiceServicer_to_server(_Prefill(), server)
-    else:
-        decode_pb2_grpc.add_DecodeServiceServicer_to_server(_Decode(), server)
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(_Info(), server)
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     assert server.add_insecure_port(address) != 0

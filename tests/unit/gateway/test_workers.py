@@ -9,10 +9,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway.workers import Worker
-from tandem.v1 import common_pb2, decode_pb2_grpc
+from tandem.v1 import common_pb2, worker_pb2_grpc
 
 
-class _Decode(decode_pb2_grpc.DecodeServiceServicer):
+class _Decode(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self) -> None:
         self.context_len = 2048
         self.num_info_calls = 0
@@ -34,7 +34,7 @@ def test_model_info_is_fetched_on_every_return_to_ready_and_only_then() -> None:
         address = f"127.0.0.1:{_free_port()}"
         decode, status = _Decode(), health.aio.HealthServicer()
         server = grpc.aio.server()
-        decode_pb2_grpc.add_DecodeServiceServicer_to_server(decode, server)
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(decode, server)
         health_pb2_grpc.add_HealthServicer_to_server(status, server)
         server.add_insecure_port(address)
         await server.start()
