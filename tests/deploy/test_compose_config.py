@@ -67,6 +67,10 @@ def test_addresses_by_service_name_and_kv_over_mooncake_tcp():
         assert "--kv-protocol=rdma" not in command           # tcp, the default
     assert services["gateway"]["ports"] == [{"mode": "ingress", "host_ip": "127.0.0.1", "target": 30000,
                                              "published": "30000", "protocol": "tcp"}]
+    for role, metrics_port in (("prefill", 30101), ("decode", 30102)):   # Prometheus text, on the host too
+        assert flag(services[role]["command"], "metrics-port") == str(metrics_port)
+        assert services[role]["ports"] == [{"mode": "ingress", "host_ip": "127.0.0.1", "target": metrics_port,
+                                            "published": str(metrics_port), "protocol": "tcp"}]
 
 
 def test_one_model_volume_shared_by_all_three():

@@ -80,7 +80,8 @@ def stack(engine: DockerEngine):
     offer_local_build_inputs()
     port = free_port()
     env = dict(os.environ, TANDEM_TAG="test", TANDEM_PORT=str(port), TANDEM_BIND="127.0.0.1",
-               TANDEM_LOG_LEVEL="debug")
+               TANDEM_LOG_LEVEL="debug", TANDEM_PREFILL_METRICS_PORT=str(free_port()),
+               TANDEM_DECODE_METRICS_PORT=str(free_port()))
     stack = ComposeStack(env=env, url=f"http://127.0.0.1:{port}")
     stack.compose("down", "-v", "--remove-orphans", check=False)     # leftovers of an interrupted run
     try:
@@ -176,6 +177,10 @@ def test_each_container_served_its_part(stack: ComposeStack):
     assert re.search(r"wrote \d+ bytes in \d+ runs to decode:170\d\d", stack.logs("prefill")), \
         stack.logs("prefill")[-3000:]
     assert "decode server ready" in stack.logs("decode")
+    for role in ("prefill", "decode"):   # each worker's metrics are published on the host
+        text = httpx.get(f"http://127.0.0.1:{stack.env[f'TANDEM_{role.upper()}_METRICS_PORT']}/metrics",
+                         timeout=10).text
+        assert f'role="{role}"' in text and "tandem_worker_" in text, text[:500]
 
 
 _GET_LOAD = ("import grpc; from tandem.v1 import common_pb2, worker_pb2_grpc as g; "

@@ -172,6 +172,21 @@ def test_mooncake_ports_are_pinned_and_declared(profile):
         seen |= kv_ports
 
 
+def test_worker_metrics_ports_are_declared_passed_and_annotated_for_scraping(profile):
+    _, _, docs = profile
+    seen: set[int] = set()
+    for role in WORKERS:
+        c = container(docs, role)
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        metrics = ports["metrics"]
+        assert f"--metrics-port={metrics}" in c["args"]
+        assert metrics not in seen and list(ports.values()).count(metrics) == 1   # no clash, even on hostNetwork
+        seen.add(metrics)
+        annotations = deployment(docs, role)["spec"]["template"]["metadata"]["annotations"]
+        assert (annotations["prometheus.io/scrape"], annotations["prometheus.io/port"],
+                annotations["prometheus.io/path"]) == ("true", str(metrics), "/metrics")
+
+
 def test_disruption_budgets_cover_each_component(profile):
     _, _, docs = profile
     budgets = by_kind(docs, "PodDisruptionBudget")
