@@ -11,7 +11,6 @@ import grpc
 from engine.errors import EngineError
 from engine.request import StepOutput
 from server_runtime.convert import finish_to_proto, layout_to_proto, sampling_from_proto, token_to_proto
-from server_runtime.common_rpcs import add_worker_servicer
 from server_runtime.errors import abort_with
 from server_runtime.worker import WorkerContext
 from tandem.request_log import bind_request_id
@@ -80,8 +79,6 @@ def _response(rid: str, outputs: list[StepOutput]) -> decode_pb2.GenerateRespons
     return response
 
 
-def add_decode_servicer(server: grpc.aio.Server, ctx: WorkerContext) -> tuple[str, ...]:
-    """Register DecodeService and WorkerService; returns their full names."""
+def add_decode_servicer(server: grpc.aio.Server, ctx: WorkerContext) -> str:
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(ctx), server)
-    return (decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name,
-            add_worker_servicer(server, ctx, common_pb2.WORKER_ROLE_DECODE))
+    return decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name

@@ -90,5 +90,5 @@ def score_prompt(compute_logits: Callable[[torch.Tensor], torch.Tensor], rows: t
         if wanted:
             requested += [tuple(zip(wanted, v)) for v in logprobs[:, wanted].tolist()]
     n = len(targets)
-    return PromptLogprobs(first, tuple(prompt_ids[first:]), tuple(chosen), tuple(top) if k else ((),) * n,
+    return PromptLogprobs(tuple(prompt_ids[first:]), tuple(chosen), tuple(top) if k else ((),) * n,
                           tuple(requested) if wanted else ((),) * n)

@@ -122,11 +122,10 @@ class Request:
 
 @dataclass(frozen=True, slots=True)
 class PromptLogprobs:
-    """Logprobs of a prompt's own tokens at positions `start`, `start` + 1, ... (each given the
-    tokens before it; position 0 has none, so `start` >= 1), with the top / requested logprobs
-    the request's sampling params ask for at each position."""
+    """Logprobs of a prompt's last `len(token_ids)` tokens (each given the tokens before it;
+    position 0 has none, so never the whole prompt), with the top / requested logprobs the
+    request's sampling params ask for at each position."""
 
-    start: int
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     top: tuple[tuple[tuple[int, float], ...], ...]

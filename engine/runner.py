@@ -77,7 +77,7 @@ class ModelRunner:
         prompt_ids[num_computed:]; for decode, the last generated token.
         """
         hidden, query_lens = self._forward(requests, is_decode)
-        logits = self.model.compute_logits(hidden[torch.tensor(query_lens).cumsum(0) - 1])
+        logits = self._last_logits(hidden, query_lens)
         prompt = None
         if not is_decode and any(r.prompt_logprob_start is not None for r in requests):
             prompt = self._prompt_logprobs(hidden, requests, query_lens)
@@ -97,7 +97,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, requests: list[Request], is_decode: bool) -> torch.Tensor:
         """One forward pass; fp32 logits [B, V] at each request's last new token (KV written)."""
-        hidden, query_lens = self._forward(requests, is_decode)
+        return self._last_logits(*self._forward(requests, is_decode))
+
+    def _last_logits(self, hidden: torch.Tensor, query_lens: tuple[int, ...]) -> torch.Tensor:
+        """fp32 logits [B, V] at each request's last row of `hidden`."""
         return self.model.compute_logits(hidden[torch.tensor(query_lens).cumsum(0) - 1])
 
     def _forward(self, requests: list[Request], is_decode: bool) -> tuple[torch.Tensor, tuple[int, ...]]:

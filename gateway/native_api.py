@@ -52,13 +52,12 @@ async def generate(body: GenerateRequest, state: GatewayState = Depends(gateway_
         choices = _requests_for(state, body, limits, prompt_ids, params, rid, logprobs, arrived_at)
         requests += choices
         options += [logprobs] * len(choices)
-    started = arrived_at
     if body.stream:
-        return sse_response(_stream(state, body, requests, options, started, is_batch or len(requests) > 1))
+        return sse_response(_stream(state, body, requests, options, arrived_at, is_batch or len(requests) > 1))
     results = [GenerationResult() for _ in requests]
     async for index, delta in generate_choices(state.pool, state.config, state.tokenizer, requests):
         results[index].add(delta)
-    answers = [_response(state, body, r, o, res, started) for r, o, res in zip(requests, options, results)]
+    answers = [_response(state, body, r, o, res, arrived_at) for r, o, res in zip(requests, options, results)]
     return answers if is_batch or len(answers) > 1 else answers[0]
 
 

@@ -11,10 +11,8 @@ from typing import Any, Callable
 
 from gateway.errors import bad_request
 from gateway.generation import GenerationRequest, GenerationResult
+from gateway.sampling import check_top_logprobs
 from gateway.schemas import GenerateRequest
-
-MAX_TOP_LOGPROBS = 20
-
 
 @dataclass(frozen=True, slots=True)
 class LogprobOptions:
@@ -39,8 +37,7 @@ def logprob_options(body: GenerateRequest, prompts: list[list[int]]) -> list[Log
         raise bad_request(f"{len(id_lists)} token_ids_logprob lists for {count} prompts", "token_ids_logprob")
     options = []
     for prompt_ids, on, start, top, wanted in zip(prompts, is_on, starts, tops, id_lists):
-        if not (0 <= top <= MAX_TOP_LOGPROBS):
-            raise bad_request(f"top_logprobs_num must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs_num")
+        check_top_logprobs(top, "top_logprobs_num")
         if not on:
             options.append(LogprobOptions())
             continue

@@ -12,8 +12,8 @@ from gateway.errors import bad_request
 from gateway.generation import GenerationRequest, GenerationResult, generate_choices
 from gateway.openai_format import (chat_logprobs, completion_logprobs, finish_name, join_completion_logprobs,
                                    matched_stop, prompt_completion_logprobs, usage)
-from gateway.sampling import (SamplingFields, build_sampling, check_token_ids, output_constraint, parse_logit_bias,
-                              stop_list)
+from gateway.sampling import (SamplingFields, build_sampling, check_token_ids, check_top_logprobs, output_constraint,
+                              parse_logit_bias, stop_list)
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.sse import sse_response
 from gateway.state import GatewayState, gateway_state
@@ -24,7 +24,6 @@ from gateway.tool_calls import ToolPlan, parse_tool_calls, plan_tools, tools_sys
 router = APIRouter()
 
 MAX_N = 64
-MAX_TOP_LOGPROBS = 20
 
 
 @router.get("/v1/models")
@@ -57,7 +56,7 @@ async def chat_completions(body: ChatCompletionRequest, state: GatewayState = De
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     num_top = body.top_logprobs or 0
-    _check_top(num_top, "top_logprobs")
+    check_top_logprobs(num_top, "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     requests = _choice_requests(state, body, [prompt_ids], body.n, max_tokens, param, num_top, plan)
@@ -124,7 +123,7 @@ async def completions(body: CompletionRequest, state: GatewayState = Depends(gat
     if body.suffix is not None:
         raise bad_request("suffix needs a model with a fill-in-the-middle template; this model has none", "suffix")
     num_top = body.logprobs or 0
-    _check_top(num_top, "logprobs")
+    check_top_logprobs(num_top, "logprobs")
     best_of = body.best_of if body.best_of is not None else body.n
     if best_of < body.n:
         raise bad_request(f"best_of ({best_of}) must be >= n ({body.n})", "best_of")
@@ -246,11 +245,6 @@ def _constraint(body, plan: ToolPlan | None = None) -> tuple[str, str] | None:
             raise bad_request("tool_choice required or named cannot be combined with response_format", "tool_choice")
         schema = plan.forced_schema
     return output_constraint(schema, body.regex, body.ebnf, json_object, "response_format")
-
-
-def _check_top(num_top: int, param: str) -> None:
-    if not (0 <= num_top <= MAX_TOP_LOGPROBS):
-        raise bad_request(f"{param} must be between 0 and {MAX_TOP_LOGPROBS}, got {num_top}", param)
 
 
 async def _chat_chunks(state: GatewayState, requests: list[GenerationRequest], body: ChatCompletionRequest, rid: str,

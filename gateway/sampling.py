@@ -105,6 +105,15 @@ def check_token_ids(token_ids: list[int], limits: ModelLimits, param: str) -> No
         raise bad_request(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})", param)
 
 
+MAX_TOP_LOGPROBS = 20
+
+
+def check_top_logprobs(num_top: int, param: str) -> None:
+    """400 naming `param` unless 0 <= num_top <= MAX_TOP_LOGPROBS (the engine's own limit too)."""
+    if not (0 <= num_top <= MAX_TOP_LOGPROBS):
+        raise bad_request(f"{param} must be between 0 and {MAX_TOP_LOGPROBS}, got {num_top}", param)
+
+
 def parse_logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     """OpenAI sends token ids as JSON object keys (strings)."""
     if not bias:

@@ -42,4 +42,3 @@ class EmbeddingServicer(prefill_pb2_grpc.PrefillServiceServicer):
                       ) -> prefill_pb2.PrefillResponse:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                             "this worker serves an embedding model (--is-embedding): it answers Embed, not Prefill")
-

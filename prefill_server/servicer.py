@@ -15,12 +15,11 @@ from kv_transfer import KVTransferError, RemotePages
 from prefill_server.embedding_servicer import EmbeddingServicer
 from server_runtime.convert import (check_layout_matches, prompt_logprobs_to_proto, sampling_from_proto,
                                     token_to_proto)
-from server_runtime.common_rpcs import add_worker_servicer
 from server_runtime.errors import abort_with
 from server_runtime.embedding import EmbeddingContext
 from server_runtime.worker import WorkerContext
 from tandem.request_log import bind_request_id
-from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from tandem.v1 import prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +95,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                             "--is-embedding")
 
 
-def add_prefill_servicer(server: grpc.aio.Server, ctx: WorkerContext | EmbeddingContext) -> tuple[str, ...]:
-    """Register PrefillService (`EmbeddingServicer` for an embedding worker, else `PrefillServicer`)
-    and WorkerService; returns their full names."""
+def add_prefill_servicer(server: grpc.aio.Server, ctx: WorkerContext | EmbeddingContext) -> str:
+    """Register PrefillService: `EmbeddingServicer` for an embedding worker, else `PrefillServicer`."""
     servicer = EmbeddingServicer(ctx) if isinstance(ctx, EmbeddingContext) else PrefillServicer(ctx)
     prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
-    return (prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name,
-            add_worker_servicer(server, ctx, common_pb2.WORKER_ROLE_PREFILL))
+    return prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name

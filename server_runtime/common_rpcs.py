@@ -2,13 +2,13 @@
 
 `WorkerInfoServicer` (GetModelInfo, GetLoad; Abort finds nothing) is what an embedding worker answers;
 `WorkerServicer` is an engine worker's: Abort, FlushCache, UpdateWeights and the expert distribution
-record too. `add_worker_servicer` registers the right one next to the role's own service.
+record too. `serve_worker` registers the right one (`add_worker_servicer`) next to the role's own service.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import grpc
 
@@ -19,25 +19,26 @@ from engine.weights import open_checkpoint
 
 from server_runtime.convert import expert_distribution_to_proto
 from server_runtime.errors import abort_with
-from server_runtime.worker import WorkerContext
 from server_runtime.embedding import EmbeddingContext
 from tandem.request_log import bind_request_id
 from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+if TYPE_CHECKING:   # worker.py registers these servicers, so it cannot be imported from here
+    from server_runtime.worker import WorkerContext
 
 T = TypeVar("T")
 
 
 class WorkerInfoServicer(worker_pb2_grpc.WorkerServiceServicer):
-    """GetModelInfo and GetLoad, from any context with `model_info(role)` and `load()`; `role` is a
-    `common_pb2.WorkerRole`. Abort finds nothing: such a worker holds nothing between calls."""
+    """GetModelInfo and GetLoad, from any context with `model_info()` and `load()`. Abort finds
+    nothing: such a worker holds nothing between calls."""
 
-    def __init__(self, ctx, role: int) -> None:
+    def __init__(self, ctx) -> None:
         self.ctx = ctx
-        self.role = role
 
     async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
                            ) -> common_pb2.GetModelInfoResponse:
-        return self.ctx.model_info(self.role)
+        return self.ctx.model_info()
 
     async def GetLoad(self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
                       ) -> common_pb2.GetLoadResponse:
@@ -117,8 +118,8 @@ class WorkerServicer(WorkerInfoServicer):
             await abort_with(context, exc)
 
 
-def add_worker_servicer(server: grpc.aio.Server, ctx: WorkerContext | EmbeddingContext, role: int) -> str:
-    """Register WorkerService for a worker of `role`; returns the service's full name."""
-    servicer = WorkerInfoServicer(ctx, role) if isinstance(ctx, EmbeddingContext) else WorkerServicer(ctx, role)
+def add_worker_servicer(server: grpc.aio.Server, ctx: WorkerContext | EmbeddingContext) -> str:
+    """Register WorkerService; returns the service's full name."""
+    servicer = WorkerInfoServicer(ctx) if isinstance(ctx, EmbeddingContext) else WorkerServicer(ctx)
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     return worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name

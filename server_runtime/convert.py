@@ -18,6 +18,14 @@ _FINISH_TO_PROTO = {
 }
 
 
+_ROLE_TO_PROTO = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER_ROLE_DECODE}
+
+
+def role_to_proto(role: str) -> int:
+    """"prefill" / "decode" (WorkerConfig.role) -> common_pb2.WorkerRole."""
+    return _ROLE_TO_PROTO[role]
+
+
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     """Apply defaults for unset fields; invalid values raise InvalidRequestError."""
     return SamplingParams(
@@ -69,22 +77,23 @@ def finish_to_proto(reason: FinishReason | None) -> int:
 
 
 def token_to_proto(output: StepOutput) -> common_pb2.TokenOutput:
-    return common_pb2.TokenOutput(
-        token_id=output.token_id, logprob=output.logprob,
-        top_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in output.top_logprobs],
-        token_ids_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in output.token_ids_logprobs])
+    return _token_output(output.token_id, output.logprob, output.top_logprobs, output.token_ids_logprobs)
 
 
 def prompt_logprobs_to_proto(scored: PromptLogprobs | None) -> list[common_pb2.TokenOutput]:
     """One TokenOutput per scored prompt position (see PrefillResponse.prompt_logprobs)."""
     if scored is None:
         return []
-    return [common_pb2.TokenOutput(
-                token_id=token_id, logprob=logprob,
-                top_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in top],
-                token_ids_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in requested])
-            for token_id, logprob, top, requested in zip(scored.token_ids, scored.logprobs, scored.top,
-                                                         scored.requested)]
+    return [_token_output(*position)
+            for position in zip(scored.token_ids, scored.logprobs, scored.top, scored.requested)]
+
+
+def _token_output(token_id: int, logprob: float, top: tuple[tuple[int, float], ...],
+                  requested: tuple[tuple[int, float], ...]) -> common_pb2.TokenOutput:
+    return common_pb2.TokenOutput(
+        token_id=token_id, logprob=logprob,
+        top_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in top],
+        token_ids_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in requested])
 
 
 def expert_distribution_to_proto(record: ExpertDistribution) -> common_pb2.DumpExpertDistributionRecordResponse:

@@ -64,11 +64,11 @@ class EmbeddingContext:
         return EmbedResult(vectors, sum(len(t) for t in token_lists), (started - submitted) * 1000,
                            (done - started) * 1000)
 
-    def model_info(self, role: int) -> common_pb2.GetModelInfoResponse:
+    def model_info(self) -> common_pb2.GetModelInfoResponse:
         info = self.embedder.info
         return common_pb2.GetModelInfoResponse(
             model_path=self.config.model_path, architecture=info.architecture, context_len=info.context_len,
-            vocab_size=info.vocab_size, role=role, version=self.version, is_embedding=True,
+            vocab_size=info.vocab_size, role=common_pb2.WORKER_ROLE_PREFILL, version=self.version, is_embedding=True,
             embedding_dim=info.embedding_dim, is_matryoshka=info.is_matryoshka,
             matryoshka_dimensions=list(info.matryoshka_dimensions))
 

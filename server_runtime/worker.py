@@ -18,7 +18,8 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.weights import open_checkpoint
 from kv_transfer import KVTransport, TransportConfig, create_transport
-from server_runtime.convert import layout_to_proto
+from server_runtime.common_rpcs import add_worker_servicer
+from server_runtime.convert import layout_to_proto, role_to_proto
 from server_runtime.embedding import EmbeddingContext, start_embedding
 from server_runtime.engine_loop import EngineLoop
 from server_runtime.metrics import WorkerMetrics, serve_metrics
@@ -75,13 +76,13 @@ class WorkerContext:
     def engine(self) -> Engine:
         return self.loop.engine
 
-    def model_info(self, role: int) -> common_pb2.GetModelInfoResponse:
+    def model_info(self) -> common_pb2.GetModelInfoResponse:
         engine = self.engine
         return common_pb2.GetModelInfoResponse(
             model_path=self.config.model_path, architecture=engine.model_config.architecture.value,
             context_len=engine.context_len, vocab_size=engine.model_config.vocab_size,
             eos_token_ids=sorted(engine.eos_token_ids), kv_layout=layout_to_proto(engine.runner.layout),
-            num_pages=engine.allocator.num_pages, role=role, version=self.version)
+            num_pages=engine.allocator.num_pages, role=role_to_proto(self.config.role), version=self.version)
 
     async def load(self) -> common_pb2.GetLoadResponse:
         def read(engine: Engine) -> common_pb2.GetLoadResponse:
@@ -100,11 +101,11 @@ def build_engine(config: WorkerConfig) -> Engine:
 
 
 async def serve_worker(config: WorkerConfig,
-                       add_servicer: Callable[[grpc.aio.Server, WorkerContext | EmbeddingContext], tuple[str, ...]]
-                       ) -> None:
+                       add_servicer: Callable[[grpc.aio.Server, WorkerContext | EmbeddingContext], str]) -> None:
     """Load the model, register the KV pool, serve gRPC until SIGINT/SIGTERM, then drain and exit.
 
-    `add_servicer` registers the role's services (its own and WorkerService) and returns their full names.
+    `add_servicer` registers the role's service on the server and returns its full service name; every
+    worker also serves WorkerService (`server_runtime/common_rpcs.py`).
     With `config.is_embedding` it gets an `EmbeddingContext` instead: no engine, KV pool or transport.
     """
     context: WorkerContext | EmbeddingContext
@@ -137,7 +138,7 @@ async def serve_worker(config: WorkerConfig,
     server = grpc.aio.server(interceptors=[metrics.interceptor()],
                              options=[("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                                       ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)])
-    service_names = add_servicer(server, context)
+    service_names = (add_servicer(server, context), add_worker_servicer(server, context))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

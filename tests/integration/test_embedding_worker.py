@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from gateway.workers import WorkerPool
 from kv_transfer import TransportConfig
 from prefill_server.servicer import add_prefill_servicer
+from server_runtime.common_rpcs import add_worker_servicer
 from server_runtime.embedding import start_embedding
 from server_runtime.worker import WorkerConfig
 from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -50,7 +51,7 @@ async def _scenario(model_path: Path) -> None:
     port = _free_port()
     ctx = start_embedding(_config(model_path, port), "test")
     server = grpc.aio.server()
-    names = add_prefill_servicer(server, ctx)
+    names = (add_prefill_servicer(server, ctx), add_worker_servicer(server, ctx))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.add_insecure_port(f"127.0.0.1:{port}")
