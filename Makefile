@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.stamp-install
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: serve test protos install bench clean
+.PHONY: serve test protos kernels install bench bench-peer clean
 
 $(STAMP): pyproject.toml scripts/install_system_deps.sh
 	bash scripts/install_system_deps.sh
@@ -19,7 +19,11 @@ $(STAMP): pyproject.toml scripts/install_system_deps.sh
 protos: $(STAMP)
 	$(PY) scripts/gen_protos.py
 
-install: $(STAMP) protos
+install: $(STAMP) protos kernels
+
+# Tandem's C++ CPU kernels, compiled for this machine (kernels/native.py); a no-op once built.
+kernels: $(STAMP)
+	$(PY) -m kernels.native
 
 serve: install
 	$(VENV)/bin/tandem serve $(ARGS)
@@ -29,6 +33,10 @@ test: install
 
 bench: install
 	$(PY) benchmarks/bench_serving.py $(ARGS)
+
+# Tandem against llama.cpp's llama-server (built once into ~/.cache/tandem-bench): docs/performance.md
+bench-peer: install
+	$(PY) benchmarks/vs_llama_cpp.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info protos/tandem/v1/*_pb2*.py protos/tandem/v1/*_pb2.pyi

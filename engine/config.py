@@ -179,6 +179,7 @@ def _num_labels(config: Mapping[str, Any]) -> int:
 
 
 _DTYPES = ("bfloat16", "float32", "float16")
+QUANTIZATIONS = ("none", "gguf", "q8_0", "q4_0", "q4_1")   # what each means: engine/weight_loader.py
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +188,10 @@ class EngineConfig:
 
     The KV pool holds `max_total_tokens` tokens when set, else as many as fit `kv_cache_gib`.
     `context_len` overrides the model's `max_position_embeddings` (it may only shrink it).
+    A prefill step computes at most `max_prefill_tokens` prompt tokens, except that without
+    chunking a longer prompt still runs whole, alone. `chunked_prefill_size` (None: off) caps a
+    step at that many prompt tokens too and splits the prompt that would cross the cap, so it is
+    prefilled over several steps (0 is accepted as off, as SGLang's users write it).
     """
 
     dtype: str = "bfloat16"
@@ -195,8 +200,11 @@ class EngineConfig:
     kv_cache_gib: float = 1.0
     max_running_requests: int = 64
     max_prefill_tokens: int = 8192
+    chunked_prefill_size: int | None = None
     context_len: int | None = None
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
+    quantization: str = "none"   # one of QUANTIZATIONS
+    int8_activations: bool = False   # quantized matmuls round activations to int8 blocks (llama.cpp's way)
     enable_prefix_cache: bool = False
 
     def __post_init__(self) -> None:
@@ -210,5 +218,10 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_gib must be positive, got {self.kv_cache_gib}")
         if self.max_running_requests <= 0 or self.max_prefill_tokens <= 0:
             raise ConfigError("max_running_requests and max_prefill_tokens must be positive")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 0:
+            raise ConfigError(f"chunked_prefill_size must be positive, or None or 0 (no chunking), "
+                              f"got {self.chunked_prefill_size}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.context_len is not None and self.context_len <= 1:
             raise ConfigError(f"context_len must be > 1, got {self.context_len}")

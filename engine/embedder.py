@@ -106,13 +106,9 @@ class ScratchDecoder:
         lens = [len(t) for t in token_lists]
         num_pages = [-(-n // size) for n in lens]
         first = torch.tensor([0, *num_pages[:-1]]).cumsum(0).tolist()
-        page_table = torch.tensor([list(range(f, f + p)) + [0] * (max(num_pages) - p)
-                                   for f, p in zip(first, num_pages)], dtype=torch.int64)
+        pages = [list(range(f, f + p)) for f, p in zip(first, num_pages)]
         positions = torch.cat([torch.arange(n) for n in lens])
-        row_of_token = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-        meta = AttentionMetadata(query_lens=tuple(lens), seq_lens=tuple(lens), page_table=page_table,
-                                 write_pages=page_table[row_of_token, positions // size],
-                                 write_offsets=positions % size, is_decode=False)
+        meta = AttentionMetadata.build(pages, lens, lens, size)
         scratch = torch.empty(sum(num_pages), mc.num_layers, 2, size, mc.num_kv_heads, mc.head_dim, dtype=self.dtype)
         input_ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.int64)
         hidden = self.model(input_ids, positions, self.rotary, self.attention, scratch, meta)

@@ -23,7 +23,7 @@ from engine.errors import (ContextLengthExceededError, InvalidRequestError, Requ
 from engine.grammar import GrammarBackend, accept_token
 from engine.page_allocator import PageAllocator
 from engine.prefix_cache import PrefixCache
-from engine.request import FinishReason, Request, SamplingParams, StepOutput
+from engine.request import FinishReason, Request, SamplingParams, StepOutput, join_prompt_logprobs
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.weights import Checkpoint
@@ -67,7 +67,7 @@ class Engine:
         self.allocator = PageAllocator(self.runner.kv_pool.num_pages)
         self.prefix_cache = PrefixCache(self.allocator, config.page_size) if config.enable_prefix_cache else None
         self.scheduler = Scheduler(self.allocator, config.page_size, config.max_running_requests,
-                                   config.max_prefill_tokens, self.prefix_cache)
+                                   config.max_prefill_tokens, self.prefix_cache, config.chunked_prefill_size)
         self._requests: dict[str, Request] = {}
         self._held: dict[str, Request] = {}
         self.weights_version = 0
@@ -165,7 +165,7 @@ class Engine:
                                 for n in mismatch)
             raise InvalidRequestError(f"the new weights do not match the served model's shapes ({details})")
         outputs = [self.abort(rid, "aborted: the model weights are being updated") for rid in list(self._requests)]
-        self.runner.model.load_weights(checkpoint.tensors(progress=False))
+        self.runner.load_weights(checkpoint)
         self.flush_prefix_cache()
         self.weights_version += 1
         return [o for o in outputs if o is not None]
@@ -226,6 +226,9 @@ class Engine:
         return self.scheduler.has_work
 
     def step(self) -> list[StepOutput]:
+        """Run one batch. A prefill step that computes only a chunk of a prompt gives that request
+        no output; its first token (with its prompt logprobs, gathered over the chunks) comes with
+        the step that computes the prompt's last chunk."""
         batch, evicted = self.scheduler.schedule()
         outputs = [self._finished_output(self._requests.pop(r.request_id)) for r in evicted]
         if batch is None:
@@ -233,16 +236,18 @@ class Engine:
         if not batch.is_decode:
             started = time.perf_counter()
             for req in batch.requests:
-                req.prefill_started_at = started
+                if req.prefill_started_at is None:   # a later chunk keeps the first chunk's start
+                    req.prefill_started_at = started
         sampled = self.runner.run(batch.requests, batch.is_decode, self.grammar)
         for row, req in enumerate(batch.requests):
-            if sampled.prompt is not None:
-                req.prompt_logprobs = sampled.prompt[row]
+            if not batch.is_decode:
+                if sampled.prompt is not None:   # the piece this chunk scored joins those before it
+                    req.prompt_logprobs = join_prompt_logprobs(req.prompt_logprobs, sampled.prompt[row])
+                if not self.scheduler.after_prefill(req):
+                    continue   # a non-final chunk: the token sampled from its last row means nothing
             token = _Token(sampled.token_ids[row], sampled.logprobs[row],
                            sampled.extras.top[row] if sampled.extras else (),
                            sampled.extras.requested[row] if sampled.extras else ())
-            if not batch.is_decode:
-                self.scheduler.after_prefill(req)
             if req.is_prefill_only:
                 outputs.append(self._finish_prefill_only(req, token))
             else:

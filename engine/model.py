@@ -15,8 +15,10 @@ from torch import nn
 
 from engine.config import Architecture, ModelConfig
 from engine.moe import MixtralExpert, SparseMoeBlock
+from engine.weight_loader import MergedLinear, load_into
 from kernels.attention import AttentionBackend, AttentionMetadata
-from kernels.layers import RotaryEmbedding, rms_norm, silu_and_mul
+from kernels.layers import RotaryEmbedding, add_rms_norm, silu_and_mul
+from kernels.quant import QuantizedWeight
 
 
 class RMSNorm(nn.Module):
@@ -25,8 +27,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); `residual` is updated in place (None: x alone)."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -34,19 +37,20 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         hidden, q_size, kv_size = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        self.q_proj = nn.Linear(hidden, q_size, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
+        self.sizes = (q_size, kv_size, kv_size)
+        self.qkv_proj = MergedLinear(hidden, (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)),
+                                     bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=config.o_proj_bias)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 backend: AttentionBackend, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary.apply(q, k, positions)
-        out = backend.forward(q, k, v, kv_cache, meta)
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = rotary.apply_and_store(q.view(num_tokens, self.num_heads, self.head_dim),
+                                   k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                                   v.view(num_tokens, self.num_kv_heads, self.head_dim), positions, kv_cache,
+                                   meta.write_pages, meta.write_offsets)
+        out = backend.attend(q, kv_cache, meta)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
@@ -55,12 +59,12 @@ class MLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.gate_up_proj = MergedLinear(hidden_size, (("gate_proj", intermediate_size),
+                                                       ("up_proj", intermediate_size)), bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 def _moe_block(config: ModelConfig) -> tuple[str, SparseMoeBlock]:
@@ -87,14 +91,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                backend: AttentionBackend, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                expert_counts: torch.Tensor | None = None) -> torch.Tensor:
-        """`expert_counts` ([num_experts] int64, MoE layers only) is added to as `SparseMoeBlock` says."""
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend, kv_cache, meta)
-        h = self.post_attention_layernorm(x)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rotary: RotaryEmbedding, backend: AttentionBackend, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                expert_counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer on the residual stream: returns (this layer's output, the stream before it is added);
+        the stream `residual` (None for the first layer) is updated in place. `expert_counts`
+        ([num_experts] int64, MoE layers only) is added to as `SparseMoeBlock` says."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rotary, backend, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
         ffn = getattr(self, self.ffn_name)
-        return x + (ffn(h, expert_counts) if self.is_moe else ffn(h))
+        return (ffn(h, expert_counts) if self.is_moe else ffn(h)), residual
 
 
 class DecoderStack(nn.Module):
@@ -131,33 +138,18 @@ class CausalLM(nn.Module):
         `expert_counts` ([num_layers, num_experts] int64): when given, each MoE layer adds to its row
         the number of these tokens routed to each expert (T x num_experts_per_tok per layer).
         """
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer_id, layer in enumerate(self.model.layers):
             counts = expert_counts[layer_id] if expert_counts is not None and layer.is_moe else None
-            x = layer(x, positions, rotary, backend, kv_pool[:, layer_id], meta, counts)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, rotary, backend, kv_pool[:, layer_id], meta, counts)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.score if self.config.num_labels else self.lm_head
         return head(hidden).float()
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the parameters; every parameter must be covered exactly."""
-        params = dict(self.named_parameters())
-        seen: set[str] = set()
-        for name, tensor in tensors:
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            if name not in params:
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue
-                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
-            param = params[name]
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(tensor)
-            seen.add(name)
-        missing = set(params) - seen - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
+                     quantization: str = "none", int8_activations: bool = False) -> None:
+        """Copy HF-named tensors into the parameters (every one covered exactly), fusing projections
+        and keeping or making quantized weights as `engine.weight_loader` says for `quantization`."""
+        load_into(self, tensors, quantization, int8_activations)

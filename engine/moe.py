@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError
-from kernels.layers import silu_and_mul
 
 
 class MixtralExpert(nn.Module):
@@ -29,7 +29,7 @@ class MixtralExpert(nn.Module):
         self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(silu_and_mul(self.w1(x), self.w3(x)))
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ from engine.grammar_spec import GrammarSpec
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"    # prompt KV not computed yet
+    WAITING = "waiting"    # prompt KV not computed yet (or only its first chunks)
     RUNNING = "running"    # has KV for every token but the last one; decodes each step
     FINISHED = "finished"
 
@@ -83,8 +83,11 @@ class Request:
     """One sequence in the engine.
 
     `prompt_ids` + `output_ids` is the sequence; KV is held in `page_ids` for the first
-    `num_computed` tokens. A prefill-only request (`is_prefill_only`) finishes after its first
-    sampled token and keeps its pages until the server releases them (after the KV transfer).
+    `num_computed` tokens. A long prompt may be prefilled over several steps (chunked prefill):
+    each prefill step computes `num_new_tokens` more prompt tokens from `num_computed` on, and
+    the request samples its first token only after the last chunk. A prefill-only request
+    (`is_prefill_only`) finishes after its first sampled token and keeps its pages until the
+    server releases them (after the KV transfer).
     With `prompt_logprob_start` set, prefill also scores the prompt's own tokens from that position
     on (`prompt_logprobs`), so the prefix cache may serve at most the tokens before it.
     """
@@ -97,6 +100,9 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     num_computed: int = 0
+    # Set by the scheduler for each prefill step: the runner computes prompt_ids[num_computed:
+    # num_computed + num_new_tokens] (fewer than the rest of the prompt for a non-final chunk).
+    num_new_tokens: int = 0
     num_cached_tokens: int = 0    # prompt tokens whose KV came from the prefix cache
     grammar_matcher: Any = None   # runtime state of `sampling.grammar` (engine.grammar)
     status: RequestStatus = RequestStatus.WAITING
@@ -105,7 +111,7 @@ class Request:
     abort_message: str = ""
     prompt_logprob_start: int | None = None   # score the prompt from this position (None: don't)
     prompt_logprobs: "PromptLogprobs | None" = None
-    prefill_started_at: float | None = None   # time.perf_counter() when its prefill forward began
+    prefill_started_at: float | None = None   # time.perf_counter() when its (first chunk's) prefill began
 
     @property
     def prompt_len(self) -> int:
@@ -130,6 +136,17 @@ class PromptLogprobs:
     logprobs: tuple[float, ...]
     top: tuple[tuple[tuple[int, float], ...], ...]
     requested: tuple[tuple[tuple[int, float], ...], ...]
+
+
+def join_prompt_logprobs(earlier: PromptLogprobs | None, later: PromptLogprobs | None) -> PromptLogprobs | None:
+    """`earlier`'s positions, then `later`'s, which must be the positions right after them (as the
+    pieces of one prompt scored by consecutive prefill chunks are). None is an empty piece."""
+    if earlier is None:
+        return later
+    if later is None:
+        return earlier
+    return PromptLogprobs(earlier.token_ids + later.token_ids, earlier.logprobs + later.logprobs,
+                          earlier.top + later.top, earlier.requested + later.requested)
 
 
 @dataclass(frozen=True, slots=True)

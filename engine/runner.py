@@ -19,8 +19,9 @@ from engine.model import CausalLM
 from engine.moe import ExpertRecorder
 from engine.request import PromptLogprobs, Request
 from engine.weights import Checkpoint
-from kernels.attention import AttentionMetadata, create_attention_backend
+from kernels.attention import AttentionMetadata, create_attention_backend, resolve_attention_backend
 from kernels.layers import RotaryEmbedding
+from kernels.quant import QuantizedEmbedding, QuantizedLinear
 from kernels.sampling import SamplingBatch, sample
 
 logger = logging.getLogger(__name__)
@@ -51,18 +52,28 @@ class ModelRunner:
         self.model = model.to_empty(device="cpu").to(self.dtype)
         if mc.tie_word_embeddings:
             self.model.lm_head.weight = self.model.model.embed_tokens.weight
-        self.model.load_weights(checkpoint.tensors(progress=progress))
+        self.quantization, self.int8_activations = config.quantization, config.int8_activations
+        self.load_weights(checkpoint, progress)
         self.model.eval()
         self.expert_recorder = ExpertRecorder(mc)   # counts tokens per expert while recording
         self.layout = KVLayout.for_model(mc, config.page_size, self.dtype)
         num_pages = self._num_pages(config)
         self.kv_pool = KVPool(self.layout, num_pages)
         self.rotary = RotaryEmbedding(mc.head_dim, context_len, mc.rope_theta, dict(mc.rope_scaling), self.dtype)
+        attention = resolve_attention_backend(config.attention_backend)
         self.attention = create_attention_backend(
-            config.attention_backend, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
+            attention, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim, page_size=config.page_size)
+        logger.info("model: dtype %s, quantization %s%s (%.1f MiB of weights), attention %s", config.dtype,
+                    config.quantization, " with int8 activations" if config.int8_activations else "",
+                    _weight_bytes(self.model) / 2**20, attention)
         logger.info("KV pool: %d pages x %d tokens (%.1f MiB, %s)", num_pages, config.page_size,
                     self.kv_pool.num_bytes / 2**20, config.dtype)
+
+    def load_weights(self, checkpoint: Checkpoint, progress: bool = False) -> None:
+        """(Re)load the model's weights in the configured quantization (shapes checked per tensor)."""
+        tensors = checkpoint.tensors(progress=progress, keep_quantized=self.quantization != "none")
+        self.model.load_weights(tensors, self.quantization, self.int8_activations)
 
     def _num_pages(self, config: EngineConfig) -> int:
         if config.max_total_tokens is not None:
@@ -112,21 +123,29 @@ class ModelRunner:
 
     def _prompt_logprobs(self, hidden: torch.Tensor, requests: list[Request], query_lens: tuple[int, ...]
                          ) -> list[PromptLogprobs | None]:
-        """Score each asking request's prompt tokens from max(prompt_logprob_start, 1) on. The row of
-        position p predicts token p + 1; the scheduler kept positions from start - 1 uncached."""
+        """Score each asking request's prompt tokens from max(prompt_logprob_start, 1) on, as far as this
+        step's rows reach: the row of position p predicts token p + 1, and a prefill chunk holds rows
+        num_computed ... num_computed + rows - 1 (the scheduler kept positions from start - 1 uncached).
+        None for a request that asks nothing or whose chunk scores nothing."""
         results: list[PromptLogprobs | None] = []
         offset = 0
         for req, num_rows in zip(requests, query_lens):
-            if req.prompt_logprob_start is None:
+            begin = req.num_computed
+            first = max(req.prompt_logprob_start or 0, 1, begin + 1)
+            last = min(begin + num_rows, req.prompt_len - 1)
+            if req.prompt_logprob_start is None or first > last:
                 results.append(None)
             else:
-                first = max(req.prompt_logprob_start, 1)
-                rows = hidden[offset + first - 1 - req.num_computed: offset + num_rows - 1]
-                results.append(score_prompt(self.model.compute_logits, rows, req.prompt_ids, first, req.sampling))
+                rows = hidden[offset + first - 1 - begin: offset + last - begin]
+                results.append(score_prompt(self.model.compute_logits, rows, req.prompt_ids[:last + 1], first,
+                                            req.sampling))
             offset += num_rows
         return results
 
     def _prepare(self, requests: list[Request], is_decode: bool) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Input ids and positions of every new token, and the step's page table (built once, shared by
+        every layer). Prefill computes `num_new_tokens` prompt tokens from `num_computed` on (the rest
+        of the prompt when 0); decode feeds only the newest token."""
         ids: list[int] = []
         pos: list[int] = []
         query_lens, seq_lens = [], []
@@ -136,26 +155,24 @@ class ModelRunner:
                 new = [req.output_ids[-1]] if req.output_ids else req.prompt_ids[-1:]
             else:
                 start = req.num_computed
-                new = req.prompt_ids[start:]
+                end = start + req.num_new_tokens if req.num_new_tokens else req.prompt_len
+                new = req.prompt_ids[start:end]
             ids.extend(new)
             pos.extend(range(start, start + len(new)))
             query_lens.append(len(new))
             seq_lens.append(start + len(new))
-        positions = torch.tensor(pos, dtype=torch.int64)
-        max_pages = max(len(r.page_ids) for r in requests)
-        page_table = torch.tensor([r.page_ids + [0] * (max_pages - len(r.page_ids)) for r in requests],
-                                  dtype=torch.int64)
-        row_of_token = torch.repeat_interleave(torch.arange(len(requests)), torch.tensor(query_lens))
-        write_pages = page_table[row_of_token, positions // self.page_size]
-        meta_args = dict(query_lens=tuple(query_lens), seq_lens=tuple(seq_lens), page_table=page_table,
-                         write_pages=write_pages, write_offsets=positions % self.page_size, is_decode=is_decode)
-        if is_decode:
-            slots = torch.arange(max(seq_lens))
-            meta_args["gather_pages"] = page_table.gather(1, (slots // self.page_size).expand(len(requests), -1)
-                                                          .clamp(max=max_pages - 1))
-            meta_args["gather_offsets"] = (slots % self.page_size).expand(len(requests), -1)
-            meta_args["key_mask"] = (slots.unsqueeze(0) < torch.tensor(seq_lens).unsqueeze(1))[:, None, None, :]
-        return torch.tensor(ids, dtype=torch.int64), positions, AttentionMetadata(**meta_args)
+        meta = AttentionMetadata.build([r.page_ids for r in requests], query_lens, seq_lens, self.page_size)
+        return torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64), meta
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameters and packed quantized weights, each shared tensor counted once."""
+    tensors = {id(p): p for p in model.parameters()}
+    for module in model.modules():
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+            w = module.quantized
+            tensors.update({id(t): t for t in (w.qs, w.scales, w.mins) if t is not None})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _sampling_batch(requests: list[Request]) -> SamplingBatch:

@@ -4,6 +4,13 @@ Policy: new prompts are prefilled first (FCFS, up to `max_prefill_tokens` per st
 while their pages fit); otherwise every running request decodes together in one batch. A running
 request that needs a new page when none is free is aborted (the newest first) rather than
 blocking the batch forever.
+
+Chunked prefill (`chunked_prefill_size`): a prefill step computes at most that many prompt tokens
+(and at most `max_prefill_tokens`) in all; the prompt that would cross the cap is split, and the
+rest of it stays at the head of `waiting`, holding every page of its prompt (allocated with its
+first chunk), to continue first in the next step. So one long prompt never holds a step for
+long; but prefill still comes first, so running requests decode only once no prompt is waiting,
+as without chunking.
 """
 
 from __future__ import annotations
@@ -25,12 +32,14 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_running_requests: int,
-                 max_prefill_tokens: int, prefix_cache: PrefixCache | None = None) -> None:
+                 max_prefill_tokens: int, prefix_cache: PrefixCache | None = None,
+                 chunked_prefill_size: int | None = None) -> None:
         self.allocator = allocator
         self.prefix_cache = prefix_cache
         self.page_size = page_size
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
+        self.chunked_prefill_size = chunked_prefill_size or None   # 0, like None, means no chunking
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -57,12 +66,22 @@ class Scheduler:
         return ScheduledBatch(list(self.running), is_decode=True), evicted
 
     def _schedule_prefill(self) -> list[Request]:
+        """Admit waiting prompts FCFS; set each one's `num_new_tokens` for this step.
+
+        A request already part-way through its prompt (a chunk ran, its pages are allocated) is
+        always first in `waiting` and continues regardless of `max_running_requests`, which
+        counted it when it was admitted.
+        """
         batch: list[Request] = []
         num_tokens = 0
-        while self.waiting and len(self.running) + len(batch) < self.max_running_requests:
+        budget = self._prefill_budget
+        while self.waiting and num_tokens < budget:
             req = self.waiting[0]
-            new_tokens = req.prompt_len - req.num_computed
-            if batch and num_tokens + new_tokens > self.max_prefill_tokens:
+            is_continuing = bool(req.page_ids)   # only an admitted waiting request holds pages
+            if not is_continuing and len(self.running) + len(batch) >= self.max_running_requests:
+                break
+            if (self.chunked_prefill_size is None and batch
+                    and num_tokens + req.prompt_len - req.num_computed > budget):
                 break
             matched = self._match_prefix(req)
             needed = pages_needed(req.prompt_len, self.page_size) - len(req.page_ids)
@@ -72,10 +91,22 @@ class Scheduler:
                     req.num_computed = req.num_cached_tokens = 0
                 break
             req.page_ids.extend(self._allocate(needed))
-            self.waiting.popleft()
+            num_left = req.prompt_len - req.num_computed
+            is_split = self.chunked_prefill_size is not None and num_tokens + num_left > budget
+            req.num_new_tokens = budget - num_tokens if is_split else num_left
             batch.append(req)
-            num_tokens += new_tokens
+            num_tokens += req.num_new_tokens
+            if is_split:
+                break   # the rest of its prompt stays at the head of `waiting` for the next step
+            self.waiting.popleft()
         return batch
+
+    @property
+    def _prefill_budget(self) -> int:
+        """Prompt tokens one prefill step may compute (without chunking, a lone longer prompt may exceed it)."""
+        if self.chunked_prefill_size is None:
+            return self.max_prefill_tokens
+        return min(self.chunked_prefill_size, self.max_prefill_tokens)
 
     def _grow_decode_pages(self) -> list[Request]:
         """Give each running request room for the token it is about to write."""
@@ -95,15 +126,21 @@ class Scheduler:
             req.page_ids.extend(self._allocate(1))
         return evicted
 
-    def after_prefill(self, req: Request) -> None:
-        """Prefill wrote the whole prompt; the request now decodes (or finishes, if prefill-only).
-        Its full prompt pages join the prefix cache."""
-        req.num_computed = req.prompt_len
+    def after_prefill(self, req: Request) -> bool:
+        """The step wrote `req.num_new_tokens` more prompt tokens. Returns whether the prompt is now
+        complete: then the request decodes (or, prefill-only, awaits its finish) and its full
+        prompt pages join the prefix cache. Otherwise it stays at the head of `waiting` for its
+        next chunk, and the token sampled this step must be ignored."""
+        req.num_computed += req.num_new_tokens
+        req.num_new_tokens = 0
+        if req.num_computed < req.prompt_len:
+            return False
         if self.prefix_cache is not None:
             self.prefix_cache.insert(req.prompt_ids, req.page_ids, req.num_cached_tokens // self.page_size)
         if not req.is_prefill_only:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+        return True
 
     def finish(self, req: Request, reason: FinishReason | None, message: str = "",
                keep_pages: bool = False) -> None:

@@ -1,12 +1,26 @@
-"""Elementwise layers: RMSNorm, SwiGLU activation, rotary position embedding (torch)."""
+"""Elementwise layers: RMSNorm (with the residual add), SwiGLU activation, rotary position embedding.
+
+Torch code is the implementation everywhere and the reference; float32 CPU tensors go through the
+fused C++ kernels (`kernels/csrc`) when they are built: one call where torch needs several.
+"""
 
 from __future__ import annotations
 
 import math
+from types import ModuleType
 from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
+
+
+def _fused(*tensors: torch.Tensor) -> ModuleType | None:
+    """The C++ kernels when every tensor is a float32 CPU tensor and they are built, else None
+    (the torch code below is then the implementation, and always the reference)."""
+    if not all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
+        return None
+    from kernels import native
+    return native.load() if native.is_available() else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -16,7 +30,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
-def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) for [T, H] rows; `residual` None means zero.
+
+    Mutates `residual` in place (it becomes the sum); `x` is never changed."""
+    if residual is None:
+        residual = x.clone()
+    elif (fused := _fused(x, residual, weight)) is not None and x.is_contiguous() and residual.is_contiguous():
+        return fused.rms_norm(x, weight, eps, residual), residual
+    else:
+        residual.add_(x)
+    if (fused := _fused(residual, weight)) is not None and residual.is_contiguous():
+        return fused.rms_norm(residual, weight, eps, None), residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for `gate_up` [T, 2I] holding [gate | up] -> [T, I]."""
+    if (fused := _fused(gate_up)) is not None and gate_up.is_contiguous():
+        return fused.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
@@ -49,6 +83,19 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
+
+    def apply_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                        kv_cache: torch.Tensor, write_pages: torch.Tensor, write_offsets: torch.Tensor
+                        ) -> torch.Tensor:
+        """Rotate q [T, Hq, D] and k [T, Hkv, D], write k and v into `kv_cache` [P, 2, S, Hkv, D] at
+        (write_pages, write_offsets), and return the rotated q. One C++ call for float32 on CPU."""
+        if (fused := _fused(q, k, v, self.cos)) is not None and all(t.stride(-1) == 1 for t in (q, k, v)):
+            fused.rope_and_store(q, k, v, self.cos, self.sin, positions, kv_cache, write_pages, write_offsets)
+            return q
+        q, k = self.apply(q, k, positions)
+        kv_cache[write_pages, 0, write_offsets] = k
+        kv_cache[write_pages, 1, write_offsets] = v
+        return q
 
     def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] int64 -> rotated (q, k)."""

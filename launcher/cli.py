@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from gateway.discovery import check_worker_spec
 from launcher.defaults import (BUNDLED_MODEL_SAMPLING, default_data_dir, default_dtype, default_model_path,
@@ -14,13 +15,20 @@ from launcher.defaults import (BUNDLED_MODEL_SAMPLING, default_data_dir, default
 from launcher.healthcheck import add_healthcheck_args, run_healthcheck
 from tandem.request_log import configure_logging
 
+if TYPE_CHECKING:   # the engine is imported only by the worker commands that run one
+    from engine.config import EngineConfig
+
 DEFAULT_GATEWAY_PORT = 30000
 DEFAULT_PREFILL_PORT = 30001
 DEFAULT_DECODE_PORT = 30002
 # vLLM's spellings are accepted too, so its serving commands work unchanged.
 _DTYPE_ALIASES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "float": "float32",
                   "float16": "float16", "half": "float16", "fp16": "float16"}
+# int8 / int4 are the generic names; each maps to the GGUF block format that implements it.
+_QUANTIZATION_ALIASES = {"none": "none", "gguf": "gguf", "q8_0": "q8_0", "int8": "q8_0", "q4_0": "q4_0",
+                         "q4_1": "q4_1", "int4": "q4_1"}
 METRICS_PORT_OFFSET = 100   # a worker's metrics port defaults to its gRPC port + 100 (30101, 30102)
+DEFAULT_CHUNKED_PREFILL_SIZE = 512
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -37,6 +45,22 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool size in GiB when --max-total-tokens is unset")
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--max-prefill-tokens", type=int, default=8192, help="prompt tokens per prefill batch")
+    p.add_argument("--chunked-prefill-size", type=_chunked_prefill_size, default=DEFAULT_CHUNKED_PREFILL_SIZE,
+                   help="prompt tokens one prefill step computes at most (with --max-prefill-tokens); a longer "
+                        "prompt runs in chunks over several steps, so it cannot hold the engine for seconds while "
+                        "aborts and other requests wait. -1 or 0: off. The default leaves typical prompts (a "
+                        "256-token benchmark prompt, a chat turn) whole, since each chunk costs another pass over "
+                        "the weights on a CPU, and splits only the long prompts that would stall a step")
+    p.add_argument("--quantization", "-q", default="auto", choices=["auto", *_QUANTIZATION_ALIASES],
+                   help="weight format: none (the --dtype floats), gguf (a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept "
+                        "packed), q8_0 / int8, q4_0, q4_1 / int4 (quantized at load). auto: gguf for a .gguf "
+                        "file, none otherwise (docs/performance.md has the measurements)")
+    p.add_argument("--int8-activations", action="store_true",
+                   help="quantized matmuls round each activation row to int8 blocks and take integer dot "
+                        "products, as llama.cpp does: faster for small batches, less exact (the default keeps "
+                        "activations in float; docs/performance.md compares both)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch"],
+                   help="auto: the C++ paged-attention kernel (cpu) where it builds, else torch SDPA")
     p.add_argument("--disable-prefix-cache", action="store_true",
                    help="prefill: recompute every prompt instead of reusing cached prefix pages")
     p.add_argument("--context-length", "--max-model-len", dest="context_length", type=int, default=None,
@@ -148,18 +172,7 @@ def _serve(args: argparse.Namespace) -> int:
     served_name = args.served_model_name or served_name_for(args.model_path)
     threads = args.torch_threads or default_torch_threads(1 if args.is_embedding else 2)
     shared = ["--model-path", model_path, "--log-level", args.log_level]
-    worker_flags = [*shared, "--dtype", args.dtype, "--page-size", str(args.page_size),
-                    "--kv-cache-gib", str(args.kv_cache_gib), "--max-running-requests", str(args.max_running_requests),
-                    "--max-prefill-tokens", str(args.max_prefill_tokens), "--torch-threads", str(threads),
-                    "--kv-transport", args.kv_transport, "--kv-protocol", args.kv_protocol,
-                    "--reservation-ttl", str(args.reservation_ttl), "--transfer-timeout", str(args.transfer_timeout),
-                    "--kv-write-grace", str(args.kv_write_grace)]
-    if args.disable_prefix_cache:
-        worker_flags.append("--disable-prefix-cache")
-    for flag, value in (("--max-total-tokens", args.max_total_tokens), ("--context-length", args.context_length),
-                        ("--kv-host", args.kv_host)):
-        if value is not None:
-            worker_flags += [flag, str(value)]
+    worker_flags = [*shared, *_serve_worker_flags(args, threads)]
     prefill_addr, decode_addr = f"127.0.0.1:{args.prefill_port}", f"127.0.0.1:{args.decode_port}"
     # An embedding stack is gateway + one embedding prefill worker: embeddings need no decode.
     embedding_flags = ["--is-embedding"] if args.is_embedding else []
@@ -189,6 +202,26 @@ def _serve(args: argparse.Namespace) -> int:
     workers = (f"embedding prefill {prefill_addr}, no decode). Ctrl-C stops both." if args.is_embedding
                else f"prefill {prefill_addr}, decode {decode_addr}). Ctrl-C stops all three.")
     return supervisor.run(f"Tandem is ready: gateway on http://{url_host}:{args.port} (model {served_name!r}; {workers}")
+
+
+def _serve_worker_flags(args: argparse.Namespace, threads: int) -> list[str]:
+    """The worker flags of `tandem serve` that its prefill and decode children both get."""
+    flags = ["--dtype", args.dtype, "--page-size", str(args.page_size), "--kv-cache-gib", str(args.kv_cache_gib),
+             "--max-running-requests", str(args.max_running_requests),
+             "--max-prefill-tokens", str(args.max_prefill_tokens),
+             "--chunked-prefill-size", str(args.chunked_prefill_size or -1), "--torch-threads", str(threads),
+             "--quantization", args.quantization, "--attention-backend", args.attention_backend,
+             *(["--int8-activations"] if args.int8_activations else []),
+             "--kv-transport", args.kv_transport, "--kv-protocol", args.kv_protocol,
+             "--reservation-ttl", str(args.reservation_ttl), "--transfer-timeout", str(args.transfer_timeout),
+             "--kv-write-grace", str(args.kv_write_grace)]
+    if args.disable_prefix_cache:
+        flags.append("--disable-prefix-cache")
+    for flag, value in (("--max-total-tokens", args.max_total_tokens), ("--context-length", args.context_length),
+                        ("--kv-host", args.kv_host)):
+        if value is not None:
+            flags += [flag, str(value)]
+    return flags
 
 
 def _gateway(args: argparse.Namespace) -> int:
@@ -221,7 +254,6 @@ def _gateway(args: argparse.Namespace) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     from decode_server.servicer import add_decode_servicer
-    from engine.config import EngineConfig
     from kv_transfer import TransportConfig
     from prefill_server.servicer import add_prefill_servicer
     from server_runtime.worker import WorkerConfig, serve_worker
@@ -229,11 +261,7 @@ def _worker(args: argparse.Namespace) -> int:
     kv_host = args.kv_host or ("127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host)
     config = WorkerConfig(
         role=args.command, model_path=args.model_path or default_model_path(), host=args.host, port=args.port,
-        engine=EngineConfig(dtype=_worker_dtype(args), page_size=args.page_size,
-                            max_total_tokens=args.max_total_tokens, kv_cache_gib=args.kv_cache_gib,
-                            max_running_requests=args.max_running_requests,
-                            max_prefill_tokens=args.max_prefill_tokens, context_len=args.context_length,
-                            enable_prefix_cache=args.command == "prefill" and not args.disable_prefix_cache),
+        engine=_engine_config(args),
         transport=TransportConfig(backend=args.kv_transport, hostname=kv_host, protocol=args.kv_protocol,
                                   device_name=args.kv_device),
         torch_threads=args.torch_threads or default_torch_threads(2),
@@ -243,6 +271,41 @@ def _worker(args: argparse.Namespace) -> int:
     add_servicer = add_prefill_servicer if args.command == "prefill" else add_decode_servicer
     asyncio.run(serve_worker(config, add_servicer))
     return 0
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    """A prefill or decode worker's engine settings from its flags."""
+    from engine.config import EngineConfig
+    return EngineConfig(dtype=_worker_dtype(args), page_size=args.page_size, max_total_tokens=args.max_total_tokens,
+                        kv_cache_gib=args.kv_cache_gib, max_running_requests=args.max_running_requests,
+                        max_prefill_tokens=args.max_prefill_tokens, chunked_prefill_size=args.chunked_prefill_size,
+                        context_len=args.context_length, quantization=_worker_quantization(args),
+                        attention_backend=args.attention_backend, int8_activations=args.int8_activations,
+                        enable_prefix_cache=args.command == "prefill" and not args.disable_prefix_cache)
+
+
+def _worker_quantization(args: argparse.Namespace) -> str:
+    """--quantization, where auto keeps a GGUF file's blocks packed and loads anything else as floats."""
+    if args.quantization != "auto":
+        return _QUANTIZATION_ALIASES[args.quantization]
+    model_path = args.model_path or default_model_path()
+    return "gguf" if model_path.lower().endswith(".gguf") or _holds_one_gguf(model_path) else "none"
+
+
+def _holds_one_gguf(path: str) -> bool:
+    return os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")) and \
+        sum(name.lower().endswith(".gguf") for name in os.listdir(path)) == 1
+
+
+def _chunked_prefill_size(text: str) -> int | None:
+    """--chunked-prefill-size: a positive token count, or -1 / 0 for no chunking (None)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < -1:
+        raise argparse.ArgumentTypeError(f"must be positive, or -1 or 0 to turn chunking off, got {value}")
+    return value if value > 0 else None
 
 
 def _metrics_port(flag: int | None, grpc_port: int) -> int:

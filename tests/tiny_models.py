@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize as gguf_quantize
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, BertConfig, BertModel, LlamaConfig, LlamaForCausalLM,
@@ -136,12 +137,14 @@ def _save(model: PreTrainedModel, path: str | Path, seed: int, max_shard_size: s
 
 
 def save_tiny_gguf(hf_dir: str | Path, path: str | Path,
-                   architecture: str | None = None) -> Path:
+                   architecture: str | None = None, quantize: dict[str, GGMLQuantizationType] | None = None) -> Path:
     """Convert the HF checkpoint in `hf_dir` to a float32 GGUF file as llama.cpp's converter does.
 
     Q and K rows are permuted for `llama` (interleaved rotary pairs), tensor names are mapped to
     llama.cpp's, and `lm_head.weight` is written only when embeddings are untied.
     `architecture` overrides `general.architecture` (to test rejection of other models).
+    `quantize` maps a substring of HF tensor names (e.g. "q_proj.weight") to the block type those
+    matrices are stored in (gguf-py's quantizer), as a quantized llama.cpp file holds them.
     """
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     config = model.config
@@ -167,7 +170,11 @@ def save_tiny_gguf(hf_dir: str | Path, path: str | Path,
             array = _llama_cpp_permute(array, config.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             array = _llama_cpp_permute(array, config.num_key_value_heads)
-        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(array))
+        qtype = next((t for part, t in (quantize or {}).items() if part in name), None)
+        if qtype is None:
+            writer.add_tensor(_gguf_name(name), np.ascontiguousarray(array))
+        else:
+            writer.add_tensor(_gguf_name(name), gguf_quantize(np.ascontiguousarray(array), qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,4 +1,5 @@
-"""Reads a llama.cpp `.gguf` file: config from its metadata, float32 tensors by dequantizing.
+"""Reads a llama.cpp `.gguf` file: config from its metadata, tensors dequantized to float32 or,
+on request, Q8_0 / Q4_0 / Q4_1 tensors kept packed as `kernels.quant.QuantizedWeight`.
 
 GGUF lists dimensions innermost first, so a `[in, out]` GGUF shape is an `(out, in)` torch
 tensor. For `general.architecture == "llama"`, llama.cpp's converter permutes the rows of the Q
@@ -22,11 +23,14 @@ from gguf.quants import dequantize
 
 from engine.config import Architecture, ConfigError, ModelConfig
 from engine.weights.names import Shape, check_tensors, hf_name_from_gguf
+from kernels.quant import BLOCK, QuantFormat, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
 _ARCHITECTURES = {"llama": Architecture.LLAMA, "qwen2": Architecture.QWEN2}
 _ROPE_PERMUTED = (".self_attn.q_proj.", ".self_attn.k_proj.")
+# GGUF block types kept packed, with their bytes per 32-element block
+_PACKED = {"Q8_0": (QuantFormat.Q8_0, 34), "Q4_0": (QuantFormat.Q4_0, 18), "Q4_1": (QuantFormat.Q4_1, 20)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +44,8 @@ class GGUFTensorRef:
 
 @dataclass(frozen=True, slots=True)
 class GGUFSource:
-    """Yields float32 tensors, dequantized one at a time from the memory-mapped file."""
+    """Yields tensors one at a time from the memory-mapped file: float32, or with `keep_quantized`
+    the 2-D Q8_0 / Q4_0 / Q4_1 ones as packed `QuantizedWeight`s."""
 
     reader: GGUFReader
     refs: tuple[GGUFTensorRef, ...]
@@ -49,9 +54,10 @@ class GGUFSource:
     def num_tensors(self) -> int:
         return len(self.refs)
 
-    def read(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def read(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         for ref in self.refs:
-            yield ref.hf_name, _to_torch(ref)
+            packed = ref.tensor.tensor_type.name in _PACKED and len(ref.tensor.shape) == 2
+            yield ref.hf_name, _to_quantized(ref) if keep_quantized and packed else _to_torch(ref)
 
 
 def open_gguf_file(path: Path) -> tuple[ModelConfig, GGUFSource]:
@@ -175,3 +181,20 @@ def _unpermute_rope(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
     half = tensor.shape[0] // num_heads // 2
     rest = tensor.shape[1:]
     return tensor.reshape(num_heads, half, 2, *rest).transpose(1, 2).reshape(tensor.shape)
+
+
+def _to_quantized(ref: GGUFTensorRef) -> QuantizedWeight:
+    """The tensor's blocks unpacked into `QuantizedWeight` arrays (fp16 scales widened to float32)."""
+    fmt, block_bytes = _PACKED[ref.tensor.tensor_type.name]
+    rows, cols = (int(dim) for dim in reversed(ref.tensor.shape))
+    raw = torch.from_numpy(np.array(ref.tensor.data, dtype=np.uint8).reshape(rows, cols // BLOCK, block_bytes))
+    scales = raw[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+    if fmt is QuantFormat.Q4_1:
+        mins, qs = raw[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float(), raw[..., 4:]
+    else:
+        mins, qs = None, raw[..., 2:]
+    weight = QuantizedWeight(fmt, qs.reshape(rows, -1).contiguous(), scales.contiguous(), mins)
+    if ref.unpermute_heads is not None:   # the permutation moves whole rows, so blocks move intact
+        order = _unpermute_rope(torch.arange(rows), ref.unpermute_heads)
+        weight = weight.index_rows(order)
+    return weight

@@ -13,8 +13,9 @@ CONTEXT_LEN = 1024
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory) -> Stack:
-    # fp32 so greedy output can be compared with HF token for token
-    stack = start_stack(tmp_path_factory.mktemp("stack"), "--dtype", "float32", "--context-length",
+    # fp32 with dequantized weights, so greedy output can be compared with HF token for token
+    stack = start_stack(tmp_path_factory.mktemp("stack"), "--dtype", "float32", "--quantization", "none",
+                        "--context-length",
                         str(CONTEXT_LEN), "--max-total-tokens", "8192", "--torch-threads", "1")
     yield stack
     survivors = stack.stop()

@@ -10,6 +10,7 @@ from engine.config import Architecture, ConfigError, ModelConfig
 from engine.errors import InvalidRequestError
 from engine.model import CausalLM, MLP
 from engine.moe import ExpertRecorder, MixtralExpert, SparseMoeBlock, route
+from engine.weight_loader import checkpoint_shapes
 from engine.weights.names import expected_shapes
 
 _BASE = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=4, num_attention_heads=2,
@@ -68,8 +69,7 @@ def test_layers_get_hf_names_dense_or_moe() -> None:
     mixtral = CausalLM(_config(MIXTRAL))
     assert isinstance(mixtral.model.layers[0].block_sparse_moe.experts[3], MixtralExpert)
     for model, config in ((qwen, _config(QWEN2_MOE)), (mixtral, _config(MIXTRAL))):
-        params = {name: tuple(p.shape) for name, p in model.named_parameters()}
-        assert params == expected_shapes(config)
+        assert checkpoint_shapes(model) == expected_shapes(config)
 
 
 def test_qwen2_moe_config_fields() -> None:

@@ -1,5 +1,6 @@
-"""Tests for engine.scheduler: FCFS prefill within token and page budgets, decode batches, page
-growth, eviction of the newest request when the pool runs dry, and page release. Plain Python."""
+"""Tests for engine.scheduler: FCFS prefill within token and page budgets, chunked prefill, decode
+batches, page growth, eviction of the newest request when the pool runs dry, and page release.
+Plain Python."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from engine.errors import CapacityError
 from engine.page_allocator import PageAllocator
+from engine.prefix_cache import PrefixCache
 from engine.request import FinishReason, Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler
 
@@ -18,9 +20,11 @@ PAGE_SIZE = 4
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
-def _scheduler(num_pages: int = 16, max_running_requests: int = 8,
-               max_prefill_tokens: int = 1000) -> Scheduler:
-    return Scheduler(PageAllocator(num_pages), PAGE_SIZE, max_running_requests, max_prefill_tokens)
+def _scheduler(num_pages: int = 16, max_running_requests: int = 8, max_prefill_tokens: int = 1000,
+               chunked_prefill_size: int | None = None, prefix_cache: bool = False) -> Scheduler:
+    allocator = PageAllocator(num_pages)
+    cache = PrefixCache(allocator, PAGE_SIZE) if prefix_cache else None
+    return Scheduler(allocator, PAGE_SIZE, max_running_requests, max_prefill_tokens, cache, chunked_prefill_size)
 
 
 def _request(request_id: str, prompt_len: int, is_prefill_only: bool = False) -> Request:
@@ -235,3 +239,156 @@ def test_check_capacity_against_whole_pool() -> None:
     scheduler.check_capacity(16)    # would fit an empty pool: accepted even though none are free
     with pytest.raises(CapacityError):
         scheduler.check_capacity(17)
+
+
+# ---- chunked prefill -------------------------------------------------------------------------
+
+
+def _chunks(scheduler: Scheduler) -> list[tuple[str, int, bool]]:
+    """Schedule one prefill step and complete it: (request id, tokens computed, prompt done) per request."""
+    batch, evicted = scheduler.schedule()
+    assert batch is not None and not batch.is_decode and evicted == []
+    steps = []
+    for req in batch.requests:
+        num_new = req.num_new_tokens
+        done = scheduler.after_prefill(req)
+        if done:
+            req.output_ids.append(0)
+        steps.append((req.request_id, num_new, done))
+    return steps
+
+
+def test_long_prompt_is_prefilled_in_chunks_holding_all_its_pages_from_the_first() -> None:
+    scheduler = _scheduler(chunked_prefill_size=5)
+    req = _request("long", 13)
+    scheduler.add_waiting(req)
+    assert _chunks(scheduler) == [("long", 5, False)]
+    assert len(req.page_ids) == 4 and scheduler.allocator.num_used == 4   # the whole prompt's pages
+    assert req.num_computed == 5 and req.status is RequestStatus.WAITING
+    assert list(scheduler.waiting) == [req] and scheduler.running == [] and scheduler.has_work
+    assert _chunks(scheduler) == [("long", 5, False)]
+    assert req.num_computed == 10 and scheduler.allocator.num_used == 4
+    assert _chunks(scheduler) == [("long", 3, True)]
+    assert req.num_computed == 13 and req.status is RequestStatus.RUNNING
+    assert scheduler.running == [req] and not scheduler.waiting
+    batch, _ = scheduler.schedule()
+    assert batch is not None and batch.is_decode and batch.requests == [req]
+
+
+def test_chunk_budget_is_shared_by_the_batch_and_splits_the_last_prompt() -> None:
+    scheduler = _scheduler(chunked_prefill_size=8)
+    r0, r1, r2, r3 = _request("r0", 3), _request("r1", 7), _request("r2", 2), _request("r3", 4)
+    for req in (r0, r1, r2, r3):
+        scheduler.add_waiting(req)
+    assert _chunks(scheduler) == [("r0", 3, True), ("r1", 5, False)]
+    assert list(scheduler.waiting) == [r1, r2, r3]
+    # r1 continues first; r2 fits whole and r3 gets what is left of the budget.
+    assert _chunks(scheduler) == [("r1", 2, True), ("r2", 2, True), ("r3", 4, True)]
+    assert scheduler.running == [r0, r1, r2, r3] and not scheduler.waiting
+
+
+def test_a_prompt_is_split_to_fill_the_budget_even_by_one_token() -> None:
+    scheduler = _scheduler(chunked_prefill_size=8)
+    r0, r1 = _request("r0", 7), _request("r1", 6)
+    scheduler.add_waiting(r0)
+    scheduler.add_waiting(r1)
+    assert _chunks(scheduler) == [("r0", 7, True), ("r1", 1, False)]
+    assert _chunks(scheduler) == [("r1", 5, True)]
+
+
+def test_max_prefill_tokens_caps_a_chunk_too() -> None:
+    scheduler = _scheduler(max_prefill_tokens=6, chunked_prefill_size=100)
+    scheduler.add_waiting(_request("r", 10))
+    assert _chunks(scheduler) == [("r", 6, False)]
+    assert _chunks(scheduler) == [("r", 4, True)]
+
+
+@pytest.mark.parametrize("chunked_prefill_size", [None, 0])
+def test_without_chunking_a_step_computes_whole_prompts(chunked_prefill_size: int | None) -> None:
+    scheduler = _scheduler(max_prefill_tokens=4, chunked_prefill_size=chunked_prefill_size)
+    big, small = _request("big", 9), _request("small", 1)
+    scheduler.add_waiting(big)
+    scheduler.add_waiting(small)
+    assert _chunks(scheduler) == [("big", 9, True)]
+    assert _chunks(scheduler) == [("small", 1, True)]
+
+
+def test_a_partly_prefilled_prompt_continues_when_running_is_full() -> None:
+    """It was counted against `max_running_requests` when admitted; a request that joined running
+    since (a decode hand-off) must not strand it holding its pages."""
+    scheduler = _scheduler(max_running_requests=1, chunked_prefill_size=4)
+    req, waiting = _request("r", 10), _request("w", 2)
+    scheduler.add_waiting(req)
+    scheduler.add_waiting(waiting)
+    assert _chunks(scheduler) == [("r", 4, False)]
+    handed_off = _request("d", 3)
+    handed_off.page_ids, handed_off.num_computed = scheduler.reserve(3), 3
+    handed_off.output_ids.append(0)
+    scheduler.add_running(handed_off)
+    assert _chunks(scheduler) == [("r", 4, False)]
+    assert _chunks(scheduler) == [("r", 2, True)]
+    batch, _ = scheduler.schedule()   # "w" must wait for a free running slot
+    assert batch is not None and batch.is_decode and list(scheduler.waiting) == [waiting]
+
+
+def test_prefill_chunks_go_before_decode() -> None:
+    scheduler = _scheduler(chunked_prefill_size=4)
+    r0 = _request("r0", 3)
+    _prefill(scheduler, r0)
+    r1 = _request("r1", 10)
+    scheduler.add_waiting(r1)
+    assert [_chunks(scheduler) for _ in range(3)] == [[("r1", 4, False)], [("r1", 4, False)], [("r1", 2, True)]]
+    batch, _ = scheduler.schedule()
+    assert batch is not None and batch.is_decode and batch.requests == [r0, r1]
+
+
+def test_abort_in_the_middle_of_chunking_frees_every_page() -> None:
+    scheduler = _scheduler(chunked_prefill_size=4)
+    req = _request("r", 14)
+    scheduler.add_waiting(req)
+    _chunks(scheduler)
+    assert scheduler.allocator.num_used == 4
+    scheduler.finish(req, FinishReason.ABORT, message="client went away")
+    assert req.is_finished and req.page_ids == []
+    assert scheduler.allocator.num_free == 16 and not scheduler.waiting and not scheduler.has_work
+    assert scheduler.schedule() == (None, [])
+
+
+def test_chunked_prompt_matches_the_prefix_cache_once_and_caches_its_pages_when_done() -> None:
+    scheduler = _scheduler(num_pages=8, chunked_prefill_size=3, prefix_cache=True)
+    first = _request("first", 10)
+    scheduler.add_waiting(first)
+    while scheduler.waiting:
+        _chunks(scheduler)
+    assert first.num_cached_tokens == 0
+    assert scheduler.prefix_cache.num_cached_pages == 2   # its full pages, once the prompt is done
+    scheduler.finish(first, FinishReason.STOP)
+
+    second = _request("second", 11)   # the same first 10 tokens
+    scheduler.add_waiting(second)
+    assert _chunks(scheduler) == [("second", 3, True)]    # 8 tokens from the cache, 3 computed
+    assert second.num_cached_tokens == 8
+    third = _request("third", 13)
+    scheduler.add_waiting(third)
+    assert _chunks(scheduler) == [("third", 3, False)]    # 8 cached; 5 left to compute
+    assert third.num_cached_tokens == 8 and third.num_computed == 11
+    assert _chunks(scheduler) == [("third", 2, True)]
+    assert third.num_cached_tokens == 8                   # no second match on later chunks
+    scheduler.prefix_cache.check_integrity()
+
+
+def test_abort_mid_chunk_returns_the_cache_its_matched_pages() -> None:
+    scheduler = _scheduler(num_pages=8, chunked_prefill_size=4, prefix_cache=True)
+    warm = _request("warm", 9)
+    scheduler.add_waiting(warm)
+    while scheduler.waiting:
+        _chunks(scheduler)
+    scheduler.finish(warm, FinishReason.STOP)             # its 2 full pages stay cached
+    req = _request("r", 20)
+    scheduler.add_waiting(req)
+    assert _chunks(scheduler) == [("r", 4, False)]
+    assert req.num_cached_tokens == 8 and len(req.page_ids) == 5
+    scheduler.finish(req, FinishReason.ABORT)
+    scheduler.prefix_cache.check_integrity()
+    assert scheduler.prefix_cache.num_evictable_pages == 2
+    assert scheduler.allocator.num_free + scheduler.prefix_cache.num_evictable_pages == 8

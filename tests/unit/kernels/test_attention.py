@@ -1,5 +1,5 @@
-"""Tests for kernels.attention: the torch paged backend against dense causal attention computed
-directly, on a cache whose page ids are shuffled."""
+"""Tests for kernels.attention: the CSR page table, and both backends (torch SDPA, the C++ kernel)
+against dense causal attention computed directly, on a cache whose page ids are shuffled."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kernels.attention import AttentionMetadata, TorchAttention, create_attention_backend
+from kernels.attention import AttentionMetadata, CpuPagedAttention, TorchAttention, create_attention_backend
 
 PAGE_SIZE = 4
 NUM_PAGES = 16
@@ -44,42 +44,61 @@ class _Setup:
     def randn(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=self.gen)
 
-    def page_table(self) -> torch.Tensor:
-        width = max(len(p) for p in self.pages)
-        return torch.tensor([p + [0] * (width - len(p)) for p in self.pages], dtype=torch.int64)
-
-    def write_slots(self, seq: int, positions: range) -> tuple[list[int], list[int]]:
-        return ([self.pages[seq][p // PAGE_SIZE] for p in positions], [p % PAGE_SIZE for p in positions])
-
     def keys_of(self, seq: int, length: int, which: int) -> torch.Tensor:
         """[length, Hkv, D] read straight from the cache, token by token."""
         return torch.stack([self.cache[self.pages[seq][p // PAGE_SIZE], which, p % PAGE_SIZE]
                             for p in range(length)])
 
 
-def _prefill_meta(setup: _Setup, prefix_lens: list[int], query_lens: list[int]) -> AttentionMetadata:
-    write_pages, write_offsets = [], []
-    for seq, (prefix, n) in enumerate(zip(prefix_lens, query_lens)):
-        pages, offsets = setup.write_slots(seq, range(prefix, prefix + n))
-        write_pages += pages
-        write_offsets += offsets
-    return AttentionMetadata(
-        query_lens=tuple(query_lens), seq_lens=tuple(p + n for p, n in zip(prefix_lens, query_lens)),
-        page_table=setup.page_table(), write_pages=torch.tensor(write_pages),
-        write_offsets=torch.tensor(write_offsets), is_decode=False)
+BACKENDS = ["torch", "cpu"]
 
 
-@pytest.mark.parametrize("prefix_lens", [[0, 0], [6, 0], [5, 3]], ids=["fresh", "one-prefix", "two-prefixes"])
-def test_prefill_matches_dense_causal_attention(prefix_lens: list[int]) -> None:
+def _backend(name: str):
+    return create_attention_backend(name, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+                                    page_size=PAGE_SIZE)
+
+
+def _meta(setup: _Setup, prefix_lens: list[int], query_lens: list[int]) -> AttentionMetadata:
+    return AttentionMetadata.build(setup.pages, query_lens, [p + n for p, n in zip(prefix_lens, query_lens)],
+                                   PAGE_SIZE)
+
+
+def test_csr_metadata_encodes_the_page_tables() -> None:
+    pages = [[7, 3, 9], [4], [11, 2, 5, 8]]
+    seq_lens, query_lens = [9, 4, 16], [9, 1, 3]
+    meta = AttentionMetadata.build(pages, query_lens, seq_lens, PAGE_SIZE)
+    assert all(t.dtype == torch.int32 for t in (meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
+                                                meta.kv_last_page_len))
+    assert meta.qo_indptr.tolist() == [0, 9, 10, 13]
+    assert meta.kv_indptr.tolist() == [0, 3, 4, 8]
+    assert meta.kv_indices.tolist() == [7, 3, 9, 4, 11, 2, 5, 8]
+    assert meta.kv_last_page_len.tolist() == [1, 4, 4]     # 9 = 4 + 4 + 1; 16 = 4 * 4
+    for seq in range(3):   # decoding the CSR form gives back each sequence's pages and length
+        n = int(meta.kv_indptr[seq + 1] - meta.kv_indptr[seq])
+        assert meta.pages_of(seq).tolist() == pages[seq][:n]
+        assert (n - 1) * PAGE_SIZE + int(meta.kv_last_page_len[seq]) == seq_lens[seq]
+    # each new token is written at its position: the last query_len positions of its sequence
+    slots = list(zip(meta.write_pages.tolist(), meta.write_offsets.tolist()))
+    expected = [(pages[s][p // PAGE_SIZE], p % PAGE_SIZE) for s in range(3)
+                for p in range(seq_lens[s] - query_lens[s], seq_lens[s])]
+    assert slots == expected
+    with pytest.raises(ValueError, match="bad sequence layout"):
+        AttentionMetadata.build([[1]], [1], [5], PAGE_SIZE)   # 5 tokens do not fit one 4-token page
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("prefix_lens", [[0, 0], [6, 0], [5, 3], [4, 8]],
+                         ids=["fresh", "one-prefix", "two-prefixes", "page-aligned-prefixes"])
+def test_prefill_matches_dense_causal_attention(backend_name: str, prefix_lens: list[int]) -> None:
     query_lens = [7, 10]
     setup = _Setup(seed=sum(prefix_lens), capacities=[p + n for p, n in zip(prefix_lens, query_lens)])
     num_tokens = sum(query_lens)
     q = setup.randn(num_tokens, NUM_HEADS, HEAD_DIM)
     k = setup.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM)
     v = setup.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM)
-    meta = _prefill_meta(setup, prefix_lens, query_lens)
+    meta = _meta(setup, prefix_lens, query_lens)
     untouched = setup.cache.clone()
-    out = TorchAttention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE).forward(q, k, v, setup.cache, meta)
+    out = _backend(backend_name).forward(q, k, v, setup.cache, meta)
     assert out.shape == (num_tokens, NUM_HEADS, HEAD_DIM)
 
     start = 0
@@ -100,25 +119,16 @@ def test_prefill_matches_dense_causal_attention(prefix_lens: list[int]) -> None:
     assert torch.equal(cache_by_slot[~written], untouched.transpose(1, 2)[~written])
 
 
-def test_decode_batch_matches_dense_attention() -> None:
-    seq_lens = [6, 13, 1]  # each including the token being decoded
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_decode_batch_of_mixed_lengths_matches_dense_attention(backend_name: str) -> None:
+    seq_lens = [6, 13, 1, 8]  # each including the token being decoded; 8 fills its last page exactly
     setup = _Setup(seed=7, capacities=seq_lens)
     batch = len(seq_lens)
     q = setup.randn(batch, NUM_HEADS, HEAD_DIM)
     k = setup.randn(batch, NUM_KV_HEADS, HEAD_DIM)
     v = setup.randn(batch, NUM_KV_HEADS, HEAD_DIM)
-    page_table = setup.page_table()
-    longest = max(seq_lens)
-    slots = torch.arange(longest)
-    slot_pages = (slots // PAGE_SIZE).clamp(max=page_table.shape[1] - 1)
-    write = [setup.write_slots(i, range(n - 1, n)) for i, n in enumerate(seq_lens)]
-    meta = AttentionMetadata(
-        query_lens=(1,) * batch, seq_lens=tuple(seq_lens), page_table=page_table,
-        write_pages=torch.tensor([w[0][0] for w in write]), write_offsets=torch.tensor([w[1][0] for w in write]),
-        is_decode=True,
-        gather_pages=page_table[:, slot_pages], gather_offsets=(slots % PAGE_SIZE).expand(batch, -1),
-        key_mask=(slots.unsqueeze(0) < torch.tensor(seq_lens).unsqueeze(1))[:, None, None, :])
-    out = TorchAttention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE).forward(q, k, v, setup.cache, meta)
+    meta = _meta(setup, [n - 1 for n in seq_lens], [1] * batch)
+    out = _backend(backend_name).forward(q, k, v, setup.cache, meta)
     assert out.shape == (batch, NUM_HEADS, HEAD_DIM)
     for i, n in enumerate(seq_lens):
         full_k, full_v = setup.keys_of(i, n, 0), setup.keys_of(i, n, 1)
@@ -128,10 +138,61 @@ def test_decode_batch_matches_dense_attention() -> None:
         torch.testing.assert_close(out[i:i + 1].double(), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_cpu_kernel_rows_do_not_depend_on_the_rest_of_the_batch() -> None:
+    """Bitwise: a sequence attended alone gives exactly what it gives inside a mixed batch, and a
+    prompt computed in one pass gives what it gives in two chunks (the second over the cached first)."""
+    prefix_lens, query_lens = [0, 5, 12, 3], [9, 1, 1, 6]
+    setup = _Setup(seed=3, capacities=[p + n for p, n in zip(prefix_lens, query_lens)])
+    q = setup.randn(sum(query_lens), NUM_HEADS, HEAD_DIM)
+    backend = _backend("cpu")
+    together = backend.attend(q, setup.cache, _meta(setup, prefix_lens, query_lens))
+    start = 0
+    for seq, (prefix, n) in enumerate(zip(prefix_lens, query_lens)):
+        alone = AttentionMetadata.build([setup.pages[seq]], [n], [prefix + n], PAGE_SIZE)
+        assert torch.equal(backend.attend(q[start:start + n], setup.cache, alone), together[start:start + n])
+        start += n
+    first, second = (AttentionMetadata.build([setup.pages[0]], [n], [end], PAGE_SIZE) for n, end in ((5, 5), (4, 9)))
+    chunked = torch.cat([backend.attend(q[:5], setup.cache, first), backend.attend(q[5:9], setup.cache, second)])
+    assert torch.equal(chunked, together[:9])
+
+
+def test_cpu_kernel_reads_a_bfloat16_pool_within_bf16_rounding() -> None:
+    setup = _Setup(seed=11, capacities=[14, 5])
+    cache = setup.cache.to(torch.bfloat16)
+    q = setup.randn(2, NUM_HEADS, HEAD_DIM)
+    meta = _meta(setup, [13, 4], [1, 1])
+    reference = _backend("torch").attend(q, cache.float(), meta)
+    torch.testing.assert_close(_backend("cpu").attend(q, cache, meta), reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_vectorized_path_matches_the_torch_oracle(dtype: torch.dtype) -> None:
+    """SmolLM2's geometry (9 query heads on 3 KV heads of 64): the kernel's register-blocked path, on a
+    strided layer view of a page-major pool, mixing fresh prompts, cached prefixes and decodes."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, size = 9, 3, 64, 16
+    pool = torch.randn(40, 4, 2, size, kv_heads, dim, generator=gen).to(dtype)
+    layer = pool[:, 2]
+    order = torch.randperm(40, generator=gen).tolist()
+    seq_lens, query_lens = [37, 16, 1, 300 // 16 + 40, 17], [37, 5, 1, 1, 17]
+    pages = []
+    for n in seq_lens:
+        count = -(-n // size)
+        pages.append(order[:count])
+        order = order[count:]
+    meta = AttentionMetadata.build(pages, query_lens, seq_lens, size)
+    q = torch.randn(sum(query_lens), heads, dim, generator=gen).to(dtype)
+    make = lambda name: create_attention_backend(name, num_heads=heads, num_kv_heads=kv_heads,   # noqa: E731
+                                                 head_dim=dim, page_size=size)
+    expected = make("torch").attend(q.float(), layer.float(), meta)
+    torch.testing.assert_close(make("cpu").attend(q.float(), layer, meta), expected, atol=2e-5, rtol=1e-4)
+
+
 def test_backend_registry() -> None:
     backend = create_attention_backend("torch", num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS,
                                        head_dim=HEAD_DIM, page_size=PAGE_SIZE)
     assert isinstance(backend, TorchAttention)
     assert (backend.num_heads, backend.num_kv_heads, backend.head_dim, backend.page_size) == (4, 2, 8, 4)
+    assert isinstance(_backend("auto"), CpuPagedAttention)   # the kernels build on every CI machine
     with pytest.raises(ValueError, match="unknown attention backend"):
         create_attention_backend("no-such-backend", num_heads=4, num_kv_heads=2, head_dim=8, page_size=4)

@@ -8,7 +8,7 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from kernels.layers import RotaryEmbedding, rms_norm, rope_inv_freq, silu_and_mul
+from kernels.layers import RotaryEmbedding, add_rms_norm, rms_norm, rope_inv_freq, silu_and_mul
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
@@ -98,8 +98,57 @@ def test_rms_norm_matches_transformers(dtype: torch.dtype) -> None:
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
 
 
-def test_silu_and_mul() -> None:
-    gate = torch.tensor([-2.0, 0.0, 1.0, 3.0])
-    up = torch.tensor([1.0, 5.0, 2.0, -1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_adds_the_residual_in_place_and_normalizes_the_sum(dtype: torch.dtype) -> None:
+    """float32 takes the fused C++ kernel, bfloat16 the torch code: both against transformers."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 576, generator=gen).to(dtype)
+    residual = (4.0 * torch.randn(9, 576, generator=gen)).to(dtype)
+    weight = (1.0 + 0.1 * torch.randn(576, generator=gen)).to(dtype)
+    reference = LlamaRMSNorm(576, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        reference.weight.copy_(weight)
+        expected_sum = x + residual
+        expected = reference(expected_sum)
+    x_before = x.clone()
+    out, total = add_rms_norm(x, residual, weight, 1e-5)
+    assert total is residual and torch.equal(residual, expected_sum) and torch.equal(x, x_before)
+    torch.testing.assert_close(out, expected, atol=2e-6 if dtype == torch.float32 else 0, rtol=1e-5)
+    alone, stream = add_rms_norm(x, None, weight, 1e-5)       # the first layer: no residual yet
+    assert torch.equal(stream, x) and stream is not x
+    torch.testing.assert_close(alone, reference(x), atol=2e-6 if dtype == torch.float32 else 0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    gate = torch.tensor([[-2.0, 0.0, 1.0, 3.0], [0.5, -0.5, 8.0, -8.0]])
+    up = torch.tensor([[1.0, 5.0, 2.0, -1.0], [2.0, 2.0, 0.25, 1.0]])
     expected = gate / (1 + torch.exp(-gate)) * up
-    torch.testing.assert_close(silu_and_mul(gate, up), expected)
+    out = silu_and_mul(torch.cat([gate, up], dim=1).to(dtype))
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_store_rotates_q_k_and_writes_k_v_to_their_slots(dtype: torch.dtype) -> None:
+    """The fused C++ call (float32) and the torch path (bfloat16) against transformers' rotary, on q, k, v
+    that are views of one fused projection, as the model passes them."""
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim = 6, 2, 64
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = q.view(5, heads, dim), k.view(5, kv_heads, dim), v.view(5, kv_heads, dim)
+    positions = torch.tensor([0, 3, 17, 40, 41])
+    expected_q, expected_k = _hf_rotate(_hf_config(dim, 10000.0), q.float().clone(), k.float().clone(), positions)
+    v_before = v.clone()
+    cache = torch.zeros(8, 2, 4, kv_heads, dim, dtype=dtype)
+    pages, offsets = torch.tensor([5, 5, 1, 7, 2]), torch.tensor([0, 3, 2, 1, 1])
+    rotary = RotaryEmbedding(dim, 64, 10000.0, {}, dtype)
+    out_q = rotary.apply_and_store(q, k, v, positions, cache, pages, offsets)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(out_q.float(), expected_q, **tolerance)
+    torch.testing.assert_close(cache[pages, 0, offsets].float(), expected_k, **tolerance)
+    assert torch.equal(cache[pages, 1, offsets], v_before)
+    written = torch.zeros(8, 4, dtype=torch.bool)
+    written[pages, offsets] = True
+    assert not cache.transpose(1, 2)[~written].any()       # nothing else in the cache was touched

@@ -1,0 +1,78 @@
+"""Greedy agreement of each dtype / quantization path with the fp32 reference (bundled model).
+
+    python benchmarks/greedy_match.py [--tokens 64]
+
+The reference is Tandem's fp32 path with dequantized weights, which tests/integration checks equals
+HF transformers token for token. For each path: how many of the prompts' greedy continuations are
+identical, and the mean length of the prefix that agrees before the first different token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.request import Request, SamplingParams  # noqa: E402
+from engine.weights import open_checkpoint  # noqa: E402
+from gateway.tokenizer import load_tokenizer  # noqa: E402
+from launcher.defaults import default_model_path  # noqa: E402
+
+PROMPTS = ["What is the capital of France?", "List 3 countries and their capitals.", "Write a haiku about the sea.",
+           "Explain what a prime number is.", "Say this is a test", "Give me a recipe for pancakes.",
+           "Who wrote Romeo and Juliet?", "Describe a cat in two sentences.", "What is 12 times 7?",
+           "Translate 'good morning' into French.", "Name the planets of the solar system.",
+           "Why is the sky blue?", "Write a limerick about a programmer.", "What does a CPU do?",
+           "Suggest a name for a bakery.", "Summarize the plot of Cinderella."]
+PATHS = [("float32", "none"), ("bfloat16", "none"), ("float32", "gguf"), ("bfloat16", "gguf"),
+         ("float32", "q8_0"), ("float32", "q4_0")]
+
+
+def greedy(path: str, dtype: str, quantization: str, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    engine = Engine(open_checkpoint(path), EngineConfig(dtype=dtype, quantization=quantization, max_total_tokens=8192),
+                    progress=False)
+    sampling = SamplingParams(temperature=0, max_new_tokens=tokens, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(Request(f"r{i}", list(ids), sampling))
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_work:
+        for step in engine.step():
+            if step.token_id is not None:
+                out[step.request_id].append(step.token_id)
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def agreement(reference: list[list[int]], other: list[list[int]]) -> tuple[int, float]:
+    same = sum(a == b for a, b in zip(reference, other))
+    prefixes = []
+    for a, b in zip(reference, other):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        prefixes.append(n)
+    return same, sum(prefixes) / len(prefixes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+    torch.set_flush_denormal(True)
+    path = default_model_path()
+    tokenizer = load_tokenizer(path)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    reference = greedy(path, "float32", "none", prompts, args.tokens)
+    print(f"| dtype | quantization | identical continuations (of {len(PROMPTS)}) | mean agreeing prefix "
+          f"(of {args.tokens} tokens) |\n|---|---|---|---|")
+    for dtype, quantization in PATHS:
+        same, prefix = agreement(reference, greedy(path, dtype, quantization, prompts, args.tokens))
+        print(f"| {dtype} | {quantization} | {same} | {prefix:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""--chunked-prefill-size: parsed into EngineConfig.chunked_prefill_size (-1 and 0: off), and passed
+by `tandem serve` to both of its workers."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.cli import DEFAULT_CHUNKED_PREFILL_SIZE, _engine_config, _serve_worker_flags, build_parser
+
+
+def _worker_engine_size(argv: list[str]) -> int | None:
+    return _engine_config(build_parser().parse_args(argv)).chunked_prefill_size
+
+
+def test_a_worker_chunks_by_default_and_minus_one_or_zero_turns_it_off() -> None:
+    assert DEFAULT_CHUNKED_PREFILL_SIZE >= 256   # a 256-token benchmark prompt is never split
+    assert _worker_engine_size(["prefill", "--dtype", "float32"]) == DEFAULT_CHUNKED_PREFILL_SIZE
+    assert _worker_engine_size(["prefill", "--dtype", "float32", "--chunked-prefill-size", "64"]) == 64
+    assert _worker_engine_size(["decode", "--dtype", "float32", "--chunked-prefill-size", "-1"]) is None
+    assert _worker_engine_size(["prefill", "--dtype", "float32", "--chunked-prefill-size", "0"]) is None
+
+
+@pytest.mark.parametrize("value", ["-2", "lots"])
+def test_a_bad_chunk_size_is_refused_at_parse_time(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["prefill", "--chunked-prefill-size", value])
+    assert "--chunked-prefill-size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flag", "expected"), [([], DEFAULT_CHUNKED_PREFILL_SIZE),
+                                                (["--chunked-prefill-size", "96"], 96),
+                                                (["--chunked-prefill-size", "-1"], None)])
+def test_serve_passes_the_chunk_size_to_both_workers(flag: list[str], expected: int | None) -> None:
+    args = build_parser().parse_args(["serve", "--dtype", "float32", *flag])
+    worker_flags = _serve_worker_flags(args, threads=1)
+    for role in ("prefill", "decode"):
+        assert _worker_engine_size([role, *worker_flags]) == expected
