@@ -68,11 +68,14 @@ def start_tandem(serve_args: list[str], run_dir: Path) -> Server:
 def start_llama_server(binary: Path, gguf: Path, model_name: str, num_slots: int, extra_args: list[str],
                        run_dir: Path) -> Server:
     """llama-server on `gguf` as `model_name`, with two threads and `num_slots` slots of SLOT_TOKENS each
-    (one per concurrent stream), its output in run_dir/llama-server.log."""
+    (one per concurrent stream), its output in run_dir/llama-server.log.
+
+    SSE pings are off: llama-server sends a `:` comment line after 30 s without a token, which
+    bench_serving's completions parser takes for JSON, failing the request."""
     port = free_port()
     cmd = [str(binary), "--model", str(gguf), "--alias", model_name, "--host", "127.0.0.1", "--port", str(port),
            "--threads", "2", "--threads-batch", "2", "--parallel", str(num_slots),
-           "--ctx-size", str(num_slots * SLOT_TOKENS), *extra_args]
+           "--ctx-size", str(num_slots * SLOT_TOKENS), "--sse-ping-interval", "-1", *extra_args]
     return launch(PEER, cmd, port, run_dir / "llama-server.log", signal.SIGTERM)
 
 

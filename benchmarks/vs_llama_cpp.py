@@ -265,6 +265,7 @@ def main() -> int:
           + (f" (at {args.tandem_url})" if args.tandem_url else ""))
     print(f"llama.cpp: llama-server from llama-cpp-python {args.llama_cpp_python_version}, "
           f"-t 2 -np {workload.max_concurrency} -c {workload.max_concurrency * SLOT_TOKENS} {args.peer_args}".rstrip()
+          + (f", OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}" if "OMP_WAIT_POLICY" in os.environ else "")
           + (f" (at {args.peer_url})" if args.peer_url else ""))
     print(f"Machine: {machine()}; cores busy with other work just before each server started: "
           + ", ".join(f"{name} {value:.1f}" for name, value in busy.items()))

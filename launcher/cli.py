@@ -53,8 +53,8 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
                         "the weights on a CPU, and splits only the long prompts that would stall a step")
     p.add_argument("--quantization", "-q", default="auto", choices=["auto", *_QUANTIZATION_ALIASES],
                    help="weight format: none (the --dtype floats), gguf (a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept "
-                        "packed), q8_0 / int8, q4_0, q4_1 / int4 (quantized at load). auto: gguf for a .gguf "
-                        "file, none otherwise (docs/performance.md has the measurements)")
+                        "packed), q8_0 / int8, q4_0, q4_1 / int4 (quantized at load). auto: gguf on a decode "
+                        "worker given a .gguf file, none otherwise (docs/performance.md has the measurements)")
     p.add_argument("--int8-activations", action="store_true",
                    help="quantized matmuls round each activation row to int8 blocks and take integer dot "
                         "products, as llama.cpp does: faster for small batches, less exact (the default keeps "
@@ -285,11 +285,15 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def _worker_quantization(args: argparse.Namespace) -> str:
-    """--quantization, where auto keeps a GGUF file's blocks packed and loads anything else as floats."""
+    """--quantization, where auto suits each role: a decode worker keeps a GGUF file's blocks packed
+    (decode is bound by the bytes of weights read per token), a prefill worker computes in the
+    --dtype floats (prefill is bound by arithmetic, where the BLAS matmul is faster than reading
+    packed blocks; measured in docs/performance.md). Safetensors checkpoints load as floats."""
     if args.quantization != "auto":
         return _QUANTIZATION_ALIASES[args.quantization]
     model_path = args.model_path or default_model_path()
-    return "gguf" if model_path.lower().endswith(".gguf") or _holds_one_gguf(model_path) else "none"
+    is_gguf = model_path.lower().endswith(".gguf") or _holds_one_gguf(model_path)
+    return "gguf" if is_gguf and args.command == "decode" else "none"
 
 
 def _holds_one_gguf(path: str) -> bool:

@@ -1,5 +1,4 @@
-"""--chunked-prefill-size: parsed into EngineConfig.chunked_prefill_size (-1 and 0: off), and passed
-by `tandem serve` to both of its workers."""
+"""The engine flags of the worker commands and `tandem serve`: chunked prefill, quantization per role."""
 
 from __future__ import annotations
 
@@ -35,3 +34,23 @@ def test_serve_passes_the_chunk_size_to_both_workers(flag: list[str], expected: 
     worker_flags = _serve_worker_flags(args, threads=1)
     for role in ("prefill", "decode"):
         assert _worker_engine_size([role, *worker_flags]) == expected
+
+
+def test_quantization_auto_packs_the_decode_workers_gguf_weights_only(tmp_path) -> None:
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"")
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+
+    def resolved(role: str, *flags: str) -> str:
+        return _engine_config(build_parser().parse_args([role, *flags])).quantization
+
+    assert resolved("decode", "--model-path", str(gguf)) == "gguf"
+    assert resolved("prefill", "--model-path", str(gguf)) == "none"      # prefill computes in floats
+    assert resolved("decode", "--model-path", str(folder)) == "none"     # safetensors: floats
+    assert resolved("prefill", "--model-path", str(gguf), "-q", "int4") == "q4_1"
+    assert resolved("decode", "--model-path", str(folder), "--quantization", "int8") == "q8_0"
+    serve = build_parser().parse_args(["serve", "--int8-activations", "-q", "gguf"])
+    flags = _serve_worker_flags(serve, 1)
+    assert flags[flags.index("--quantization") + 1] == "gguf" and "--int8-activations" in flags
