@@ -218,6 +218,46 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def start_server(name: str, args: argparse.Namespace, binary: Path | None, gguf: Path, workload: Workload,
+                 run_dir: Path) -> Server:
+    if name == TANDEM:
+        if args.tandem_url:
+            return Server(TANDEM, args.tandem_url.rstrip("/"))
+        return start_tandem(shlex.split(args.serve_args), run_dir)
+    if args.peer_url:
+        return Server(PEER, args.peer_url.rstrip("/"))
+    return start_llama_server(binary, gguf, MODEL_NAME, workload.max_concurrency, shlex.split(args.peer_args),
+                              run_dir)
+
+
+def print_report(args: argparse.Namespace, workload: Workload, results: dict[str, list[RunResult]],
+                 failures: dict[str, str], busy: dict[str, float], run_dir: Path) -> None:
+    """The set-up of the run, the table, and whatever failed."""
+    omp = os.environ.get("OMP_WAIT_POLICY")
+    print()
+    print(f"Workload: random token ids, {workload.input_len} input / {workload.output_len} output tokens "
+          f"(ignore_eos), " + ", ".join(f"{n} prompts at {c} stream{'s' * (c > 1)}" for c, n in workload.runs)
+          + "; client: sglang.bench_serving --backend vllm (/v1/completions, streamed).")
+    print(f"Tandem {git_revision()} serve args: {args.serve_args or '(none)'}"
+          + (f" (at {args.tandem_url})" if args.tandem_url else ""))
+    print(f"llama.cpp: llama-server from llama-cpp-python {args.llama_cpp_python_version}, -t 2 "
+          f"-np {workload.max_concurrency} -c {workload.max_concurrency * SLOT_TOKENS} --sse-ping-interval -1 "
+          f"{args.peer_args}".rstrip() + (f", OMP_WAIT_POLICY={omp}" if omp else "")
+          + (f" (at {args.peer_url})" if args.peer_url else ""))
+    print(f"Machine: {machine()}; cores busy with other work just before each server started: "
+          + ", ".join(f"{name} {value:.1f}" for name, value in busy.items()))
+    print(f"Raw bench_serving reports and server logs: {run_dir}")
+    print()
+    print(format_table(results, workload))
+    for name, runs in results.items():
+        for run in runs:
+            if not run.is_complete:
+                print(f"\n{name} at {run.concurrency} streams: {run.num_completed}/{run.num_prompts} requests "
+                      f"completed; first error: {run.first_error}")
+    for name, error in failures.items():
+        print(f"\n{name} failed: {error.splitlines()[0] if error else ''}")
+
+
 def main() -> int:
     args = parse_args()
     workload = Workload(args.input_len, args.output_len, ((1, args.prompts_at_1), (16, args.prompts_at_16)))
@@ -238,18 +278,11 @@ def main() -> int:
     results: dict[str, list[RunResult]] = {}
     failures: dict[str, str] = {}
     busy: dict[str, float] = {}
-    for name in names:
+    for name in names:   # one after the other: two servers at once would share two cores
         busy[name] = busy_cores()
         say(f"{name}: {busy[name]:.1f} of {os.cpu_count()} cores busy with other work before starting"
-            + (" (figures will be noisy: llama.cpp's threads spin-wait and slow down sharply when a "
-               "core is taken)" if busy[name] > 0.3 else ""))
-        if name == TANDEM:
-            server = (Server(TANDEM, args.tandem_url.rstrip("/")) if args.tandem_url
-                      else start_tandem(shlex.split(args.serve_args), run_dir))
-        else:
-            server = (Server(PEER, args.peer_url.rstrip("/")) if args.peer_url
-                      else start_llama_server(binary, gguf, MODEL_NAME, workload.max_concurrency,
-                                              shlex.split(args.peer_args), run_dir))
+            + (": figures will be noisy, llama.cpp's most of all (docs/performance.md)" if busy[name] > 0.3 else ""))
+        server = start_server(name, args, binary, gguf, workload, run_dir)
         try:
             results[name] = measure(server, client_python, tokenizer_dir, workload, prompt, run_dir,
                                     args.startup_timeout)
@@ -257,28 +290,7 @@ def main() -> int:
             failures[name] = str(error)
             say(f"{name}: FAILED: {error}")
 
-    print()
-    print(f"Workload: random token ids, {workload.input_len} input / {workload.output_len} output tokens "
-          f"(ignore_eos), " + ", ".join(f"{n} prompts at {c} stream{'s' * (c > 1)}" for c, n in workload.runs)
-          + "; client: sglang.bench_serving --backend vllm (/v1/completions, streamed).")
-    print(f"Tandem {git_revision()} serve args: {args.serve_args or '(none)'}"
-          + (f" (at {args.tandem_url})" if args.tandem_url else ""))
-    print(f"llama.cpp: llama-server from llama-cpp-python {args.llama_cpp_python_version}, "
-          f"-t 2 -np {workload.max_concurrency} -c {workload.max_concurrency * SLOT_TOKENS} {args.peer_args}".rstrip()
-          + (f", OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}" if "OMP_WAIT_POLICY" in os.environ else "")
-          + (f" (at {args.peer_url})" if args.peer_url else ""))
-    print(f"Machine: {machine()}; cores busy with other work just before each server started: "
-          + ", ".join(f"{name} {value:.1f}" for name, value in busy.items()))
-    print(f"Raw bench_serving reports and server logs: {run_dir}")
-    print()
-    print(format_table(results, workload))
-    for name, runs in results.items():
-        for run in runs:
-            if not run.is_complete:
-                print(f"\n{name} at {run.concurrency} streams: {run.num_completed}/{run.num_prompts} requests "
-                      f"completed; first error: {run.first_error}")
-    for name, error in failures.items():
-        print(f"\n{name} failed: {error.splitlines()[0] if error else ''}")
+    print_report(args, workload, results, failures, busy, run_dir)
     is_incomplete = any(not run.is_complete for runs in results.values() for run in runs)
     return 1 if failures or is_incomplete else 0
 

@@ -212,18 +212,27 @@ void column_dot_float(const Column& w, const float* x, int64_t k, int64_t m0, fl
 #ifdef TANDEM_AVX2
   __m256 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) { acc0[r] = _mm256_setzero_ps(); acc1[r] = _mm256_setzero_ps(); }
-  alignas(32) int8_t q8[kBlock];
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i qb;
-    if (F == kQ8_0) qb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + b * kBlock));
-    else qb = unpack_nibbles(w.qs + b * (kBlock / 2));
-    if (F == kQ4_0) qb = _mm256_sub_epi8(qb, _mm256_set1_epi8(8));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(q8), qb);
+    __m256i qi[4];   // the block's 32 values as 4 x 8 int32, in element order
+    if (F == kQ8_0) {
+      const int8_t* src = reinterpret_cast<const int8_t*>(w.qs + b * kBlock);
+      for (int i = 0; i < 4; ++i)
+        qi[i] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * i)));
+    } else {   // byte j holds element j (low nibble) and element j + 16 (high nibble)
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + b * (kBlock / 2)));
+      const __m256i lo8 = _mm256_cvtepu8_epi32(raw), hi8 = _mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8));
+      const __m256i mask = _mm256_set1_epi32(0x0F);
+      qi[0] = _mm256_and_si256(lo8, mask);
+      qi[1] = _mm256_and_si256(hi8, mask);
+      qi[2] = _mm256_srli_epi32(lo8, 4);
+      qi[3] = _mm256_srli_epi32(hi8, 4);
+      if (F == kQ4_0)
+        for (int i = 0; i < 4; ++i) qi[i] = _mm256_sub_epi32(qi[i], _mm256_set1_epi32(8));
+    }
     const __m256 d = _mm256_set1_ps(w.scales[b]);
     __m256 wv[4];
     for (int i = 0; i < 4; ++i) {
-      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q8 + 8 * i));
-      const __m256 q = _mm256_cvtepi32_ps(F == kQ4_1 ? _mm256_cvtepu8_epi32(raw) : _mm256_cvtepi8_epi32(raw));
+      const __m256 q = _mm256_cvtepi32_ps(qi[i]);
       wv[i] = F == kQ4_1 ? _mm256_fmadd_ps(q, d, _mm256_set1_ps(w.mins[b])) : _mm256_mul_ps(q, d);
     }
     for (int r = 0; r < R; ++r) {
