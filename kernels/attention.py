@@ -148,9 +148,10 @@ class TorchAttention(AttentionBackend):
 
 
 @register_attention_backend("cpu")
-class CpuPagedAttention(AttentionBackend):
+class CpuPagedAttention(TorchAttention):
     """The C++ kernel (`kernels/csrc`): reads K/V in place through the page table, no padding, no
-    masks, no copies; each row's result is independent of the rest of the batch. fp32 math."""
+    masks, no copies; each row's result is independent of the rest of the batch. fp32 math over a
+    float32 or bfloat16 pool; a float16 pool takes the torch path."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, page_size)
@@ -158,6 +159,8 @@ class CpuPagedAttention(AttentionBackend):
         self._kernels = native.load()
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if kv_cache.dtype not in (torch.float32, torch.bfloat16):
+            return super().attend(q, kv_cache, meta)
         out = self._kernels.paged_attention(q.float().contiguous(), kv_cache, meta.qo_indptr, meta.kv_indptr,
                                             meta.kv_indices, meta.kv_last_page_len, self.scale)
         return out.to(q.dtype)

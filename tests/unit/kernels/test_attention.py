@@ -188,6 +188,14 @@ def test_cpu_kernel_vectorized_path_matches_the_torch_oracle(dtype: torch.dtype)
     torch.testing.assert_close(make("cpu").attend(q.float(), layer, meta), expected, atol=2e-5, rtol=1e-4)
 
 
+def test_cpu_backend_serves_a_float16_pool_through_the_torch_path() -> None:
+    setup = _Setup(seed=12, capacities=[9, 3])
+    cache = setup.cache.half()
+    q = setup.randn(2, NUM_HEADS, HEAD_DIM).half()
+    meta = _meta(setup, [8, 2], [1, 1])
+    torch.testing.assert_close(_backend("cpu").attend(q, cache, meta), _backend("torch").attend(q, cache, meta))
+
+
 def test_backend_registry() -> None:
     backend = create_attention_backend("torch", num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS,
                                        head_dim=HEAD_DIM, page_size=PAGE_SIZE)
