@@ -78,7 +78,8 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """Writes the new tokens' K/V into the paged cache, then attends over each sequence's KV."""
+    """Attends over each sequence's KV in the paged cache. The new tokens' K/V are written there
+    first, with rotary, by `kernels.layers.RotaryEmbedding.apply_and_store`."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int) -> None:
         self.num_heads = num_heads
@@ -87,16 +88,10 @@ class AttentionBackend(ABC):
         self.page_size = page_size
         self.scale = 1.0 / math.sqrt(head_dim)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [P, 2, S, Hkv, D] (mutated). Returns [T, Hq, D]."""
-        kv_cache[meta.write_pages, 0, meta.write_offsets] = k
-        kv_cache[meta.write_pages, 1, meta.write_offsets] = v
-        return self.attend(q, kv_cache, meta)
-
     @abstractmethod
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Causal attention of q's rows over the KV already in the cache; [T, Hq, D] in q's dtype."""
+        """Causal attention of q [T, Hq, D] over the KV already in kv_cache [P, 2, S, Hkv, D];
+        [T, Hq, D] in q's dtype."""
 
 
 _BACKENDS: dict[str, Callable[..., AttentionBackend]] = {}

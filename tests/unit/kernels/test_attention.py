@@ -58,6 +58,14 @@ def _backend(name: str):
                                     page_size=PAGE_SIZE)
 
 
+def _write_and_attend(backend_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                      meta: AttentionMetadata) -> torch.Tensor:
+    """What a layer does: the new K/V into their slots (as the rotary's store does), then attention."""
+    cache[meta.write_pages, 0, meta.write_offsets] = k
+    cache[meta.write_pages, 1, meta.write_offsets] = v
+    return _backend(backend_name).attend(q, cache, meta)
+
+
 def _meta(setup: _Setup, prefix_lens: list[int], query_lens: list[int]) -> AttentionMetadata:
     return AttentionMetadata.build(setup.pages, query_lens, [p + n for p, n in zip(prefix_lens, query_lens)],
                                    PAGE_SIZE)
@@ -98,7 +106,7 @@ def test_prefill_matches_dense_causal_attention(backend_name: str, prefix_lens: 
     v = setup.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM)
     meta = _meta(setup, prefix_lens, query_lens)
     untouched = setup.cache.clone()
-    out = _backend(backend_name).forward(q, k, v, setup.cache, meta)
+    out = _write_and_attend(backend_name, q, k, v, setup.cache, meta)
     assert out.shape == (num_tokens, NUM_HEADS, HEAD_DIM)
 
     start = 0
@@ -128,7 +136,7 @@ def test_decode_batch_of_mixed_lengths_matches_dense_attention(backend_name: str
     k = setup.randn(batch, NUM_KV_HEADS, HEAD_DIM)
     v = setup.randn(batch, NUM_KV_HEADS, HEAD_DIM)
     meta = _meta(setup, [n - 1 for n in seq_lens], [1] * batch)
-    out = _backend(backend_name).forward(q, k, v, setup.cache, meta)
+    out = _write_and_attend(backend_name, q, k, v, setup.cache, meta)
     assert out.shape == (batch, NUM_HEADS, HEAD_DIM)
     for i, n in enumerate(seq_lens):
         full_k, full_v = setup.keys_of(i, n, 0), setup.keys_of(i, n, 1)
