@@ -12,6 +12,7 @@ from engine.errors import EngineError
 from engine.request import StepOutput
 from server_runtime.convert import finish_to_proto, layout_to_proto, sampling_from_proto, token_to_proto
 from server_runtime.errors import abort_with
+from server_runtime.kv_grants import GrantError, IssuedGrants, grant_key
 from server_runtime.worker import WorkerContext
 from tandem.request_log import bind_request_id
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -22,6 +23,7 @@ logger = logging.getLogger(__name__)
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
+        self.grants = IssuedGrants(grant_key(ctx.config.credentials.token))
 
     async def Reserve(self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
                       ) -> decode_pb2.ReserveResponse:
@@ -36,11 +38,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         target = common_pb2.KvTarget(session_id=self.ctx.transport.session_id,
                                      base_addr=engine.runner.kv_pool.base_addr,
                                      layout=layout_to_proto(engine.runner.layout), page_ids=page_ids)
+        self.grants.issue(request.request_id, target, ttl_s)
         return decode_pb2.ReserveResponse(request_id=request.request_id, kv_target=target, ttl_ms=int(ttl_s * 1000))
 
     async def Generate(self, request: decode_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
         bind_request_id(rid)
+        try:   # before anything else: a Generate without the grant must not touch the reservation
+            self.grants.redeem(rid, request.kv_grant)
+        except GrantError as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         received = time.perf_counter()
         queue_ms: float | None = None
         finished = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 
 import grpc
 from fastapi import APIRouter, Depends
@@ -12,11 +13,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 import tandem
-from gateway.errors import APIError
+from gateway.errors import APIError, public_message
 from gateway.generation import GenerationRequest, generate_all
 from gateway.state import GatewayState, gateway_state
 from gateway.workers import Worker
 from tandem.v1 import common_pb2, prefill_pb2
+
+logger = logging.getLogger(__name__)
 
 router = APIRouter()
 
@@ -31,10 +34,14 @@ async def get_model_info(state: GatewayState = Depends(gateway_state)) -> dict:
             "is_generation": not state.config.is_embedding}
 
 
+# Never in a response: the keys, and the internal plane's token and TLS file paths.
+_SECRET_CONFIG_FIELDS = frozenset({"api_key", "admin_api_key", "internal"})
+
+
 @router.get("/get_server_info")
 async def get_server_info(state: GatewayState = Depends(gateway_state)) -> dict:
     """The gateway's arguments plus, per worker, its role, address, pool size and use, and version."""
-    gateway = {k: v for k, v in dataclasses.asdict(state.config).items() if k != "api_key"}
+    gateway = {k: v for k, v in dataclasses.asdict(state.config).items() if k not in _SECRET_CONFIG_FIELDS}
     workers = await asyncio.gather(*(_worker_info(w) for w in state.pool.all_workers()))
     return {**gateway, "version": tandem.version(), "workers": list(workers)}
 
@@ -98,12 +105,13 @@ async def flush_cache(state: GatewayState = Depends(gateway_state)):
             return await worker.control.FlushCache(common_pb2.FlushCacheRequest(), timeout=_INFO_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:   # an embedding worker keeps no cache
-                return common_pb2.FlushCacheResponse(success=True, message=f"{worker.address}: no cache")
-            return common_pb2.FlushCacheResponse(success=False, message=f"{worker.address}: {exc.details()}")
+                return common_pb2.FlushCacheResponse(success=True, message="no cache")
+            return common_pb2.FlushCacheResponse(
+                success=False, message=APIError.from_grpc(exc, worker.role, worker.address).message)
     replies = await asyncio.gather(*(flush(w) for w in state.pool.all_workers()))
     if all(r.success for r in replies):
         return PlainTextResponse(f"Cache flushed.\n{_FLUSH_NOTE}\n")
-    reasons = "; ".join(r.message for r in replies if not r.success)
+    reasons = public_message("; ".join(r.message for r in replies if not r.success))
     return PlainTextResponse(f"Cache not flushed: {reasons}.\n{_FLUSH_NOTE}\n", status_code=400)
 
 
@@ -122,9 +130,12 @@ async def update_weights_from_disk(body: UpdateWeightsBody, state: GatewayState 
             return await worker.control.UpdateWeights(common_pb2.UpdateWeightsRequest(model_path=body.model_path),
                                                    timeout=_UPDATE_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            return common_pb2.UpdateWeightsResponse(success=False, message=f"{worker.address}: {exc.details()}")
+            return common_pb2.UpdateWeightsResponse(
+                success=False, message=APIError.from_grpc(exc, worker.role, worker.address).message)
     replies = await asyncio.gather(*(update(w) for w in state.pool.all_workers()))
     failed = [r for r in replies if not r.success]
     if failed:
-        return JSONResponse({"success": False, "message": failed[0].message}, status_code=400)
+        logger.warning("update_weights_from_disk failed: %s", "; ".join(r.message for r in failed))
+        message = public_message(failed[0].message, keep=(body.model_path,))   # the client's own path may stay
+        return JSONResponse({"success": False, "message": message}, status_code=400)
     return {"success": True, "message": "Succeeded to update model weights."}

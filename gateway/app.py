@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 from typing import AsyncIterator
 
@@ -15,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import (admin_api, batches_api, embeddings_api, expert_api, files_api, metrics, native_api,
                      openai_api, vllm_api)
+from gateway.auth import AuthMiddleware, log_key_policy
 from gateway.batch_runner import run_batches
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
@@ -34,7 +34,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        pool = WorkerPool(config.prefill_addrs, config.decode_addrs, metrics=gateway_metrics)
+        pool = WorkerPool(config.prefill_addrs, config.decode_addrs, metrics=gateway_metrics,
+                          credentials=config.internal)
         app.state.gateway = GatewayState(config, tokenizer, pool)
         await pool.probe_all()
         pool.start()
@@ -60,30 +61,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_middleware(MetricsMiddleware, metrics=gateway_metrics)   # first added: innermost, sees the route
     app.add_middleware(TrafficMiddleware, traffic=traffic)
     app.add_middleware(_JSONBodyMiddleware)
-    if config.api_key:
-        app.add_middleware(_APIKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(AuthMiddleware, api_key=config.api_key, admin_api_key=config.admin_api_key)  # outermost
+    log_key_policy(config)
     return app
-
-
-_UNAUTHENTICATED_PATHS = frozenset({"/health", "/health_generate", "/ping", "/metrics"})
-
-
-class _APIKeyMiddleware:
-    """401 with an OpenAI error body unless `Authorization: Bearer <api key>`; health probes and the
-    Prometheus scrape (`/metrics`: counts and timings, no request content) are open."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in _UNAUTHENTICATED_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
-                error = APIError(401, "Incorrect API key provided.", "invalid_request_error", code="invalid_api_key")
-                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 class _JSONBodyMiddleware:

@@ -181,7 +181,7 @@ class BatchRunner:
             content = await response.aread()
         except Exception as exc:   # no usable answer from the app: this line fails, the batch goes on
             logger.exception("batch line %s got no answer", request_id)
-            return 500, {"error": {"message": f"internal error: {exc}", "type": "internal_error"}}
+            return 500, {"error": {"message": "internal error (details in the gateway log)", "type": "internal_error"}}
         try:
             answer = json.loads(content)
         except json.JSONDecodeError:

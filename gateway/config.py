@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.sampling_defaults import SamplingDefaults
+from tandem.internal_auth import InternalCredentials
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,12 +31,16 @@ class GatewayConfig:
     request_timeout_s: float = 3600.0
     default_max_new_tokens: int = 128     # native /generate, as in SGLang
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
-    api_key: str | None = None            # when set, every route but the health probes needs it
+    # Bearer keys (gateway/auth.py): `api_key` opens every route but the open probes; `admin_api_key`,
+    # when set, alone opens the admin routes. Kept out of repr so that no log line prints them.
+    api_key: str | None = field(default=None, repr=False)
+    admin_api_key: str | None = field(default=None, repr=False)
     skip_tokenizer_init: bool = False     # no tokenizer: token ids in and out, no text
     batch_concurrency: int = 8
     batch_yield_threshold: int = 1
     is_embedding: bool = False            # prefill workers serve an embedding model; no decode workers
     expert_distribution_dir: str = "."    # where /dump_expert_distribution_record writes its CSV files
+    internal: InternalCredentials = InternalCredentials()   # what the workers' tandem.v1 calls need
 
     def __post_init__(self) -> None:
         if not self.prefill_addrs or not (self.decode_addrs or self.is_embedding):
@@ -46,6 +51,8 @@ class GatewayConfig:
             raise ValueError(f"port out of range: {self.port}")
         if not self.data_dir:
             raise ValueError("data_dir must be set")
+        if self.admin_api_key and self.admin_api_key == self.api_key:
+            raise ValueError("the admin API key must differ from the user API key")
         for name in ("batch_concurrency", "batch_yield_threshold"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

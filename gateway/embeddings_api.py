@@ -138,7 +138,7 @@ async def _embed_piece(state: GatewayState, request_id: str, token_lists: list[l
     try:
         return await worker.stub.Embed(request, timeout=state.config.prefill_timeout_s)
     except grpc.aio.AioRpcError as exc:
-        raise APIError.from_grpc(exc, f"prefill worker {worker.address}") from None
+        raise APIError.from_grpc(exc, worker.role, worker.address) from None
 
 
 def _openai_inputs(state: GatewayState, value: str | list, limits: ModelLimits) -> list[list[int]]:

@@ -92,5 +92,5 @@ async def _on_every_worker(state: GatewayState, rpc: str, request: Message) -> l
         try:
             return await getattr(worker.control, rpc)(request, timeout=_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            raise APIError.from_grpc(exc, f"{worker.role} worker {worker.address}") from None
+            raise APIError.from_grpc(exc, worker.role, worker.address) from None
     return list(await asyncio.gather(*(call(w) for w in state.pool.all_workers())))

@@ -141,7 +141,8 @@ async def _trip(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt
         generate = decode.stub.Generate(
             decode_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                        first_token=first.first_token, sampling_params=sampling,
-                                       weights_version=first.weights_version),
+                                       weights_version=first.weights_version,
+                                       kv_grant=reserved.kv_target.grant),
             timeout=config.request_timeout_s)
         async for message in _stream(decode, generate):
             reason = _FINISH_NAMES.get(message.finish_reason)
@@ -153,8 +154,8 @@ async def _trip(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt
                              if message.HasField("queue_ms") else None)
             if finished:
                 return
-        raise APIError(502, f"decode worker {decode.address} ended the stream without a finish reason",
-                       "internal_error")
+        logger.warning("decode worker %s ended the stream without a finish reason", decode.address)
+        raise APIError(502, "the decode worker ended the stream without a finish reason", "internal_error")
     except _PrefillAnswered as answered:
         write_settled = True
         raise answered.error from None
@@ -167,7 +168,7 @@ async def _call(worker: Worker, call):
     try:
         return await call
     except grpc.aio.AioRpcError as exc:
-        raise APIError.from_grpc(exc, f"{worker.role} worker {worker.address}") from None
+        raise APIError.from_grpc(exc, worker.role, worker.address) from None
 
 
 class _PrefillAnswered(Exception):
@@ -187,7 +188,7 @@ async def _prefill(worker: Worker, call):
     try:
         return await call
     except grpc.aio.AioRpcError as exc:
-        error = APIError.from_grpc(exc, f"{worker.role} worker {worker.address}")
+        error = APIError.from_grpc(exc, worker.role, worker.address)
         if exc.code() in _UNSETTLED_CODES:
             raise error from None
         raise _PrefillAnswered(error) from None
@@ -198,7 +199,7 @@ async def _stream(worker: Worker, call: grpc.aio.UnaryStreamCall) -> AsyncIterat
         async for message in call:
             yield message
     except grpc.aio.AioRpcError as exc:
-        raise APIError.from_grpc(exc, f"{worker.role} worker {worker.address}") from None
+        raise APIError.from_grpc(exc, worker.role, worker.address) from None
 
 
 async def _release(decode: Worker, request_id: str, generate: grpc.aio.UnaryStreamCall | None,

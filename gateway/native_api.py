@@ -163,4 +163,5 @@ def _finish_reason(finish: Finish | None, num_tokens: int) -> dict | None:
 
 
 def _worker_states(state: GatewayState) -> list[dict]:
-    return [{"role": w.role, "address": w.address, "ready": w.is_ready} for w in state.pool.all_workers()]
+    """Role and readiness only: /health is open to all, so it names no address (/get_server_info does)."""
+    return [{"role": w.role, "ready": w.is_ready} for w in state.pool.all_workers()]

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.discovery import REFRESH_INTERVAL_S, RoleDiscovery
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
+from tandem.internal_auth import InternalCredentials
 from tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -45,10 +46,10 @@ class ModelLimits:
 
 
 class Worker:
-    def __init__(self, role: str, address: str) -> None:
+    def __init__(self, role: str, address: str, credentials: InternalCredentials = InternalCredentials()) -> None:
         self.role = role
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.channel = credentials.open_channel(address, options=_CHANNEL_OPTIONS)
         stub_cls = prefill_pb2_grpc.PrefillServiceStub if role == "prefill" else decode_pb2_grpc.DecodeServiceStub
         self.stub = stub_cls(self.channel)                                # the role's own RPCs
         self.control = worker_pb2_grpc.WorkerServiceStub(self.channel)   # what every worker answers
@@ -75,14 +76,18 @@ class Worker:
 class WorkerPool:
     """The prefill and decode workers: static addresses, plus `dns:///name:port` ones re-resolved
     (`gateway/discovery.py`) on every probe round once their refresh interval has passed. `metrics`
-    gets the number of ready workers per role, and the handoffs run through the pool record theirs."""
+    gets the number of ready workers per role, and the handoffs run through the pool record theirs.
+    Every channel carries `credentials` (the internal token, TLS)."""
 
     def __init__(self, prefill_addrs: tuple[str, ...], decode_addrs: tuple[str, ...],
-                 refresh_interval_s: float = REFRESH_INTERVAL_S, metrics: GatewayMetrics | None = None) -> None:
+                 refresh_interval_s: float = REFRESH_INTERVAL_S, metrics: GatewayMetrics | None = None,
+                 credentials: InternalCredentials = InternalCredentials()) -> None:
         self.metrics = metrics or GatewayMetrics()
+        self._credentials = credentials
         self._discovery = {"prefill": RoleDiscovery("prefill", prefill_addrs, refresh_interval_s),
                            "decode": RoleDiscovery("decode", decode_addrs, refresh_interval_s)}
-        self.workers = {role: [Worker(role, a) for a in d.static_addresses] for role, d in self._discovery.items()}
+        self.workers = {role: [Worker(role, a, credentials) for a in d.static_addresses]
+                        for role, d in self._discovery.items()}
         self._retired: list[tuple[float, Worker]] = []
         self._turns = {role: itertools.count() for role in self.workers}
         self._poller: asyncio.Task | None = None
@@ -118,7 +123,7 @@ class WorkerPool:
                     worker.is_ready = False
                     self._retired.append((time.monotonic() + _RETIRED_CHANNEL_GRACE_S, worker))
             self.workers[role] = [w for w in self.workers[role] if w.address in wanted] + [
-                Worker(role, a) for a in wanted if a not in known]
+                Worker(role, a, self._credentials) for a in wanted if a not in known]
         now = time.monotonic()
         expired = [w for deadline, w in self._retired if deadline <= now]
         self._retired = [(deadline, w) for deadline, w in self._retired if deadline > now]

@@ -3,6 +3,10 @@
 `mooncake` is imported only here, and only when a transport is built, so importing `kv_transfer`
 does not need it.
 
+Mooncake's two listeners (handshake RPC and TCP data) bind every interface and no Mooncake setting
+changes that; `kv_transfer.mooncake_binding` redirects their binds to the KV address
+(`TransportConfig.hostname`, resolved to this machine's address) while the engine starts.
+
 Why each write runs on its own helper thread: both Mooncake calls a write needs can block far
 past any sensible deadline. `batch_transfer_async_write` opens the peer's segment on first use
 and, if the peer accepts the TCP connection but never answers the handshake (a stopped process),
@@ -17,9 +21,11 @@ in the background and frees its batch when Mooncake gives up.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 from kv_transfer.base import (
@@ -32,6 +38,7 @@ from kv_transfer.base import (
     check_timeout,
     register_transport,
 )
+from kv_transfer.mooncake_binding import resolve_bind_address, wildcard_binds_redirected
 from kv_transfer.pages import WritePlan, plan_page_writes
 from kv_transfer.regions import MemoryRegions
 
@@ -55,6 +62,14 @@ def load_transfer_engine_class() -> Any:
     except (ImportError, OSError) as exc:
         raise KVTransferError(f"{INSTALL_HINT} (import failed: {exc})") from exc
     return TransferEngine
+
+
+def _engine_library_dir() -> Path:
+    """The folder of Mooncake's `engine` extension, which the shared objects it loads sit in or
+    beside."""
+    import mooncake.engine
+
+    return Path(mooncake.engine.__file__).parent
 
 
 def _run_batch(engine: Any, session_id: str, plan: WritePlan,
@@ -93,17 +108,29 @@ class MooncakeTransport(KVTransport):
 
     def __init__(self, config: TransportConfig) -> None:
         engine_class = load_transfer_engine_class()
-        engine = engine_class()
-        rc = engine.initialize(config.hostname, "P2PHANDSHAKE", config.protocol, config.device_name)
+        bind_address = resolve_bind_address(config.hostname)
+        listening: contextlib.AbstractContextManager[None]
+        if bind_address is None:
+            listening = contextlib.nullcontext()
+            logger.warning("KV host %s is a wildcard: Mooncake listens on every interface",
+                           config.hostname)
+        else:
+            listening = wildcard_binds_redirected(_engine_library_dir(), bind_address)
+        with listening:
+            engine = engine_class()
+            rc = engine.initialize(config.hostname, "P2PHANDSHAKE", config.protocol,
+                                   config.device_name)
         if rc != 0:
+            hint = " (an IPv6 KV address needs MC_USE_IPV6=1)" if ":" in (bind_address or "") else ""
             raise KVTransferError(
                 f"Mooncake TransferEngine.initialize({config.hostname!r}, P2PHANDSHAKE, "
-                f"{config.protocol!r}, {config.device_name!r}) failed with code {rc}")
+                f"{config.protocol!r}, {config.device_name!r}) failed with code {rc}{hint}")
         self._engine: Any = engine
         self._session_id = f"{config.hostname}:{engine.get_rpc_port()}"
         self._regions = MemoryRegions()
         self._lock = threading.Lock()
-        logger.info("Mooncake KV transport %s started (protocol=%s)", self._session_id, config.protocol)
+        logger.info("Mooncake KV transport %s started (protocol=%s, listening on %s)",
+                    self._session_id, config.protocol, bind_address or "every interface")
 
     @property
     def session_id(self) -> str:

@@ -13,6 +13,8 @@ from gateway.discovery import check_worker_spec
 from launcher.defaults import (BUNDLED_MODEL_SAMPLING, default_data_dir, default_dtype, default_model_path,
                                default_torch_threads, is_bundled_model, served_name_for)
 from launcher.healthcheck import add_healthcheck_args, run_healthcheck
+from launcher.internal_plane import (add_internal_plane_args, add_internal_token_args, check_open_plane,
+                                     credentials_from_args, ensure_serve_token, run_internal_token)
 from tandem.request_log import configure_logging
 
 if TYPE_CHECKING:   # the engine is imported only by the worker commands that run one
@@ -72,6 +74,9 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-device", default="", help="RDMA device names (rdma protocol only)")
     p.add_argument("--reservation-ttl", type=float, default=30.0, help="decode: seconds reserved pages wait for KV")
     p.add_argument("--transfer-timeout", type=float, default=30.0, help="prefill: seconds allowed for one KV write")
+    p.add_argument("--weights-dir", action="append", default=None,
+                   help="directory /update_weights_from_disk may load from (repeatable; default: the served "
+                        "model's directory); any other path is answered as not found")
     p.add_argument("--kv-write-grace", type=float, default=30.0,
                    help="decode: seconds the pages of a reservation dropped before its KV arrived stay unused "
                         "(a write may still be in flight); keep it >= the prefill side's --transfer-timeout")
@@ -84,8 +89,13 @@ def _add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: requests send token ids and get token ids back (no text, no chat)")
     p.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer <key>` on every route but the health probes "
+                   help="require `Authorization: Bearer <key>` on every route but /health, /ping and /metrics "
                         "(default: the TANDEM_API_KEY environment variable, else no key)")
+    p.add_argument("--admin-api-key", default=None,
+                   help="the admin routes (/flush_cache, /update_weights_from_disk, /get_server_info, the expert "
+                        "distribution record) need `Authorization: Bearer <admin key>`; the user key no longer "
+                        "opens them (default: the TANDEM_ADMIN_API_KEY environment variable, else the admin "
+                        "routes take the --api-key)")
     p.add_argument("--default-sampling", default=None,
                    help='JSON of sampling defaults for fields a request leaves unset, e.g. \'{"temperature": 0.7, '
                         '"top_p": 0.9}\' (keys: temperature, top_p, top_k, min_p). Default: the model\'s '
@@ -120,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill-port", type=int, default=DEFAULT_PREFILL_PORT)
     serve.add_argument("--decode-port", type=int, default=DEFAULT_DECODE_PORT)
     serve.add_argument("--startup-timeout", type=float, default=600.0)
+    add_internal_plane_args(serve)
     serve.add_argument("--prefill-metrics-port", type=int, default=None,
                        help="prefill worker's Prometheus port (default: --prefill-port + 100; 0: off)")
     serve.add_argument("--decode-metrics-port", type=int, default=None,
@@ -138,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="decode worker host:port or dns:///name:port (as --prefill); repeatable; "
                               "required unless --is-embedding")
     _add_embedding_arg(gateway)
+    add_internal_plane_args(gateway)
 
     for role, port in (("prefill", DEFAULT_PREFILL_PORT), ("decode", DEFAULT_DECODE_PORT)):
         worker = sub.add_parser(role, help=f"a {role} worker alone")
@@ -149,8 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
                             help="HTTP port serving Prometheus text at /metrics (default: --port + 100; 0: off)")
         if role == "prefill":
             _add_embedding_arg(worker)
+        add_internal_plane_args(worker)
 
     add_healthcheck_args(sub.add_parser("healthcheck", help="probe a worker's gRPC health or the gateway's /health once"))
+    add_internal_token_args(sub.add_parser("internal-token", help="write a fresh internal token to a file (once)"))
     return parser
 
 
@@ -158,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "healthcheck":
         return run_healthcheck(args)
+    if args.command == "internal-token":
+        return run_internal_token(args)
     configure_logging(args.log_level, args.command)
     if args.command == "serve":
         return _serve(args)
@@ -171,7 +187,10 @@ def _serve(args: argparse.Namespace) -> int:
     model_path = args.model_path or default_model_path()
     served_name = args.served_model_name or served_name_for(args.model_path)
     threads = args.torch_threads or default_torch_threads(1 if args.is_embedding else 2)
-    shared = ["--model-path", model_path, "--log-level", args.log_level]
+    ensure_serve_token(args)   # the children's, by environment
+    shared = ["--model-path", model_path, "--log-level", args.log_level,
+              *(arg for flag in ("tls_cert", "tls_key", "tls_ca") if getattr(args, flag)
+                for arg in (f"--{flag.replace('_', '-')}", getattr(args, flag)))]
     worker_flags = [*shared, *_serve_worker_flags(args, threads)]
     prefill_addr, decode_addr = f"127.0.0.1:{args.prefill_port}", f"127.0.0.1:{args.decode_port}"
     # An embedding stack is gateway + one embedding prefill worker: embeddings need no decode.
@@ -197,6 +216,8 @@ def _serve(args: argparse.Namespace) -> int:
     ]
     if args.api_key:   # handed to the gateway child by environment, never on a command line
         os.environ["TANDEM_API_KEY"] = args.api_key
+    if args.admin_api_key:
+        os.environ["TANDEM_ADMIN_API_KEY"] = args.admin_api_key
     url_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     supervisor = Supervisor(children, f"http://{url_host}:{args.port}/health", args.startup_timeout)
     workers = (f"embedding prefill {prefill_addr}, no decode). Ctrl-C stops both." if args.is_embedding
@@ -221,6 +242,8 @@ def _serve_worker_flags(args: argparse.Namespace, threads: int) -> list[str]:
                         ("--kv-host", args.kv_host)):
         if value is not None:
             flags += [flag, str(value)]
+    for directory in args.weights_dir or ():
+        flags += ["--weights-dir", directory]
     return flags
 
 
@@ -230,6 +253,8 @@ def _gateway(args: argparse.Namespace) -> int:
     from gateway.sampling_defaults import SamplingDefaults, load_generation_config
     if not args.decode and not args.is_embedding:
         raise SystemExit("tandem gateway: --decode is required (unless --is-embedding)")
+    internal = credentials_from_args(args)
+    check_open_plane(internal, [*args.prefill, *(args.decode or ())], args.insecure, "worker address")
     model_path = args.model_path or default_model_path()
     defaults = BUNDLED_MODEL_SAMPLING if is_bundled_model(model_path) else load_generation_config(model_path)
     if args.default_sampling:
@@ -239,6 +264,7 @@ def _gateway(args: argparse.Namespace) -> int:
             raise SystemExit(f"--default-sampling: {exc}") from None
     config = GatewayConfig(model_path=model_path, sampling_defaults=defaults,
                            api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
+                           admin_api_key=args.admin_api_key or os.environ.get("TANDEM_ADMIN_API_KEY") or None,
                            skip_tokenizer_init=args.skip_tokenizer_init,
                            served_model_name=args.served_model_name or served_name_for(args.model_path),
                            prefill_addrs=tuple(args.prefill), decode_addrs=tuple(args.decode or ()),
@@ -247,7 +273,8 @@ def _gateway(args: argparse.Namespace) -> int:
                            request_timeout_s=args.request_timeout,
                            data_dir=os.path.abspath(args.data_dir or default_data_dir()),
                            batch_concurrency=args.batch_concurrency,
-                           expert_distribution_dir=os.path.abspath(args.expert_distribution_dir or os.getcwd()))
+                           expert_distribution_dir=os.path.abspath(args.expert_distribution_dir or os.getcwd()),
+                           internal=internal)
     serve_gateway(config)
     return 0
 
@@ -258,6 +285,8 @@ def _worker(args: argparse.Namespace) -> int:
     from prefill_server.servicer import add_prefill_servicer
     from server_runtime.worker import WorkerConfig, serve_worker
 
+    credentials = credentials_from_args(args)
+    check_open_plane(credentials, [args.host], args.insecure, f"{args.command} worker bind address")
     kv_host = args.kv_host or ("127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host)
     config = WorkerConfig(
         role=args.command, model_path=args.model_path or default_model_path(), host=args.host, port=args.port,
@@ -267,7 +296,8 @@ def _worker(args: argparse.Namespace) -> int:
         torch_threads=args.torch_threads or default_torch_threads(2),
         reservation_ttl_s=args.reservation_ttl, transfer_timeout_s=args.transfer_timeout,
         write_grace_s=args.kv_write_grace, is_embedding=getattr(args, "is_embedding", False),
-        metrics_port=_metrics_port(args.metrics_port, args.port))
+        metrics_port=_metrics_port(args.metrics_port, args.port), credentials=credentials,
+        weights_dirs=tuple(os.path.abspath(d) for d in args.weights_dir or ()))
     add_servicer = add_prefill_servicer if args.command == "prefill" else add_decode_servicer
     asyncio.run(serve_worker(config, add_servicer))
     return 0

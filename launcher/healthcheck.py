@@ -13,6 +13,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from tandem.internal_auth import InternalCredentials
+
 DEFAULT_TIMEOUT_S = 3.0
 
 
@@ -33,14 +35,18 @@ def add_healthcheck_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--service", default="",
                         help="gRPC health service name to ask about (default: the server as a whole)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds before giving up")
+    for flag, what in (("--tls-cert", "certificate chain"), ("--tls-key", "private key"), ("--tls-ca", "CA")):
+        parser.add_argument(flag, default=None, help=f"PEM {what}, for a worker whose port speaks (m)TLS")
 
 
-def probe_grpc(address: str, service: str = "", timeout_s: float = DEFAULT_TIMEOUT_S) -> ProbeResult:
-    """Call `grpc.health.v1.Health/Check` on `address` once, with `timeout_s` as the deadline."""
+def probe_grpc(address: str, service: str = "", timeout_s: float = DEFAULT_TIMEOUT_S,
+               credentials: InternalCredentials = InternalCredentials()) -> ProbeResult:
+    """Call `grpc.health.v1.Health/Check` on `address` once, with `timeout_s` as the deadline (health
+    needs no token; `credentials` matter only for a TLS port)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with credentials.open_sync_channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
@@ -67,7 +73,11 @@ def run_healthcheck(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
         raise SystemExit("--timeout must be positive")
     if args.grpc:
-        result = probe_grpc(args.grpc, args.service, args.timeout)
+        try:
+            credentials = InternalCredentials(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
+        except ValueError as exc:
+            raise SystemExit(f"tandem healthcheck: {exc}") from None
+        result = probe_grpc(args.grpc, args.service, args.timeout, credentials)
     else:
         result = probe_http(args.http, args.timeout)
     print(f"{'healthy' if result.is_healthy else 'unhealthy'}: {result.detail}",

@@ -16,6 +16,7 @@ from prefill_server.embedding_servicer import EmbeddingServicer
 from server_runtime.convert import (check_layout_matches, prompt_logprobs_to_proto, sampling_from_proto,
                                     token_to_proto)
 from server_runtime.errors import abort_with
+from server_runtime.kv_grants import GrantChecker, GrantError, grant_key
 from server_runtime.embedding import EmbeddingContext
 from server_runtime.worker import WorkerContext
 from tandem.request_log import bind_request_id
@@ -27,10 +28,15 @@ logger = logging.getLogger(__name__)
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
+        self.grants = GrantChecker(grant_key(ctx.config.credentials.token))
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
                       ) -> prefill_pb2.PrefillResponse:
         bind_request_id(request.request_id)
+        try:   # first: a target without the decode server's grant for these pages gets no compute either
+            self.grants.check(request.request_id, request.kv_target)
+        except GrantError as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         try:
             return await self._prefill(request)
         except (EngineError, KVTransferError) as exc:
@@ -62,6 +68,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             computed = time.perf_counter()
             if output.finish_reason is FinishReason.ABORT:
                 raise RequestAbortedError(f"prefill aborted: {output.abort_message}")
+            if target.grant_expires_unix_ms <= time.time() * 1000:   # the decode side may have let the pages go
+                raise KVTransferError("the decode reservation expired before the prompt's KV was ready")
             src_pages = (await self.ctx.loop.call(lambda engine: engine.held_pages(rid)))[:num_pages]
             dst = RemotePages(target.session_id, target.base_addr, layout.page_bytes,
                               tuple(target.page_ids[:num_pages]))

@@ -8,6 +8,8 @@ record too. `serve_worker` registers the right one (`add_worker_servicer`) next 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 import grpc
@@ -27,6 +29,17 @@ if TYPE_CHECKING:   # worker.py registers these servicers, so it cannot be impor
     from server_runtime.worker import WorkerContext
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+
+def _not_found(path: str) -> str:
+    return f"Failed to get weights iterator: {path} (repository not found)."
+
+
+def is_within(path: str, directory: str) -> bool:
+    """True when `path`, links resolved, is `directory` or lies under it."""
+    resolved, root = os.path.realpath(path), os.path.realpath(directory)
+    return resolved == root or resolved.startswith(root.rstrip(os.sep) + os.sep)
 
 
 class WorkerInfoServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -74,11 +87,16 @@ class WorkerServicer(WorkerInfoServicer):
     async def UpdateWeights(self, request: common_pb2.UpdateWeightsRequest, context: grpc.aio.ServicerContext
                             ) -> common_pb2.UpdateWeightsResponse:
         path = request.model_path
+        if not any(is_within(path, directory) for directory in self.ctx.weights_dirs):
+            # SGLang's answer for a missing model, whether or not the path exists: the RPC cannot probe files.
+            logger.warning("refused to load weights from %r: outside --weights-dir %s", path, self.ctx.weights_dirs)
+            return common_pb2.UpdateWeightsResponse(
+                success=False, message=_not_found(path), weights_version=self.ctx.engine.weights_version)
         try:
             checkpoint = await asyncio.to_thread(open_checkpoint, path)
         except FileNotFoundError:
             return common_pb2.UpdateWeightsResponse(
-                success=False, message=f"Failed to get weights iterator: {path} (repository not found).",
+                success=False, message=_not_found(path),
                 weights_version=self.ctx.engine.weights_version)
         except (ConfigError, ValueError, OSError) as exc:
             return common_pb2.UpdateWeightsResponse(success=False, message=f"Failed to open {path}: {exc}",

@@ -24,6 +24,7 @@ from server_runtime.embedding import EmbeddingContext, start_embedding
 from server_runtime.engine_loop import EngineLoop
 from server_runtime.metrics import WorkerMetrics, serve_metrics
 import tandem
+from tandem.internal_auth import InternalCredentials
 from tandem.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ class WorkerConfig:
     transfer_timeout_s: float = 30.0  # prefill: longest KV write before the request fails
     is_embedding: bool = False        # prefill: serve Embed from an embedding model; no engine, KV or decode
     metrics_port: int = 0             # HTTP port serving Prometheus text; 0: no metrics endpoint
+    credentials: InternalCredentials = InternalCredentials()   # the token (and TLS) every tandem.v1 call needs
+    weights_dirs: tuple[str, ...] = ()   # UpdateWeights loads only from under these; (): the model's directory
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -75,6 +78,14 @@ class WorkerContext:
     @property
     def engine(self) -> Engine:
         return self.loop.engine
+
+    @property
+    def weights_dirs(self) -> tuple[str, ...]:
+        """Where UpdateWeights may load from: --weights-dir, else the served model's directory."""
+        if self.config.weights_dirs:
+            return self.config.weights_dirs
+        path = self.config.model_path
+        return (path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)),)
 
     def model_info(self) -> common_pb2.GetModelInfoResponse:
         engine = self.engine
@@ -135,7 +146,7 @@ async def serve_worker(config: WorkerConfig,
             loop.stop()
             transport.close()
 
-    server = grpc.aio.server(interceptors=[metrics.interceptor()],
+    server = grpc.aio.server(interceptors=[*config.credentials.server_interceptors(), metrics.interceptor()],
                              options=[("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                                       ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)])
     service_names = (add_servicer(server, context), add_worker_servicer(server, context))
@@ -144,7 +155,7 @@ async def serve_worker(config: WorkerConfig,
     reflection.enable_server_reflection(
         (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
-    if server.add_insecure_port(address) == 0:
+    if config.credentials.add_port(server, address) == 0:
         raise OSError(f"cannot listen on {address}")
     metrics_server = serve_metrics(metrics.registry, config.host, config.metrics_port) if config.metrics_port else None
     await server.start()

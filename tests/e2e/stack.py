@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -19,6 +20,11 @@ import httpx
 from tandem.v1 import common_pb2, worker_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
+# Every stack and service this test process starts shares one internal token (by environment, as
+# `tandem serve` hands its own down); tests that call a worker directly send WORKER_METADATA.
+INTERNAL_TOKEN = secrets.token_urlsafe(24)
+WORKER_METADATA = (("authorization", f"Bearer {INTERNAL_TOKEN}"),)
+_CHILD_ENV = {"PYTHONUNBUFFERED": "1", "TANDEM_INTERNAL_TOKEN": INTERNAL_TOKEN}
 
 
 def free_port() -> int:
@@ -68,7 +74,8 @@ class Stack:
         loads = {}
         for role, port in (("prefill", self.prefill_port), ("decode", self.decode_port)):
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-                loads[role] = worker_pb2_grpc.WorkerServiceStub(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=5)
+                loads[role] = worker_pb2_grpc.WorkerServiceStub(channel).GetLoad(
+                    common_pb2.GetLoadRequest(), timeout=5, metadata=WORKER_METADATA)
         return loads
 
     def assert_no_pages_held(self, within_s: float = 5.0) -> None:
@@ -111,7 +118,7 @@ def start_stack(tmp_dir: Path, *flags: str, timeout_s: float = 300) -> Stack:
     proc = subprocess.Popen(
         [sys.executable, "-m", "launcher", "serve", "--port", str(port), "--prefill-port", str(prefill_port),
          "--decode-port", str(decode_port), *flags],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **_CHILD_ENV})
     stack = Stack(proc, port, prefill_port, decode_port, log_path, prefill_metrics_port, decode_metrics_port)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -225,7 +232,7 @@ def _decode_args(port: int, worker_flags: tuple[str, ...]) -> list[str]:
 def _launch(args: list[str], log_path: Path) -> subprocess.Popen:
     log = open(log_path, "w")
     return subprocess.Popen([sys.executable, "-m", "launcher", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+                            env={**os.environ, **_CHILD_ENV}, start_new_session=True,
                             preexec_fn=_die_with_parent)
 
 

@@ -1,14 +1,19 @@
-"""SGLang's admin routes on the three-process stack: model info, server info, health_generate, flush."""
+"""SGLang's admin routes on the three-process stack: model info, server info, health_generate, flush;
+and the public edge on a stack started with --api-key and --admin-api-key."""
 
 from __future__ import annotations
 
+import secrets
 import threading
+from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
-from tests.e2e.conftest import CONTEXT_LEN
-from tests.e2e.stack import Stack
+from tests.e2e.conftest import CONTEXT_LEN, MODEL
+from tests.e2e.error_bodies import internal_details
+from tests.e2e.stack import Stack, child_pids, start_stack
 
 pytestmark = pytest.mark.slow
 
@@ -81,3 +86,119 @@ def test_update_weights_with_other_shapes_fails_cleanly_and_old_weights_keep_ser
     assert "do not match" in refused.json()["message"]
     assert httpx.post(f"{stack.url}/generate", json={"text": "Hello", "sampling_params": {
         "temperature": 0, "max_new_tokens": 6}}).json()["text"] == before
+
+
+def test_update_weights_outside_the_weights_dirs_is_answered_as_not_found(stack: Stack, tmp_path) -> None:
+    """/etc/passwd exists and /etc/no-such-file does not: the answers cannot tell them apart."""
+    for path in ("/etc/passwd", "/etc/no-such-file", f"{tmp_path}/../../../../../etc/passwd"):
+        reply = httpx.post(f"{stack.url}/update_weights_from_disk", json={"model_path": path}, timeout=60)
+        assert reply.status_code == 400
+        assert reply.json() == {"success": False,
+                                "message": f"Failed to get weights iterator: {path} (repository not found)."}
+
+
+USER_KEY, ADMIN_KEY = f"user-{secrets.token_hex(8)}", f"admin-{secrets.token_hex(8)}"
+USER, ADMIN = {"Authorization": f"Bearer {USER_KEY}"}, {"Authorization": f"Bearer {ADMIN_KEY}"}
+ADMIN_ROUTES = (("POST", "/flush_cache"), ("GET", "/get_server_info"), ("POST", "/update_weights_from_disk"),
+                ("POST", "/start_expert_distribution_record"), ("POST", "/stop_expert_distribution_record"),
+                ("POST", "/dump_expert_distribution_record"))
+
+
+@pytest.fixture(scope="module")
+def keyed_stack(tmp_path_factory) -> Stack:
+    stack = start_stack(tmp_path_factory.mktemp("keyed_stack"), "--api-key", USER_KEY, "--admin-api-key", ADMIN_KEY,
+                        "--context-length", str(CONTEXT_LEN), "--max-total-tokens", "4096", "--torch-threads", "1")
+    yield stack
+    assert stack.stop() == []
+
+
+def test_admin_routes_refuse_the_user_key_and_take_the_admin_key(keyed_stack: Stack) -> None:
+    for method, path in ADMIN_ROUTES:
+        for headers in ({}, USER):
+            refused = httpx.request(method, f"{keyed_stack.url}{path}", headers=headers, json={"model_path": "x"})
+            assert refused.status_code == 401, (path, headers)
+            assert refused.json()["error"] == {"message": "Incorrect API key provided.", "type": "invalid_request_error",
+                                               "param": None, "code": "invalid_api_key"}
+    flushed = httpx.post(f"{keyed_stack.url}/flush_cache", headers=ADMIN)
+    assert flushed.status_code == 200 and flushed.text.startswith("Cache flushed.")
+    info = httpx.get(f"{keyed_stack.url}/get_server_info", headers=ADMIN)
+    assert info.status_code == 200 and sorted(w["role"] for w in info.json()["workers"]) == ["decode", "prefill"]
+    assert USER_KEY not in info.text and ADMIN_KEY not in info.text
+    # a dense model: the worker refuses (400), past the key
+    experts = httpx.post(f"{keyed_stack.url}/start_expert_distribution_record", headers=ADMIN)
+    assert experts.status_code == 400 and "mixture-of-experts" in experts.json()["error"]["message"]
+    missing = httpx.post(f"{keyed_stack.url}/update_weights_from_disk", headers=ADMIN,
+                         json={"model_path": "no-such-model"})
+    assert missing.status_code == 400 and missing.json()["success"] is False
+
+
+def test_user_routes_and_health_generate_need_the_user_key(keyed_stack: Stack) -> None:
+    assert httpx.get(f"{keyed_stack.url}/health").status_code == 200
+    assert httpx.get(f"{keyed_stack.url}/health_generate", timeout=60).status_code == 401
+    assert httpx.get(f"{keyed_stack.url}/health_generate", headers=USER, timeout=60).json() == {"status": "ok"}
+    assert httpx.get(f"{keyed_stack.url}/v1/models").status_code == 401
+    client = openai.OpenAI(base_url=f"{keyed_stack.url}/v1", api_key=USER_KEY)
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert answer.choices[0].message.content
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{keyed_stack.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_duplicate_authorization_headers_are_refused(keyed_stack: Stack) -> None:
+    for method, path, key in (("POST", "/flush_cache", ADMIN), ("GET", "/v1/models", USER), ("GET", "/health", USER)):
+        twice = [("Authorization", key["Authorization"])] * 2
+        response = httpx.request(method, f"{keyed_stack.url}{path}", headers=twice)
+        assert response.status_code == 400, path
+        assert response.json()["error"]["code"] == "duplicate_authorization_header"
+
+
+def test_the_keys_reach_the_gateway_by_environment_never_on_a_command_line(keyed_stack: Stack) -> None:
+    children = child_pids(keyed_stack.proc.pid)
+    assert len(children) == 3
+    for pid in children:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert USER_KEY.encode() not in cmdline and ADMIN_KEY.encode() not in cmdline
+    [gateway] = [pid for pid in children if b"\0gateway\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    environ = Path(f"/proc/{gateway}/environ").read_bytes().split(b"\0")
+    assert f"TANDEM_ADMIN_API_KEY={ADMIN_KEY}".encode() in environ
+    assert f"TANDEM_API_KEY={USER_KEY}".encode() in environ
+
+
+def test_worker_errors_reach_the_client_without_internal_details(keyed_stack: Stack, tmp_path: Path) -> None:
+    """Errors the workers raise (a bad grammar, a model without experts, weights that cannot be read)
+    and ones the gateway raises: no body names an address, a port of a worker, a path or an exception."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    url = keyed_stack.url
+    too_long = list(range(1, CONTEXT_LEN + 10))
+    calls = [  # the grammar is compiled on the prefill worker: the first compile takes a while
+        (USER, "/generate", {"text": "Hi", "sampling_params": {"regex": "(a|"}}),
+        (USER, "/generate", {"input_ids": too_long}),
+        (USER, "/v1/completions", {"model": MODEL, "prompt": "Hi", "regex": "(a|", "stream": True}),
+        (USER, "/v1/embeddings", {"model": MODEL, "input": "Hi"}),
+        (ADMIN, "/start_expert_distribution_record", None),
+        (ADMIN, "/update_weights_from_disk", {"model_path": str(broken)}),
+    ]
+    provoked = [httpx.post(f"{url}{path}", headers=key, json=body, timeout=300) for key, path, body in calls]
+    ports = [str(p) for p in (keyed_stack.prefill_port, keyed_stack.decode_port)]
+    for response in provoked:
+        failed = response.status_code >= 400 or '"error"' in response.text
+        assert failed, response.text
+        sent = response.request.content.decode()
+        assert internal_details(response.text, sent) == [], response.text
+        assert not any(port in response.text for port in ports), response.text
+
+
+def test_the_error_body_check_catches_internal_details() -> None:
+    """The suite-wide check (tests/e2e/conftest.py) can fail."""
+    for leaky in ("decode worker 127.0.0.1:31002: boom", "ipv4:10.1.2.3:5 refused", "decode-0:31002 reset",
+                  "cannot read /tmp/x/config.json", "at /work/main/engine/engine.py", "Unexpected <class 'KeyError'>",
+                  "ValueError('bad')", "Traceback (most recent call last):",
+                  "invalid regex: [19:08:57] /project/cpp/regex_converter.cc:83: Regex parsing error"):
+        assert internal_details(leaky), leaky
+    assert internal_details("Failed to open /tmp/m: bad", sent='{"model_path": "/tmp/m"}') == []   # the client's own
+    assert internal_details("Failed to open /tmp/m/config.json", sent='{"model_path": "/tmp/n"}')
+    for fine in ("This model's maximum context length is 1024 tokens.", "invalid regex: [19:08:57] <path>: Regex",
+                 "use /v1/embeddings or /encode", '{"error":{"message":"x","code":400}}'):
+        assert internal_details(fine) == [], fine

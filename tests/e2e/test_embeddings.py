@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc, worker_pb2_grpc
 from tests.conftest import minilm_dir
-from tests.e2e.stack import Stack, start_stack
+from tests.e2e.stack import WORKER_METADATA, Stack, start_stack
 
 pytestmark = pytest.mark.slow
 
@@ -148,7 +148,8 @@ def test_encode_as_in_the_seeds(embedding_stack, model, tokenizer, reference) ->
 def test_embedding_stack_is_healthy_without_a_decode_worker(embedding_stack) -> None:
     assert httpx.get(f"{embedding_stack.url}/health").status_code == 200
     with grpc.insecure_channel(f"127.0.0.1:{embedding_stack.prefill_port}") as channel:
-        info = worker_pb2_grpc.WorkerServiceStub(channel).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=5)
+        info = worker_pb2_grpc.WorkerServiceStub(channel).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=5,
+                                                                         metadata=WORKER_METADATA)
     assert info.is_embedding and info.embedding_dim == 384 and info.context_len == 512
     assert info.architecture == "BertModel"
 
@@ -163,7 +164,8 @@ def test_generation_stack_refuses_embeddings(stack: Stack) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{stack.prefill_port}") as channel:
         with pytest.raises(grpc.RpcError) as caught:
             prefill_pb2_grpc.PrefillServiceStub(channel).Embed(
-                prefill_pb2.EmbedRequest(request_id="x", inputs=[prefill_pb2.EmbedInput(token_ids=[1])]), timeout=5)
+                prefill_pb2.EmbedRequest(request_id="x", inputs=[prefill_pb2.EmbedInput(token_ids=[1])]), timeout=5,
+                metadata=WORKER_METADATA)
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 

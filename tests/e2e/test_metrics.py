@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from tests.e2e.stack import Stack
+from tests.e2e.stack import WORKER_METADATA, Stack
 
 pytestmark = pytest.mark.slow
 
@@ -139,7 +139,7 @@ def test_failed_and_closed_requests_are_counted_with_their_status(stack: Stack) 
     with grpc.insecure_channel(f"127.0.0.1:{stack.decode_port}") as channel:
         stream = decode_pb2_grpc.DecodeServiceStub(channel).Generate(decode_pb2.GenerateRequest(
             request_id="never-reserved", prompt_token_ids=[1, 2, 3], first_token=common_pb2.TokenOutput(token_id=4),
-            sampling_params=common_pb2.SamplingParams(max_new_tokens=2)), timeout=10)
+            sampling_params=common_pb2.SamplingParams(max_new_tokens=2)), timeout=10, metadata=WORKER_METADATA)
         with pytest.raises(grpc.RpcError) as failure:
             list(stream)
     after = Scrape(stack)

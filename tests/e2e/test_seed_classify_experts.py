@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from tandem.v1 import common_pb2, worker_pb2_grpc
-from tests.e2e.stack import Stack, start_stack
+from tests.e2e.stack import WORKER_METADATA, Stack, start_stack
 from tests.tiny_models import save_tiny_classifier, save_tiny_qwen2_moe, save_tiny_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -152,7 +152,8 @@ def test_cell_18_expert_distribution(moe_stack: Stack, moe_dir: Path, monkeypatc
 
 
 def _dump(stub) -> int:
-    reply = stub.DumpExpertDistributionRecord(common_pb2.DumpExpertDistributionRecordRequest(), timeout=10)
+    reply = stub.DumpExpertDistributionRecord(common_pb2.DumpExpertDistributionRecordRequest(), timeout=10,
+                                               metadata=WORKER_METADATA)
     assert list(reply.layer_ids) == [0, 2] and reply.num_experts == 8 and reply.num_experts_per_tok == 2
     return sum(reply.counts)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gateway.tokenizer import load_tokenizer
-from tests.e2e.stack import Stack
+from tests.e2e.stack import WORKER_METADATA, Stack
 from tests.hf_oracle import hf_greedy, load_hf_smollm2
 
 pytestmark = pytest.mark.slow
@@ -155,13 +155,13 @@ def test_workers_serve_health_reflection_and_model_info(stack: Stack) -> None:
                 health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=name))
                 assert health.status == health_pb2.HealthCheckResponse.SERVING
             reflection = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
-                iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), metadata=WORKER_METADATA)
             names = {s.name for s in next(reflection).list_services_response.service}
             assert {service, "tandem.v1.WorkerService", "grpc.health.v1.Health"} <= names
             control = worker_pb2_grpc.WorkerServiceStub(channel)
-            info = control.GetModelInfo(common_pb2.GetModelInfoRequest())
+            info = control.GetModelInfo(common_pb2.GetModelInfoRequest(), metadata=WORKER_METADATA)
             assert (info.role, info.context_len, info.architecture) == (role, CONTEXT_LEN, "LlamaForCausalLM")
-            assert not control.Abort(common_pb2.AbortRequest(request_id="nothing-here")).found
+            assert not control.Abort(common_pb2.AbortRequest(request_id="nothing-here"), metadata=WORKER_METADATA).found
 
 
 def test_models_and_health(stack: Stack) -> None:

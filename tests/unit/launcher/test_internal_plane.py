@@ -1,0 +1,83 @@
+"""The internal plane's flags: where the token comes from, `tandem serve` making one, and the refusal
+to open an unauthenticated plane beyond loopback (real processes for the refusals)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.cli import build_parser
+from launcher.internal_plane import TOKEN_ENV, TOKEN_FILE_ENV, check_open_plane, credentials_from_args, \
+    ensure_serve_token
+from tandem.internal_auth import InternalCredentials
+
+ROOT = Path(__file__).resolve().parents[3]
+TOKEN = "token-from-somewhere-0123456789"
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in (TOKEN_ENV, TOKEN_FILE_ENV):   # setenv first, so that teardown restores what was there
+        monkeypatch.setenv(name, "placeholder")
+        monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def _credentials(*argv: str) -> InternalCredentials:
+    return credentials_from_args(build_parser().parse_args(["decode", *argv]))
+
+
+def test_token_from_flag_file_or_environment(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    assert _credentials().token is None
+    assert _credentials("--internal-token", TOKEN).token == TOKEN
+    (tmp_path / "token").write_text(f"  {TOKEN}\n")
+    assert _credentials("--internal-token-file", str(tmp_path / "token")).token == TOKEN
+    clean_env.setenv(TOKEN_FILE_ENV, str(tmp_path / "token"))
+    assert _credentials().token == TOKEN
+    clean_env.setenv(TOKEN_ENV, "from-the-environment-first")
+    assert _credentials().token == "from-the-environment-first"
+    with pytest.raises(SystemExit, match="internal plane"):
+        _credentials("--internal-token", "short")
+
+
+def test_serve_hands_its_children_a_token(clean_env: pytest.MonkeyPatch) -> None:
+    ensure_serve_token(build_parser().parse_args(["serve"]))
+    made = os.environ[TOKEN_ENV]
+    assert len(made) >= 32
+    ensure_serve_token(build_parser().parse_args(["serve", "--internal-token", TOKEN]))
+    assert os.environ[TOKEN_ENV] == TOKEN
+
+
+def test_open_plane_only_on_loopback_unless_insecure(caplog: pytest.LogCaptureFixture) -> None:
+    open_plane = InternalCredentials()
+    check_open_plane(open_plane, ["127.0.0.1", "localhost"], False, "bind")
+    check_open_plane(InternalCredentials(token=TOKEN), ["0.0.0.0"], False, "bind")
+    for hosts in (["0.0.0.0"], ["::"], ["10.0.0.7"], ["127.0.0.1:30001", "10.0.0.7:30002"],
+                  ["dns:///tandem-decode.invalid:30002"]):
+        with pytest.raises(SystemExit, match="--insecure"):
+            check_open_plane(open_plane, hosts, False, "bind")
+    check_open_plane(open_plane, ["0.0.0.0"], True, "bind")
+    assert "INSECURE" in caplog.text
+
+
+@pytest.mark.parametrize("argv", [["prefill", "--host", "0.0.0.0"],
+                                  ["gateway", "--prefill", "10.0.0.7:30001", "--decode", "10.0.0.7:30002"]])
+def test_the_commands_refuse_an_open_plane_beyond_loopback(argv: list[str]) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, TOKEN_FILE_ENV)}
+    done = subprocess.run([sys.executable, "-m", "launcher", *argv], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0
+    assert "no internal token is set" in done.stderr and "--insecure" in done.stderr
+
+
+def test_internal_token_command_writes_once(tmp_path: Path) -> None:
+    path = tmp_path / "run" / "token"
+    for expected in ("wrote a new", "kept the"):
+        done = subprocess.run([sys.executable, "-m", "launcher", "internal-token", "--file", str(path)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and expected in done.stdout
+    assert len(path.read_text().strip()) >= 32
