@@ -65,3 +65,43 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "tandem.configChecksum" -}}
 {{- include (print .Template.BasePath "/configmap.yaml") . | sha256sum -}}
 {{- end -}}
+
+{{/* The internal token: the Secret that holds it, its key, where pods mount it, and the flag that
+reads it. The values may be missing altogether (`helm upgrade --reuse-values` from a release made
+before they existed), hence `default dict`. */}}
+{{- define "tandem.internalTokenSecret" -}}
+{{- default (printf "%s-internal-token" (include "tandem.fullname" .)) (default dict .Values.internalToken).existingSecret -}}
+{{- end -}}
+
+{{- define "tandem.internalTokenKey" -}}
+{{- default "internal-token" (default dict .Values.internalToken).key -}}
+{{- end -}}
+
+{{- define "tandem.internalTokenDir" -}}/run/tandem-secrets{{- end -}}
+
+{{- define "tandem.internalTokenArg" -}}
+--internal-token-file={{ include "tandem.internalTokenDir" . }}/internal-token
+{{- end -}}
+
+{{- define "tandem.internalTokenVolumeMount" -}}
+- name: internal-token
+  mountPath: {{ include "tandem.internalTokenDir" . }}
+  readOnly: true
+{{- end -}}
+
+{{/* 0440 and the pod's fsGroup: the token file is root's, readable by the tandem group only. */}}
+{{- define "tandem.internalTokenVolume" -}}
+- name: internal-token
+  secret:
+    secretName: {{ include "tandem.internalTokenSecret" . }}
+    defaultMode: 0440
+    items:
+      - key: {{ include "tandem.internalTokenKey" . }}
+        path: internal-token
+{{- end -}}
+
+{{/* "true" when the worker NetworkPolicies are rendered: networkPolicy.enabled, true when absent. */}}
+{{- define "tandem.networkPolicyEnabled" -}}
+{{- $policy := default dict .Values.networkPolicy -}}
+{{- if ternary $policy.enabled true (hasKey $policy "enabled") }}true{{ end -}}
+{{- end -}}

