@@ -266,7 +266,7 @@ def test_batch_survives_killing_the_gateway(tmp_path: Path) -> None:
         services.kill_gateway()
         assert before.status == "in_progress" and before.request_counts.completed < 100
         services.start_gateway(*gateway_flags)
-        batch = wait_for(client, batch.id, lambda b: b.status == "completed", timeout_s=180)
+        batch = wait_for(client, batch.id, lambda b: b.status == "completed", timeout_s=300)
         counts = batch.request_counts
         assert (counts.total, counts.completed, counts.failed) == (100, 100, 0)
         output = read_lines(client, batch.output_file_id)
