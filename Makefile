@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.stamp-install
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: serve test protos kernels install bench bench-peer clean
+.PHONY: serve test test-gpu protos kernels install bench bench-peer clean
 
 $(STAMP): pyproject.toml scripts/install_system_deps.sh
 	bash scripts/install_system_deps.sh
@@ -30,6 +30,13 @@ serve: install
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# On a machine with an NVIDIA GPU: FlashInfer, then the GPU-marked tests (skipped elsewhere) and the CPU
+# checks of FlashInfer's installed API.
+test-gpu: install
+	$(PY) -m pip install --quiet -e '.[gpu]'
+	$(PY) -m pytest -m gpu tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit/kernels/test_flashinfer_api.py
 
 bench: install
 	$(PY) benchmarks/bench_serving.py $(ARGS)

@@ -9,6 +9,7 @@ runtime state, never in these records.
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -180,6 +181,8 @@ def _num_labels(config: Mapping[str, Any]) -> int:
 
 _DTYPES = ("bfloat16", "float32", "float16")
 QUANTIZATIONS = ("none", "gguf", "q8_0", "q4_0", "q4_1")   # what each means: engine/weight_loader.py
+# "meta" (shapes without data) lets tests run the whole forward pass with no memory and no GPU
+_DEVICE = re.compile(r"cpu|meta|cuda(:\d+)?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +195,11 @@ class EngineConfig:
     chunking a longer prompt still runs whole, alone. `chunked_prefill_size` (None: off) caps a
     step at that many prompt tokens too and splits the prompt that would cross the cap, so it is
     prefilled over several steps (0 is accepted as off, as SGLang's users write it).
+
+    `device` is where the weights, the KV pool and every per-step tensor live ("cpu", "cuda",
+    "cuda:<n>"; the entry point resolves "auto"). Quantized weights compute in a CPU kernel, so a
+    non-CPU device needs `quantization="none"`. `attention_backend` and `sampling_backend` are
+    names resolved for the device at start-up (`kernels.attention`, `kernels.sampling`).
     """
 
     dtype: str = "bfloat16"
@@ -202,7 +210,9 @@ class EngineConfig:
     max_prefill_tokens: int = 8192
     chunked_prefill_size: int | None = None
     context_len: int | None = None
+    device: str = "cpu"
     attention_backend: str = "auto"
+    sampling_backend: str = "auto"
     quantization: str = "none"   # one of QUANTIZATIONS
     int8_activations: bool = False   # quantized matmuls round activations to int8 blocks (llama.cpp's way)
     enable_prefix_cache: bool = False
@@ -223,5 +233,10 @@ class EngineConfig:
                               f"got {self.chunked_prefill_size}")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if not _DEVICE.fullmatch(self.device):
+            raise ConfigError(f"device must be cpu, cuda or cuda:<index>, got {self.device!r}")
+        if self.quantization != "none" and self.device != "cpu":
+            raise ConfigError(f"quantization {self.quantization!r} computes with the CPU kernel only; on "
+                              f"device {self.device!r} the weights must be floats (quantization none)")
         if self.context_len is not None and self.context_len <= 1:
             raise ConfigError(f"context_len must be > 1, got {self.context_len}")

@@ -14,12 +14,14 @@ Two kinds of model are served:
 
 No KV is kept between calls: a batch is one full forward pass. The decoder's attention backend
 writes K/V into pages, so each batch gets a scratch page pool sized for it and dropped after it.
+The model and each batch live on `EngineConfig.device`; the vectors come back in host memory.
 An `Embedder` is single-threaded: callers must never run two of its calls at once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
@@ -79,12 +81,16 @@ class PaddedBert:
         self.model = model
 
     def hidden_states(self, token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
-        lens = torch.tensor([len(t) for t in token_lists])
-        input_ids = torch.zeros(len(token_lists), int(lens.max()), dtype=torch.int64)
-        for row, tokens in enumerate(token_lists):
-            input_ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
-        mask = torch.arange(input_ids.shape[1]).unsqueeze(0) < lens.unsqueeze(1)
+        longest = max(len(t) for t in token_lists)
+        padded = [list(tokens) + [0] * (longest - len(tokens)) for tokens in token_lists]
+        input_ids = torch.tensor(padded, dtype=torch.int64, device=self.device)
+        lens = torch.tensor([len(t) for t in token_lists], device=self.device)
+        mask = torch.arange(longest, device=self.device).unsqueeze(0) < lens.unsqueeze(1)
         return self.model(input_ids, mask)[mask]
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embeddings.word_embeddings.weight.device
 
 
 class ScratchDecoder:
@@ -96,22 +102,27 @@ class ScratchDecoder:
         self.model = model
         self.dtype = dtype
         self.apply_head = apply_head   # return each token's head output (a classifier's scores) instead
-        self.rotary = RotaryEmbedding(mc.head_dim, context_len, mc.rope_theta, dict(mc.rope_scaling), dtype)
+        self.device = torch.device(engine_config.device)
+        self.rotary = RotaryEmbedding(mc.head_dim, context_len, mc.rope_theta, dict(mc.rope_scaling), dtype,
+                                      self.device)
         self.attention = create_attention_backend(engine_config.attention_backend, num_heads=mc.num_heads,
                                                   num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                                                  page_size=_SCRATCH_PAGE_SIZE)
+                                                  page_size=_SCRATCH_PAGE_SIZE, dtype=dtype, device=self.device)
 
     def hidden_states(self, token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
         mc, size = self.model.config, _SCRATCH_PAGE_SIZE
         lens = [len(t) for t in token_lists]
         num_pages = [-(-n // size) for n in lens]
-        first = torch.tensor([0, *num_pages[:-1]]).cumsum(0).tolist()
+        first = list(accumulate(num_pages[:-1], initial=0))
         pages = [list(range(f, f + p)) for f, p in zip(first, num_pages)]
-        positions = torch.cat([torch.arange(n) for n in lens])
-        meta = AttentionMetadata.build(pages, lens, lens, size)
-        scratch = torch.empty(sum(num_pages), mc.num_layers, 2, size, mc.num_kv_heads, mc.head_dim, dtype=self.dtype)
-        input_ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.int64)
-        hidden = self.model(input_ids, positions, self.rotary, self.attention, scratch, meta)
+        positions = torch.tensor([p for n in lens for p in range(n)], dtype=torch.int64, device=self.device)
+        meta_host = AttentionMetadata.build(pages, lens, lens, size)
+        self.attention.plan(meta_host)
+        scratch = torch.empty(sum(num_pages), mc.num_layers, 2, size, mc.num_kv_heads, mc.head_dim, dtype=self.dtype,
+                              device=self.device)
+        input_ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.int64,
+                                 device=self.device)
+        hidden = self.model(input_ids, positions, self.rotary, self.attention, scratch, meta_host.to(self.device))
         return self.model.compute_logits(hidden) if self.apply_head else hidden
 
 
@@ -138,7 +149,7 @@ class Embedder:
         for rows in self._pieces(order, token_lists):
             batch = [token_lists[i] for i in rows]
             hidden = self.encoder.hidden_states(batch)
-            vectors[rows] = pool(hidden, [len(t) for t in batch], self.pooling)
+            vectors[rows] = pool(hidden, [len(t) for t in batch], self.pooling).cpu()
         if dimensions is not None and dimensions != self.info.embedding_dim:
             vectors = truncate(vectors, dimensions, self.pooling.normalize)
         return vectors
@@ -168,7 +179,7 @@ class Embedder:
 
 
 def load_embedder(model_path: str, config: EngineConfig, progress: bool = True) -> Embedder:
-    """Load a BERT directory or a decoder checkpoint for embedding, in `config.dtype`, on CPU.
+    """Load a BERT directory or a decoder checkpoint for embedding, in `config.dtype`, on `config.device`.
 
     `config.max_prefill_tokens` bounds one forward pass; `config.context_len` may shrink the model's.
     """
@@ -178,7 +189,7 @@ def load_embedder(model_path: str, config: EngineConfig, progress: bool = True) 
         checkpoint = open_bert_checkpoint(model_path)
         with torch.device("meta"):
             bert = BertModel(checkpoint.config)
-        bert = bert.to_empty(device="cpu").to(dtype).eval()
+        bert = bert.to(dtype).to_empty(device=config.device).eval()
         bert.load_weights(checkpoint.tensors(progress=progress))
         encoder: Encoder = PaddedBert(bert)
         mc_max, vocab, hidden, arch = (checkpoint.config.max_position_embeddings, checkpoint.config.vocab_size,
@@ -189,7 +200,7 @@ def load_embedder(model_path: str, config: EngineConfig, progress: bool = True) 
         mc = decoder_checkpoint.config
         with torch.device("meta"):
             model = CausalLM(mc)
-        model = model.to_empty(device="cpu").to(dtype).eval()
+        model = model.to(dtype).to_empty(device=config.device).eval()
         if mc.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         model.load_weights(decoder_checkpoint.tensors(progress=progress))

@@ -46,7 +46,8 @@ class GrammarBackend:
         return xgrammar.GrammarMatcher(self._compiled[spec])
 
     def mask_logits(self, logits: torch.Tensor, matchers: list[Any]) -> torch.Tensor:
-        """Return `logits` with each constrained row limited to its grammar's next tokens."""
+        """Return `logits` ([B, V] fp32, any device) with each constrained row limited to its grammar's
+        next tokens. The matchers fill a host bitmask, which is applied on the logits' device."""
         import xgrammar
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
@@ -55,7 +56,7 @@ class GrammarBackend:
         for slot, row in enumerate(rows):
             matchers[row].fill_next_token_bitmask(bitmask, slot)
         constrained = logits[rows].contiguous()
-        xgrammar.apply_token_bitmask_inplace(constrained, bitmask)
+        xgrammar.apply_token_bitmask_inplace(constrained, bitmask.to(logits.device))
         logits = logits.clone()
         logits[rows] = constrained
         return logits

@@ -21,8 +21,7 @@ class KVLayout:
 
     @property
     def page_bytes(self) -> int:
-        element_size = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * element_size
+        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
     def bytes_per_token(self) -> int:
@@ -34,17 +33,22 @@ class KVLayout:
 
 
 class KVPool:
-    """`tensor[page, layer, 0 | 1, offset, kv_head, head_dim]`; page i spans bytes
-    [base_addr + i * page_bytes, base_addr + (i + 1) * page_bytes)."""
+    """`tensor[page, layer, 0 | 1, offset, kv_head, head_dim]` on `device`; page i spans bytes
+    [base_addr + i * page_bytes, base_addr + (i + 1) * page_bytes) of that device's memory."""
 
-    def __init__(self, layout: KVLayout, num_pages: int) -> None:
+    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu") -> None:
         self.layout = layout
         self.num_pages = num_pages
         self.tensor = torch.zeros(num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads,
-                                  layout.head_dim, dtype=layout.dtype)
+                                  layout.head_dim, dtype=layout.dtype, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
 
     @property
     def base_addr(self) -> int:
+        """The pool's address in its device's memory (a CUDA pointer on a GPU)."""
         return self.tensor.data_ptr()
 
     @property
@@ -52,7 +56,8 @@ class KVPool:
         return self.tensor.numel() * self.tensor.element_size()
 
     def read_tokens(self, page_ids: list[int], num_tokens: int) -> torch.Tensor:
-        """KV of the first `num_tokens` tokens held in `page_ids`: [L, 2, num_tokens, Hkv, D] (a copy)."""
+        """KV of the first `num_tokens` tokens held in `page_ids`: [L, 2, num_tokens, Hkv, D] (a copy, on
+        the pool's device)."""
         pages = self.tensor[page_ids]                       # [n, L, 2, S, H, D]
         kv = pages.permute(1, 2, 0, 3, 4, 5).reshape(self.layout.num_layers, 2, -1,
                                                      self.layout.num_kv_heads, self.layout.head_dim)

@@ -23,18 +23,19 @@ class LogprobExtras:
 
 
 def adjust_logits(logits: torch.Tensor, requests: list[Request], eos_token_ids: tuple[int, ...]) -> torch.Tensor:
-    """Return `logits` itself when no request needs an adjustment, else an adjusted copy."""
+    """Return `logits` itself when no request needs an adjustment, else an adjusted copy (same device)."""
     params = [r.sampling for r in requests]
     vocab = logits.shape[1]
     if any(p.has_penalties for p in params):
         histories = [r.prompt_ids + r.output_ids for r in requests]
         outputs = [r.output_ids for r in requests]
+        device = logits.device
         logits = apply_penalties(logits, PenaltyBatch(
-            presence=torch.tensor([p.presence_penalty for p in params]),
-            frequency=torch.tensor([p.frequency_penalty for p in params]),
-            repetition=torch.tensor([p.repetition_penalty for p in params]),
-            output_counts=token_histories(outputs, vocab),
-            seen=token_histories(histories, vocab) > 0))
+            presence=torch.tensor([p.presence_penalty for p in params], device=device),
+            frequency=torch.tensor([p.frequency_penalty for p in params], device=device),
+            repetition=torch.tensor([p.repetition_penalty for p in params], device=device),
+            output_counts=token_histories(outputs, vocab, device),
+            seen=token_histories(histories, vocab, device) > 0))
     if any(p.logit_bias for p in params):
         logits = apply_logit_bias(logits, [dict(p.logit_bias) for p in params])
     banned = [_banned_before_min(r, eos_token_ids) for r in requests]
@@ -75,7 +76,7 @@ def score_prompt(compute_logits: Callable[[torch.Tensor], torch.Tensor], rows: t
     """Raw logprobs of prompt_ids[first:], where `rows` [len(prompt_ids) - first, hidden] holds
     the hidden states of positions first - 1 ... len - 2, plus top / requested logprobs per
     `params`. Computed in chunks so a long prompt never holds all its logits at once."""
-    targets = torch.tensor(prompt_ids[first:], dtype=torch.int64)
+    targets = torch.tensor(prompt_ids[first:], dtype=torch.int64, device=rows.device)
     chosen: list[float] = []
     top: list[tuple[tuple[int, float], ...]] = []
     requested: list[tuple[tuple[int, float], ...]] = []

@@ -101,15 +101,15 @@ class ExpertDistribution:
 class ExpertRecorder:
     """Counts, while recording is on, the tokens every MoE layer routes to each of its experts.
 
-    Owned by the model runner and used on the engine thread only. While recording is off,
-    `step_counts()` is None and the MoE layers do no counting at all.
+    Owned by the model runner and used on the engine thread only; the counts live on the model's
+    device. While recording is off, `step_counts()` is None and the MoE layers do no counting at all.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
         self.layer_ids = config.moe_layer_ids
         self.num_experts = config.num_experts
         self.num_experts_per_tok = config.num_experts_per_tok
-        self._totals = torch.zeros(config.num_layers, config.num_experts, dtype=torch.int64)
+        self._totals = torch.zeros(config.num_layers, config.num_experts, dtype=torch.int64, device=device)
         self.is_recording = False
 
     def step_counts(self) -> torch.Tensor | None:

@@ -84,18 +84,20 @@ def pool(hidden: torch.Tensor, seq_lens: Sequence[int], config: PoolingConfig) -
     """One float32 vector per sequence from packed hidden states.
 
     hidden: [T, H], the rows of sequence i follow those of sequence i-1 (T = sum(seq_lens), each
-    length >= 1). Returns [len(seq_lens), H] float32, L2-normalized when `config.normalize`.
+    length >= 1). Returns [len(seq_lens), H] float32 on hidden's device, L2-normalized when `config.normalize`.
     """
     hidden = hidden.float()
-    lens = torch.tensor(seq_lens, dtype=torch.int64)
+    device = hidden.device
+    lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)
     ends = lens.cumsum(0)
     if config.mode is PoolingMode.CLS:
         pooled = hidden[ends - lens]
     elif config.mode is PoolingMode.LAST:
         pooled = hidden[ends - 1]
     else:
-        seq_of_row = torch.repeat_interleave(torch.arange(len(seq_lens)), lens)
-        out = torch.zeros(len(seq_lens), hidden.shape[1], dtype=torch.float32)
+        seq_of_row = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), lens,
+                                             output_size=hidden.shape[0])
+        out = torch.zeros(len(seq_lens), hidden.shape[1], dtype=torch.float32, device=device)
         if config.mode is PoolingMode.MEAN:
             pooled = out.index_add_(0, seq_of_row, hidden) / lens.unsqueeze(1)
         else:

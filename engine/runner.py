@@ -1,7 +1,12 @@
-"""ModelRunner: owns the model, the KV pool tensor and the attention backend; runs one batch.
+"""ModelRunner: owns the model, the KV pool tensor, the attention backend and the sampler; runs one batch.
 
 It turns a list of scheduled requests into input tensors and attention metadata, runs one
 forward pass, samples one token per request and returns them. It never changes request state.
+
+Everything lives on `EngineConfig.device`, chosen once here: the weights (materialized there),
+the KV pool, the rotary tables, the expert counts. Each step's inputs are built on the host (in
+pinned memory when the device is CUDA), handed to the attention backend's `plan`, then copied to
+the device without blocking.
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ from engine.logits import LogprobExtras, adjust_logits, logprob_extras, score_pr
 from engine.model import CausalLM
 from engine.moe import ExpertRecorder
 from engine.request import PromptLogprobs, Request
+from engine.step_inputs import StepInputs, build_step_inputs
 from engine.weights import Checkpoint
-from kernels.attention import AttentionMetadata, create_attention_backend, resolve_attention_backend
+from kernels.attention import create_attention_backend, resolve_attention_backend
 from kernels.layers import RotaryEmbedding
 from kernels.quant import QuantizedEmbedding, QuantizedLinear
-from kernels.sampling import SamplingBatch, sample
+from kernels.sampling import SamplingBatch, create_sampler, resolve_sampler
 
 logger = logging.getLogger(__name__)
 
@@ -45,28 +51,35 @@ class ModelRunner:
                  progress: bool = True) -> None:
         self.model_config: ModelConfig = checkpoint.config
         self.dtype = _TORCH_DTYPES[config.dtype]
+        self.device = torch.device(config.device)
         self.page_size = config.page_size
+        self._pin = self.device.type == "cuda"   # pinned host inputs: asynchronous copies to the GPU
         mc = self.model_config
         with torch.device("meta"):
             model = CausalLM(mc)
-        self.model = model.to_empty(device="cpu").to(self.dtype)
+        # cast while still on meta, so the device never holds the weights in two dtypes at once
+        self.model = model.to(self.dtype).to_empty(device=self.device)
         if mc.tie_word_embeddings:
             self.model.lm_head.weight = self.model.model.embed_tokens.weight
         self.quantization, self.int8_activations = config.quantization, config.int8_activations
         self.load_weights(checkpoint, progress)
         self.model.eval()
-        self.expert_recorder = ExpertRecorder(mc)   # counts tokens per expert while recording
+        self.expert_recorder = ExpertRecorder(mc, self.device)   # counts tokens per expert while recording
         self.layout = KVLayout.for_model(mc, config.page_size, self.dtype)
         num_pages = self._num_pages(config)
-        self.kv_pool = KVPool(self.layout, num_pages)
-        self.rotary = RotaryEmbedding(mc.head_dim, context_len, mc.rope_theta, dict(mc.rope_scaling), self.dtype)
-        attention = resolve_attention_backend(config.attention_backend)
+        self.kv_pool = KVPool(self.layout, num_pages, self.device)
+        self.rotary = RotaryEmbedding(mc.head_dim, context_len, mc.rope_theta, dict(mc.rope_scaling), self.dtype,
+                                      self.device)
+        attention = resolve_attention_backend(config.attention_backend, self.device, self.dtype)
         self.attention = create_attention_backend(
-            attention, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim, page_size=config.page_size)
-        logger.info("model: dtype %s, quantization %s%s (%.1f MiB of weights), attention %s", config.dtype,
-                    config.quantization, " with int8 activations" if config.int8_activations else "",
-                    _weight_bytes(self.model) / 2**20, attention)
+            attention, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+            page_size=config.page_size, dtype=self.dtype, device=self.device)
+        sampler = resolve_sampler(config.sampling_backend, self.device)
+        self.sampler = create_sampler(sampler, self.device)
+        logger.info("model on %s: dtype %s, quantization %s%s (%.1f MiB of weights), attention %s, sampling %s",
+                    self.device, config.dtype, config.quantization,
+                    " with int8 activations" if config.int8_activations else "",
+                    _weight_bytes(self.model) / 2**20, attention, sampler)
         logger.info("KV pool: %d pages x %d tokens (%.1f MiB, %s)", num_pages, config.page_size,
                     self.kv_pool.num_bytes / 2**20, config.dtype)
 
@@ -87,15 +100,15 @@ class ModelRunner:
         Writes the new tokens' KV into the pool. For prefill, the new tokens are
         prompt_ids[num_computed:]; for decode, the last generated token.
         """
-        hidden, query_lens = self._forward(requests, is_decode)
-        logits = self._last_logits(hidden, query_lens)
+        hidden, inputs = self._forward(requests, is_decode)
+        logits = self.model.compute_logits(hidden[inputs.logit_rows])
         prompt = None
         if not is_decode and any(r.prompt_logprob_start is not None for r in requests):
-            prompt = self._prompt_logprobs(hidden, requests, query_lens)
+            prompt = self._prompt_logprobs(hidden, requests, inputs.query_lens)
         adjusted = adjust_logits(logits, requests, self.model_config.eos_token_ids)
         if grammar is not None and any(r.grammar_matcher is not None for r in requests):
             adjusted = grammar.mask_logits(adjusted, [r.grammar_matcher for r in requests])
-        token_ids, logprobs = sample(adjusted, _sampling_batch(requests))
+        token_ids, logprobs = self.sampler.sample(adjusted, _sampling_batch(requests, self.device))
         needs_raw = adjusted is not logits or any(
             r.sampling.top_logprobs_num or r.sampling.token_ids_logprob for r in requests)
         extras = None
@@ -107,19 +120,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_logits(self, requests: list[Request], is_decode: bool) -> torch.Tensor:
-        """One forward pass; fp32 logits [B, V] at each request's last new token (KV written)."""
-        return self._last_logits(*self._forward(requests, is_decode))
+        """One forward pass; fp32 logits [B, V] on the device at each request's last new token (KV written)."""
+        hidden, inputs = self._forward(requests, is_decode)
+        return self.model.compute_logits(hidden[inputs.logit_rows])
 
-    def _last_logits(self, hidden: torch.Tensor, query_lens: tuple[int, ...]) -> torch.Tensor:
-        """fp32 logits [B, V] at each request's last row of `hidden`."""
-        return self.model.compute_logits(hidden[torch.tensor(query_lens).cumsum(0) - 1])
-
-    def _forward(self, requests: list[Request], is_decode: bool) -> tuple[torch.Tensor, tuple[int, ...]]:
-        """Final hidden states [T, hidden] of every new token, and how many rows each request has."""
-        input_ids, positions, meta = self._prepare(requests, is_decode)
-        hidden = self.model(input_ids, positions, self.rotary, self.attention, self.kv_pool.tensor, meta,
-                            self.expert_recorder.step_counts())
-        return hidden, meta.query_lens
+    def _forward(self, requests: list[Request], is_decode: bool) -> tuple[torch.Tensor, StepInputs]:
+        """Final hidden states [T, hidden] of every new token, and the step's inputs on the device."""
+        host = build_step_inputs(requests, is_decode, self.page_size, pin=self._pin)
+        self.attention.plan(host.meta)
+        inputs = host.to(self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.rotary, self.attention, self.kv_pool.tensor,
+                            inputs.meta, self.expert_recorder.step_counts())
+        return hidden, inputs
 
     def _prompt_logprobs(self, hidden: torch.Tensor, requests: list[Request], query_lens: tuple[int, ...]
                          ) -> list[PromptLogprobs | None]:
@@ -142,28 +154,6 @@ class ModelRunner:
             offset += num_rows
         return results
 
-    def _prepare(self, requests: list[Request], is_decode: bool) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Input ids and positions of every new token, and the step's page table (built once, shared by
-        every layer). Prefill computes `num_new_tokens` prompt tokens from `num_computed` on (the rest
-        of the prompt when 0); decode feeds only the newest token."""
-        ids: list[int] = []
-        pos: list[int] = []
-        query_lens, seq_lens = [], []
-        for req in requests:
-            if is_decode:   # only the newest token is fed; copying the whole sequence would be O(length)
-                start = req.seq_len - 1
-                new = [req.output_ids[-1]] if req.output_ids else req.prompt_ids[-1:]
-            else:
-                start = req.num_computed
-                end = start + req.num_new_tokens if req.num_new_tokens else req.prompt_len
-                new = req.prompt_ids[start:end]
-            ids.extend(new)
-            pos.extend(range(start, start + len(new)))
-            query_lens.append(len(new))
-            seq_lens.append(start + len(new))
-        meta = AttentionMetadata.build([r.page_ids for r in requests], query_lens, seq_lens, self.page_size)
-        return torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64), meta
-
 
 def _weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of parameters and packed quantized weights, each shared tensor counted once."""
@@ -175,14 +165,14 @@ def _weight_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _sampling_batch(requests: list[Request]) -> SamplingBatch:
+def _sampling_batch(requests: list[Request], device: torch.device) -> SamplingBatch:
     params = [r.sampling for r in requests]
     return SamplingBatch(
-        temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32),
-        top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32),
-        top_ks=torch.tensor([p.top_k for p in params], dtype=torch.int64),
-        min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32),
-        is_greedy=torch.tensor([p.is_greedy for p in params], dtype=torch.bool),
+        temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+        top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+        top_ks=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+        min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+        is_greedy=torch.tensor([p.is_greedy for p in params], dtype=torch.bool, device=device),
         seeds=tuple(p.seed for p in params),
         steps=tuple(len(r.output_ids) for r in requests),
     )

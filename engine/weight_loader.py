@@ -9,6 +9,10 @@ Quantization modes (`EngineConfig.quantization`):
   Q8_0, as llama.cpp's own 4-bit files keep them.
 A fused projection (q/k/v, gate/up) is packed only when all its parts end up in one format;
 otherwise it is computed in the model's dtype.
+
+Float weights are copied into the model's parameters, on whatever device those live. Quantized
+weights stay in host memory: the C++ kernel that computes with them runs on CPU only, and
+`EngineConfig` refuses a quantization other than `none` on any other device.
 """
 
 from __future__ import annotations

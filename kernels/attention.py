@@ -8,7 +8,11 @@ The page table is FlashInfer's CSR form (all int32): sequence i's new tokens are
 `qo_indptr[i]:qo_indptr[i+1]` of q; its pages are `kv_indices[kv_indptr[i]:kv_indptr[i+1]]`, the
 last holding `kv_last_page_len[i]` tokens (1..page_size). Attention is causal: a sequence with
 q_len new tokens and seq_len tokens in all has its new tokens at positions seq_len - q_len ... One
-`AttentionMetadata` is built per step and shared by every layer.
+`AttentionMetadata` is built per step, on the host, and shared by every layer.
+
+A backend is created once per engine for its model's shapes, dtype and device. Each step the
+runner calls `plan` once with the host-side metadata (pinned when the device is CUDA), then
+`attend` in every layer with the same metadata on the device.
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ import logging
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from kernels.registry import BackendRegistry, as_device, is_flashinfer_installed
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +51,10 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, page_ids: Sequence[Sequence[int]], query_lens: Sequence[int], seq_lens: Sequence[int],
-              page_size: int) -> "AttentionMetadata":
+              page_size: int, pin: bool = False) -> "AttentionMetadata":
         """From each sequence's pages (at least ceil(seq_len / page_size) of them, extra ones ignored),
-        its number of new tokens and its total length."""
+        its number of new tokens and its total length; host tensors, in pinned memory when `pin`
+        (so that `to` can copy them without blocking)."""
         num_pages = [-(-n // page_size) for n in seq_lens]
         indices: list[int] = []
         write_pages: list[int] = []
@@ -58,15 +66,30 @@ class AttentionMetadata:
             for pos in range(seq_len - q_len, seq_len):
                 write_pages.append(pages[pos // page_size])
                 write_offsets.append(pos % page_size)
-        int32 = torch.int32
+        int32, int64 = torch.int32, torch.int64
         return cls(
-            qo_indptr=torch.tensor([0, *query_lens], dtype=int32).cumsum(0, dtype=int32),
-            kv_indptr=torch.tensor([0, *num_pages], dtype=int32).cumsum(0, dtype=int32),
-            kv_indices=torch.tensor(indices, dtype=int32),
-            kv_last_page_len=torch.tensor([n - (c - 1) * page_size for n, c in zip(seq_lens, num_pages)], dtype=int32),
-            write_pages=torch.tensor(write_pages, dtype=torch.int64),
-            write_offsets=torch.tensor(write_offsets, dtype=torch.int64),
+            qo_indptr=host_tensor(list(accumulate(query_lens, initial=0)), int32, pin),
+            kv_indptr=host_tensor(list(accumulate(num_pages, initial=0)), int32, pin),
+            kv_indices=host_tensor(indices, int32, pin),
+            kv_last_page_len=host_tensor([n - (c - 1) * page_size for n, c in zip(seq_lens, num_pages)], int32, pin),
+            write_pages=host_tensor(write_pages, int64, pin),
+            write_offsets=host_tensor(write_offsets, int64, pin),
             query_lens=tuple(query_lens), seq_lens=tuple(seq_lens))
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> "AttentionMetadata":
+        """The same metadata with its tensors on `device` (itself when they are there already);
+        `query_lens` and `seq_lens` stay Python ints. Non-blocking copies are asynchronous only from
+        pinned memory, which must then not be written until the copy is done."""
+        device = as_device(device)
+        if self.qo_indptr.device == device:
+            return self
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=non_blocking)
+        return AttentionMetadata(
+            qo_indptr=move(self.qo_indptr), kv_indptr=move(self.kv_indptr), kv_indices=move(self.kv_indices),
+            kv_last_page_len=move(self.kv_last_page_len), write_pages=move(self.write_pages),
+            write_offsets=move(self.write_offsets), query_lens=self.query_lens, seq_lens=self.seq_lens)
 
     @property
     def num_sequences(self) -> int:
@@ -77,46 +100,78 @@ class AttentionMetadata:
         return self.kv_indices[self.kv_indptr[seq]:self.kv_indptr[seq + 1]].long()
 
 
+def host_tensor(values: Sequence[int] | Sequence[float], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A CPU tensor of `values`, in pinned (page-locked) memory when `pin`."""
+    tensor = torch.tensor(values, dtype=dtype)
+    return tensor.pin_memory() if pin else tensor
+
+
 class AttentionBackend(ABC):
     """Attends over each sequence's KV in the paged cache. The new tokens' K/V are written there
-    first, with rotary, by `kernels.layers.RotaryEmbedding.apply_and_store`."""
+    first, with rotary, by `kernels.layers.RotaryEmbedding.apply_and_store`.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int) -> None:
+    `dtype` and `device` are those of q and the KV pool (backends that allocate workspaces need them)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.page_size = page_size
         self.scale = 1.0 / math.sqrt(head_dim)
+        self.dtype = dtype
+        self.device = as_device(device)
+
+    def plan(self, meta_host: AttentionMetadata) -> None:
+        """Prepare for one step, once, before its forward pass: `meta_host` is the step's metadata
+        on the host (pinned when the device is CUDA). The default does nothing."""
 
     @abstractmethod
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Causal attention of q [T, Hq, D] over the KV already in kv_cache [P, 2, S, Hkv, D];
-        [T, Hq, D] in q's dtype."""
+        [T, Hq, D] in q's dtype. `meta` is the planned step's metadata, on q's device."""
 
 
-_BACKENDS: dict[str, Callable[..., AttentionBackend]] = {}
+_BACKENDS: BackendRegistry[AttentionBackend] = BackendRegistry(
+    "attention", {"flashinfer": "kernels.flashinfer_attention"})
 
 
 def register_attention_backend(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
-    def wrap(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-        _BACKENDS[name] = cls
-        return cls
-    return wrap
+    """Class decorator: make the backend creatable as `name`."""
+    return _BACKENDS.register(name)
 
 
-def resolve_attention_backend(name: str) -> str:
-    """`auto` is the C++ CPU kernel where it builds, else torch; other names pass through."""
-    if name != "auto":
-        return name
-    from kernels import native
-    return "cpu" if native.is_available() else "torch"
+def resolve_attention_backend(name: str, device: torch.device | str = "cpu",
+                              dtype: torch.dtype | None = None) -> str:
+    """The backend `name` means on `device` for a model in `dtype` (None: any). `auto`: on CUDA,
+    FlashInfer when installed and the dtype is one it computes in (bf16, fp16), else torch; on CPU
+    the C++ kernel where it builds, else torch; torch on any other device (`meta` in tests).
+    Raises ValueError for an unknown name or one that cannot run on `device`."""
+    device = as_device(device)
+    if name == "auto":
+        if device.type == "cuda":
+            fits = dtype in (None, torch.bfloat16, torch.float16)
+            return "flashinfer" if fits and is_flashinfer_installed() else "torch"
+        if device.type != "cpu":
+            return "torch"
+        from kernels import native
+        return "cpu" if native.is_available() else "torch"
+    _BACKENDS.check_known(name)
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(f"the cpu attention backend (the C++ kernel) runs on CPU only, not on {device}; "
+                         "use torch or flashinfer")
+    if name == "flashinfer" and device.type != "cuda":
+        raise ValueError(f"the flashinfer attention backend needs a CUDA device, not {device}")
+    return name
 
 
-def create_attention_backend(name: str, **kwargs: int) -> AttentionBackend:
-    name = resolve_attention_backend(name)
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(['auto', *_BACKENDS])}")
-    return _BACKENDS[name](**kwargs)
+def create_attention_backend(name: str, *, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                             dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+                             ) -> AttentionBackend:
+    """The backend `name` (resolved for `device` as `resolve_attention_backend` says) for these shapes.
+    Raises ValueError for an unknown name, one that cannot run on `device`, or one not installed."""
+    cls = _BACKENDS.get(resolve_attention_backend(name, device, dtype))
+    return cls(num_heads, num_kv_heads, head_dim, page_size, dtype=dtype, device=as_device(device))
 
 
 @register_attention_backend("torch")
@@ -125,17 +180,20 @@ class TorchAttention(AttentionBackend):
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         outputs = []
-        start = 0
-        for i, (query_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens)):
-            pages = meta.pages_of(i)
+        start = first_page = 0
+        for query_len, seq_len in zip(meta.query_lens, meta.seq_lens):
+            # page slices from the host-side lengths: no device-to-host read per sequence and layer
+            num_pages = -(-seq_len // self.page_size)
+            pages = meta.kv_indices[first_page:first_page + num_pages].long()
+            first_page += num_pages
             qi = q[start:start + query_len].transpose(0, 1)    # [Hq, n, D]
             ki = kv_cache[pages, 0].reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len].transpose(0, 1)
             vi = kv_cache[pages, 1].reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len].transpose(0, 1)
             if seq_len == query_len:
                 mask, is_causal = None, query_len > 1
             else:
-                positions = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
-                mask, is_causal = torch.arange(seq_len).unsqueeze(0) <= positions, False
+                positions = torch.arange(seq_len - query_len, seq_len, device=q.device).unsqueeze(1)
+                mask, is_causal = torch.arange(seq_len, device=q.device).unsqueeze(0) <= positions, False
             out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
             outputs.append(out.transpose(0, 1))
             start += query_len
@@ -148,8 +206,9 @@ class CpuPagedAttention(TorchAttention):
     masks, no copies; each row's result is independent of the rest of the batch. fp32 math over a
     float32 or bfloat16 pool; a float16 pool takes the torch path."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, page_size)
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, page_size, dtype=dtype, device=device)
         from kernels import native
         self._kernels = native.load()
 

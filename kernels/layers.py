@@ -74,15 +74,16 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any]) -> to
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables for positions [0, max_positions); applied in the input dtype."""
+    """Precomputed cos/sin tables for positions [0, max_positions) on `device` (computed in fp32 on
+    the host, so every device gets the same tables); applied in the input dtype."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: Mapping[str, Any], dtype: torch.dtype) -> None:
+                 scaling: Mapping[str, Any], dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
 
     def apply_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                         kv_cache: torch.Tensor, write_pages: torch.Tensor, write_offsets: torch.Tensor

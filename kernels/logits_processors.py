@@ -1,7 +1,7 @@
 """Logit adjustments applied before sampling: penalties, logit bias, min-token eos masking (torch).
 
-Each function takes fp32 logits [B, V] and returns adjusted logits; rows without the feature are
-left unchanged. Logprobs reported to users are computed from the raw logits, not these.
+Each function takes fp32 logits [B, V] and returns adjusted logits, on the logits' device; rows
+without the feature are left unchanged. Logprobs reported to users are computed from the raw logits, not these.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class PenaltyBatch:
-    """Per-row settings ([B] tensors) and the token history they apply to.
+    """Per-row settings ([B] tensors) and the token history they apply to, all on the logits' device.
 
     `output_counts[i, t]` counts token t among row i's generated tokens; `seen[i, t]` is True for
     tokens in row i's prompt or output (what repetition_penalty looks at).
@@ -37,12 +37,14 @@ def apply_penalties(logits: torch.Tensor, batch: PenaltyBatch) -> torch.Tensor:
     return torch.where(batch.seen, penalized, logits)
 
 
-def token_histories(histories: list[list[int]], vocab_size: int) -> torch.Tensor:
-    """Counts [B, V] (fp32) of the token ids in each row's history."""
-    counts = torch.zeros(len(histories), vocab_size)
+def token_histories(histories: list[list[int]], vocab_size: int,
+                    device: torch.device | str = "cpu") -> torch.Tensor:
+    """Counts [B, V] (fp32, on `device`) of the token ids in each row's history."""
+    counts = torch.zeros(len(histories), vocab_size, device=device)
     for row, ids in enumerate(histories):
         if ids:
-            counts[row].index_add_(0, torch.tensor(ids, dtype=torch.int64), torch.ones(len(ids)))
+            counts[row].index_add_(0, torch.tensor(ids, dtype=torch.int64, device=device),
+                                   torch.ones(len(ids), device=device))
     return counts
 
 
@@ -51,8 +53,8 @@ def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float]]) -> to
     logits = logits.clone()
     for row, bias in enumerate(biases):
         if bias:
-            ids = torch.tensor(list(bias), dtype=torch.int64)
-            logits[row, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype)
+            ids = torch.tensor(list(bias), dtype=torch.int64, device=logits.device)
+            logits[row, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
     return logits
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import asyncio
 import json
 import os
+import re
 import sys
 from typing import TYPE_CHECKING
 
@@ -20,6 +22,8 @@ from tandem.request_log import configure_logging
 if TYPE_CHECKING:   # the engine is imported only by the worker commands that run one
     from engine.config import EngineConfig
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_GATEWAY_PORT = 30000
 DEFAULT_PREFILL_PORT = 30001
 DEFAULT_DECODE_PORT = 30002
@@ -29,6 +33,7 @@ _DTYPE_ALIASES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float3
 # int8 / int4 are the generic names; each maps to the GGUF block format that implements it.
 _QUANTIZATION_ALIASES = {"none": "none", "gguf": "gguf", "q8_0": "q8_0", "int8": "q8_0", "q4_0": "q4_0",
                          "q4_1": "q4_1", "int4": "q4_1"}
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 METRICS_PORT_OFFSET = 100   # a worker's metrics port defaults to its gRPC port + 100 (30101, 30102)
 DEFAULT_CHUNKED_PREFILL_SIZE = 512
 
@@ -40,8 +45,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_worker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", type=_device, default="auto",
+                   help="where the weights, the KV pool and every step compute: cpu, cuda or cuda:N. "
+                        "auto: cuda when torch sees a GPU, else cpu")
     p.add_argument("--dtype", default="auto", choices=sorted(["auto", *_DTYPE_ALIASES]),
-                   help="auto: bfloat16 on CPUs with AVX512-BF16/AMX, else float32 (vLLM's half/float/bf16 too)")
+                   help="auto: bfloat16 on a GPU and on CPUs with AVX512-BF16/AMX, else float32 (vLLM's "
+                        "half/float/bf16 too)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool size in GiB when --max-total-tokens is unset")
@@ -55,14 +64,18 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
                         "the weights on a CPU, and splits only the long prompts that would stall a step")
     p.add_argument("--quantization", "-q", default="auto", choices=["auto", *_QUANTIZATION_ALIASES],
                    help="weight format: none (the --dtype floats), gguf (a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept "
-                        "packed), q8_0 / int8, q4_0, q4_1 / int4 (quantized at load). auto: gguf on a decode "
-                        "worker given a .gguf file, none otherwise (docs/performance.md has the measurements)")
+                        "packed), q8_0 / int8, q4_0, q4_1 / int4 (quantized at load; CPU only). auto: gguf on a "
+                        "CPU decode worker given a .gguf file, none otherwise (docs/performance.md has the "
+                        "measurements)")
     p.add_argument("--int8-activations", action="store_true",
                    help="quantized matmuls round each activation row to int8 blocks and take integer dot "
                         "products, as llama.cpp does: faster for small batches, less exact (the default keeps "
                         "activations in float; docs/performance.md compares both)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch"],
-                   help="auto: the C++ paged-attention kernel (cpu) where it builds, else torch SDPA")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "flashinfer"],
+                   help="auto: on a GPU flashinfer when installed, else torch SDPA; on CPU the C++ paged-attention "
+                        "kernel (cpu) where it builds, else torch")
+    p.add_argument("--sampling-backend", default="auto", choices=["auto", "torch", "flashinfer"],
+                   help="auto: flashinfer's sampling kernels on a GPU when installed, else torch")
     p.add_argument("--disable-prefix-cache", action="store_true",
                    help="prefill: recompute every prompt instead of reusing cached prefix pages")
     p.add_argument("--context-length", "--max-model-len", dest="context_length", type=int, default=None,
@@ -231,7 +244,8 @@ def _serve_worker_flags(args: argparse.Namespace, threads: int) -> list[str]:
              "--max-running-requests", str(args.max_running_requests),
              "--max-prefill-tokens", str(args.max_prefill_tokens),
              "--chunked-prefill-size", str(args.chunked_prefill_size or -1), "--torch-threads", str(threads),
-             "--quantization", args.quantization, "--attention-backend", args.attention_backend,
+             "--device", args.device, "--quantization", args.quantization,
+             "--attention-backend", args.attention_backend, "--sampling-backend", args.sampling_backend,
              *(["--int8-activations"] if args.int8_activations else []),
              "--kv-transport", args.kv_transport, "--kv-protocol", args.kv_protocol,
              "--reservation-ttl", str(args.reservation_ttl), "--transfer-timeout", str(args.transfer_timeout),
@@ -304,23 +318,62 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    """A prefill or decode worker's engine settings from its flags."""
-    from engine.config import EngineConfig
-    return EngineConfig(dtype=_worker_dtype(args), page_size=args.page_size, max_total_tokens=args.max_total_tokens,
-                        kv_cache_gib=args.kv_cache_gib, max_running_requests=args.max_running_requests,
-                        max_prefill_tokens=args.max_prefill_tokens, chunked_prefill_size=args.chunked_prefill_size,
-                        context_len=args.context_length, quantization=_worker_quantization(args),
-                        attention_backend=args.attention_backend, int8_activations=args.int8_activations,
-                        enable_prefix_cache=args.command == "prefill" and not args.disable_prefix_cache)
+    """A prefill or decode worker's engine settings from its flags; the device is resolved here, once.
+    Exits with the reason when the flags do not fit together (e.g. a quantization on a GPU)."""
+    from engine.config import ConfigError, EngineConfig
+    device = _worker_device(args.device, moves_kv=not getattr(args, "is_embedding", False))
+    try:
+        return EngineConfig(dtype=_worker_dtype(args, device), page_size=args.page_size,
+                            max_total_tokens=args.max_total_tokens, kv_cache_gib=args.kv_cache_gib,
+                            max_running_requests=args.max_running_requests,
+                            max_prefill_tokens=args.max_prefill_tokens,
+                            chunked_prefill_size=args.chunked_prefill_size, context_len=args.context_length,
+                            device=device, quantization=_worker_quantization(args, device),
+                            attention_backend=args.attention_backend, sampling_backend=args.sampling_backend,
+                            int8_activations=args.int8_activations,
+                            enable_prefix_cache=args.command == "prefill" and not args.disable_prefix_cache)
+    except ConfigError as exc:
+        raise SystemExit(f"tandem {args.command}: {exc}") from None
 
 
-def _worker_quantization(args: argparse.Namespace) -> str:
+def _device(text: str) -> str:
+    """--device: auto, cpu, cuda or cuda:N."""
+    if not _DEVICE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"must be auto, cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def _worker_device(flag: str, moves_kv: bool = True) -> str:
+    """--device resolved: auto is cuda when torch sees a GPU, else cpu. Until the KV transports
+    move GPU memory, a worker that moves KV (prefill, decode) keeps auto on the CPU, so GPU images
+    and charts keep serving; an explicit cuda is refused by WorkerConfig with the reason. A CUDA
+    device this machine does not have is refused here, before any weight is read."""
+    import torch
+    if flag == "auto":
+        if torch.cuda.is_available() and moves_kv:
+            logger.warning("--device auto: a GPU is present, but KV transfer from GPU memory is not there "
+                           "yet; this worker computes on the CPU")
+            return "cpu"
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if flag.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(flag.partition(":")[2] or 0)
+        if index >= count:
+            raise SystemExit(f"--device {flag}: this machine has {count} CUDA device(s)"
+                             f"{'' if count else ' (or this torch build has no CUDA)'}")
+    return flag
+
+
+def _worker_quantization(args: argparse.Namespace, device: str) -> str:
     """--quantization, where auto suits each role: a decode worker keeps a GGUF file's blocks packed
     (decode is bound by the bytes of weights read per token), a prefill worker computes in the
     --dtype floats (prefill is bound by arithmetic, where the BLAS matmul is faster than reading
-    packed blocks; measured in docs/performance.md). Safetensors checkpoints load as floats."""
+    packed blocks; measured in docs/performance.md). Safetensors checkpoints load as floats, and so
+    does every checkpoint on a GPU (the packed-block kernel is CPU code)."""
     if args.quantization != "auto":
         return _QUANTIZATION_ALIASES[args.quantization]
+    if device != "cpu":
+        return "none"
     model_path = args.model_path or default_model_path()
     is_gguf = model_path.lower().endswith(".gguf") or _holds_one_gguf(model_path)
     return "gguf" if is_gguf and args.command == "decode" else "none"
@@ -350,12 +403,14 @@ def _metrics_port(flag: int | None, grpc_port: int) -> int:
     return port if grpc_port and port < 65536 else 0
 
 
-def _worker_dtype(args: argparse.Namespace) -> str:
+def _worker_dtype(args: argparse.Namespace, device: str) -> str:
     """--dtype, where auto is float32 for embedding models (small, and compared with fp32 references),
-    else bfloat16 on CPUs that compute it natively."""
+    else bfloat16 on a GPU and on CPUs that compute it natively."""
     if args.dtype != "auto":
         return _DTYPE_ALIASES[args.dtype]
-    return "float32" if getattr(args, "is_embedding", False) else default_dtype()
+    if getattr(args, "is_embedding", False):
+        return "float32"
+    return "bfloat16" if device.startswith("cuda") else default_dtype()
 
 
 if __name__ == "__main__":

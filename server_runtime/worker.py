@@ -64,6 +64,11 @@ class WorkerConfig:
             raise ValueError("reservation_ttl_s and transfer_timeout_s must be positive, write_grace_s >= 0")
         if self.is_embedding and self.role != "prefill":
             raise ValueError("is_embedding is for prefill workers only: embeddings need no decode")
+        if self.engine.device != "cpu" and not self.is_embedding:
+            # The transports read and write the pool as host memory (memmove, Mooncake's CPU build): a
+            # device pointer there would crash the process or move garbage.
+            raise ValueError(f"KV transfer from {self.engine.device} memory is not supported yet: run prefill "
+                             "and decode workers with --device cpu (embedding workers may use a GPU)")
 
 
 @dataclass(slots=True)

@@ -1,14 +1,17 @@
 """Tests for kernels.attention: the CSR page table, and both backends (torch SDPA, the C++ kernel)
-against dense causal attention computed directly, on a cache whose page ids are shuffled."""
+against dense causal attention computed directly, on a cache whose page ids are shuffled; the
+backend registry per device, and the metadata's move to a device."""
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import pytest
 import torch
 
-from kernels.attention import AttentionMetadata, CpuPagedAttention, TorchAttention, create_attention_backend
+from kernels.attention import (AttentionMetadata, CpuPagedAttention, TorchAttention, create_attention_backend,
+                               resolve_attention_backend)
 
 PAGE_SIZE = 4
 NUM_PAGES = 16
@@ -212,3 +215,76 @@ def test_backend_registry() -> None:
     assert isinstance(_backend("auto"), CpuPagedAttention)   # the kernels build on every CI machine
     with pytest.raises(ValueError, match="unknown attention backend"):
         create_attention_backend("no-such-backend", num_heads=4, num_kv_heads=2, head_dim=8, page_size=4)
+
+
+@pytest.mark.parametrize(("device", "dtype", "installed", "expected"), [
+    ("cuda", torch.bfloat16, True, "flashinfer"),
+    ("cuda:1", torch.float16, True, "flashinfer"),
+    ("cuda", None, True, "flashinfer"),
+    ("cuda", torch.float32, True, "torch"),       # FlashInfer has no fp32 attention
+    ("cuda", torch.bfloat16, False, "torch"),
+    ("cpu", torch.bfloat16, True, "cpu"),         # the C++ kernel builds on every CI machine
+    ("meta", torch.float32, True, "torch"),
+])
+def test_auto_resolves_per_device(device: str, dtype: torch.dtype | None, installed: bool, expected: str,
+                                  flashinfer_installed: Callable[[bool], None]) -> None:
+    flashinfer_installed(installed)
+    assert resolve_attention_backend("auto", device, dtype) == expected
+    assert resolve_attention_backend("auto", torch.device(device), dtype) == expected
+
+
+def test_explicit_names_pass_through_where_they_can_run() -> None:
+    assert resolve_attention_backend("torch", "cuda") == "torch"
+    assert resolve_attention_backend("cpu", "cpu") == "cpu"
+    assert resolve_attention_backend("flashinfer", "cuda:0") == "flashinfer"
+
+
+@pytest.mark.parametrize(("name", "device", "message"), [
+    ("cpu", "cuda", "runs on CPU only"),
+    ("cpu", "meta", "runs on CPU only"),
+    ("flashinfer", "cpu", "needs a CUDA device"),
+    ("no-such-backend", "cuda", "unknown attention backend"),
+])
+def test_names_that_cannot_run_on_the_device_are_refused(name: str, device: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        resolve_attention_backend(name, device)
+    with pytest.raises(ValueError, match=message):
+        create_attention_backend(name, num_heads=4, num_kv_heads=2, head_dim=8, page_size=4, device=device)
+
+
+def test_the_backend_gets_the_models_dtype_and_device_and_plans_nothing_by_default() -> None:
+    backend = create_attention_backend("torch", num_heads=4, num_kv_heads=2, head_dim=8, page_size=4,
+                                       dtype=torch.bfloat16, device="meta")
+    assert backend.dtype == torch.bfloat16 and backend.device == torch.device("meta")
+    setup = _Setup(seed=13, capacities=[5])
+    assert backend.plan(_meta(setup, [0], [5])) is None
+
+
+def test_metadata_moves_to_a_device_with_its_lengths_as_ints() -> None:
+    setup = _Setup(seed=14, capacities=[11, 6])
+    meta = _meta(setup, [9, 3], [2, 3])
+    assert meta.to("cpu") is meta
+    moved = meta.to(torch.device("meta"))
+    tensors = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "write_pages", "write_offsets")
+    for name in tensors:
+        assert getattr(moved, name).device.type == "meta"
+        assert getattr(moved, name).dtype == getattr(meta, name).dtype
+        assert getattr(moved, name).shape == getattr(meta, name).shape
+    assert moved.query_lens == (2, 3) and moved.seq_lens == (11, 6)
+
+
+def test_build_with_pin_pins_every_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No CUDA here to pin for: `pin_memory` is replaced by a recorder."""
+    pinned: set[int] = set()
+
+    def pin_memory(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        copy = self.clone()
+        pinned.add(id(copy))
+        return copy
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    meta = AttentionMetadata.build([[3, 1], [0]], [5, 1], [6, 2], PAGE_SIZE, pin=True)
+    tensors = (meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, meta.write_pages,
+               meta.write_offsets)
+    assert all(id(t) in pinned for t in tensors)
+    assert meta.qo_indptr.tolist() == [0, 5, 6] and meta.kv_indptr.tolist() == [0, 2, 3]
+    assert meta.qo_indptr.dtype == torch.int32 and meta.write_pages.dtype == torch.int64

@@ -1,12 +1,14 @@
 """Tests for kernels.sampling: greedy, truncation (top-k, top-p, min-p), the sampled distribution,
-raw-logit logprobs and seeded reproducibility."""
+raw-logit logprobs, seeded reproducibility, and the sampler registry."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import pytest
 import torch
 
-from kernels.sampling import SamplingBatch, sample
+from kernels.sampling import SamplingBatch, TorchSampler, create_sampler, resolve_sampler, sample
 
 
 def _batch(num_rows: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
@@ -139,3 +141,49 @@ def test_unseeded_rows_vary() -> None:
     flat = torch.zeros(16, 5000)
     token_ids, _ = sample(flat, _batch(16))
     assert len(set(token_ids.tolist())) > 1
+
+
+@pytest.mark.parametrize(("device", "installed", "expected"), [
+    ("cuda", True, "flashinfer"), ("cuda:2", True, "flashinfer"), ("cuda", False, "torch"),
+    ("cpu", True, "torch"), ("meta", True, "torch"),
+])
+def test_auto_sampler_per_device(device: str, installed: bool, expected: str,
+                                 flashinfer_installed: Callable[[bool], None]) -> None:
+    flashinfer_installed(installed)
+    assert resolve_sampler("auto", device) == expected
+
+
+@pytest.mark.parametrize(("name", "device", "message"), [
+    ("flashinfer", "cpu", "needs a CUDA device"),
+    ("no-such-sampler", "cpu", "unknown sampling backend"),
+    ("no-such-sampler", "cuda", "unknown sampling backend"),
+])
+def test_samplers_that_cannot_run_are_refused(name: str, device: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        resolve_sampler(name, device)
+    with pytest.raises(ValueError, match=message):
+        create_sampler(name, device)
+
+
+def test_the_torch_sampler_is_sample_on_its_device() -> None:
+    sampler = create_sampler("auto", "cpu")
+    assert isinstance(sampler, TorchSampler) and sampler.device == torch.device("cpu")
+    assert resolve_sampler("torch", "cuda") == "torch"
+    logits = _random_logits(8, 40, seed=9)
+    batch = _batch(8, temperature=0.7, top_k=10, seeds=tuple(range(8)))
+    token_ids, logprobs = sampler.sample(logits, batch)
+    expected_ids, expected_logprobs = sample(logits, batch)
+    assert torch.equal(token_ids, expected_ids) and torch.equal(logprobs, expected_logprobs)
+
+
+@pytest.mark.gpu
+def test_seeded_torch_sampling_draws_the_same_tokens_on_cuda_as_on_cpu() -> None:
+    logits = _random_logits(16, 300, seed=10)
+    batch = _batch(16, temperature=0.9, top_p=0.95, seeds=tuple(range(16)), steps=tuple(range(16)))
+    on_cuda = SamplingBatch(*(t.cuda() for t in (batch.temperatures, batch.top_ps, batch.top_ks, batch.min_ps,
+                                                 batch.is_greedy)), batch.seeds, batch.steps)
+    token_ids, logprobs = create_sampler("torch", "cuda").sample(logits.cuda(), on_cuda)
+    expected_ids, expected_logprobs = sample(logits, batch)
+    assert token_ids.device.type == "cuda"
+    assert torch.equal(token_ids.cpu(), expected_ids)
+    torch.testing.assert_close(logprobs.cpu(), expected_logprobs)

@@ -1,0 +1,72 @@
+"""The inputs of one forward pass, built on the host from the scheduled requests.
+
+They are built once per step in host memory, pinned when the device is CUDA so that `to` copies
+them without blocking; the attention backend plans from the host copy and the model computes
+with the device copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from engine.request import Request
+from kernels.attention import AttentionMetadata, host_tensor
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    """`input_ids`, `positions`: [T] int64, every new token of the batch, requests in order;
+    `logit_rows`: [B] int64, the row of each request's last new token (whose logits pick its next
+    token); `meta`: the step's page table."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    logit_rows: torch.Tensor
+    meta: AttentionMetadata
+
+    @property
+    def query_lens(self) -> tuple[int, ...]:
+        """How many new tokens (rows) each request has."""
+        return self.meta.query_lens
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> "StepInputs":
+        """The same inputs on `device` (itself when they are there already). With `non_blocking`
+        the copies from pinned memory are asynchronous: the host tensors must not be written again
+        (they never are: each step builds new ones)."""
+        device = torch.device(device)
+        if self.input_ids.device == device:
+            return self
+        return StepInputs(self.input_ids.to(device, non_blocking=non_blocking),
+                          self.positions.to(device, non_blocking=non_blocking),
+                          self.logit_rows.to(device, non_blocking=non_blocking),
+                          self.meta.to(device, non_blocking))
+
+
+def build_step_inputs(requests: list[Request], is_decode: bool, page_size: int, pin: bool = False) -> StepInputs:
+    """Host tensors (pinned when `pin`) for one step of `requests`, whose pages are allocated.
+
+    Prefill computes `num_new_tokens` prompt tokens from `num_computed` on (the rest of the prompt
+    when 0); decode feeds only the newest token."""
+    ids: list[int] = []
+    pos: list[int] = []
+    query_lens, seq_lens = [], []
+    for req in requests:
+        if is_decode:   # only the newest token is fed; copying the whole sequence would be O(length)
+            start = req.seq_len - 1
+            new = [req.output_ids[-1]] if req.output_ids else req.prompt_ids[-1:]
+        else:
+            start = req.num_computed
+            end = start + req.num_new_tokens if req.num_new_tokens else req.prompt_len
+            new = req.prompt_ids[start:end]
+        ids.extend(new)
+        pos.extend(range(start, start + len(new)))
+        query_lens.append(len(new))
+        seq_lens.append(start + len(new))
+    meta = AttentionMetadata.build([r.page_ids for r in requests], query_lens, seq_lens, page_size, pin=pin)
+    logit_rows = [end - 1 for end in accumulate(query_lens)]
+    int64 = torch.int64
+    return StepInputs(host_tensor(ids, int64, pin), host_tensor(pos, int64, pin), host_tensor(logit_rows, int64, pin),
+                      meta)

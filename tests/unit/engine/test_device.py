@@ -1,0 +1,138 @@
+"""The device plumbing: with `EngineConfig.device="meta"` the weights, the KV pool and every per-step
+tensor must be on the meta device, where mixing in a CPU tensor raises. So a tensor created on the
+wrong device anywhere in a forward pass (model, rotary, attention, step inputs) fails these tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import ConfigError, EngineConfig
+from engine.embedder import load_embedder
+from engine.engine import Engine
+from engine.pooling import PoolingConfig, PoolingMode, pool
+from engine.request import Request, SamplingParams
+from engine.runner import ModelRunner
+from engine.weights import open_checkpoint
+from tests.tiny_models import save_tiny_llama
+
+PAGE_SIZE = 4
+META = torch.device("meta")
+TINY = dict(vocab_size=256, hidden_size=64)   # tests/tiny_models.py's sizes
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), tie_word_embeddings=True)
+
+
+def _meta_config(**overrides) -> EngineConfig:
+    settings = dict(dtype="float32", page_size=PAGE_SIZE, max_total_tokens=64, device="meta",
+                    quantization="none", attention_backend="torch", sampling_backend="torch")
+    settings.update(overrides)
+    return EngineConfig(**settings)
+
+
+@pytest.fixture(scope="module")
+def runner(model_dir: Path) -> ModelRunner:
+    return ModelRunner(open_checkpoint(str(model_dir)), _meta_config(), context_len=128, progress=False)
+
+
+def test_the_runner_puts_weights_pool_and_tables_on_the_device(runner: ModelRunner) -> None:
+    assert {p.device for p in runner.model.parameters()} == {META}
+    assert runner.kv_pool.device == META and runner.kv_pool.tensor.dtype == torch.float32
+    assert runner.rotary.cos.device == META and runner.rotary.sin.device == META
+    assert runner.expert_recorder._totals.device == META
+    assert runner.attention.device == META and runner.attention.dtype == torch.float32
+    assert runner.sampler.device == META
+    assert not runner._pin   # pinned host memory only for a CUDA device
+
+
+def test_a_prefill_and_a_decode_step_run_entirely_on_the_device(runner: ModelRunner) -> None:
+    # two prompts that cross page boundaries, one resumed after a first chunk, then a decode step
+    first = Request("a", list(range(3, 12)), SamplingParams(), page_ids=[0, 1, 2])
+    second = Request("b", [5, 6, 7, 8, 9, 10], SamplingParams(), page_ids=[3, 4], num_computed=2,
+                     num_new_tokens=4)
+    logits = runner.forward_logits([first, second], is_decode=False)
+    assert logits.device == META
+    assert logits.shape == (2, TINY["vocab_size"]) and logits.dtype == torch.float32
+
+    first.num_computed, first.output_ids = first.prompt_len, [42]
+    second.num_computed, second.output_ids = second.prompt_len, [17]
+    logits = runner.forward_logits([first, second], is_decode=True)
+    assert logits.device == META and logits.shape == (2, TINY["vocab_size"])
+
+
+def test_the_backend_plans_once_from_host_metadata_and_the_model_gets_device_inputs(
+        runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU index tensors would pass unnoticed on meta (indexing accepts them), so what the backend
+    and the model receive is checked directly."""
+    planned, calls = [], []
+    monkeypatch.setattr(runner.attention, "plan", planned.append)
+    hook = runner.model.register_forward_pre_hook(lambda module, args: calls.append(args))
+    try:
+        runner.forward_logits([Request("c", [1, 2, 3, 4, 5], SamplingParams(), page_ids=[5, 6])], is_decode=False)
+    finally:
+        hook.remove()
+    assert len(planned) == 1 and planned[0].qo_indptr.device.type == "cpu"
+    assert planned[0].query_lens == (5,) and planned[0].seq_lens == (5,)
+    input_ids, positions, _, _, kv_pool, meta, _ = calls[0]
+    step_tensors = [input_ids, positions, kv_pool, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
+                    meta.kv_last_page_len, meta.write_pages, meta.write_offsets]
+    assert [t.device for t in step_tensors] == [META] * len(step_tensors)
+    assert meta.query_lens == (5,) and meta.seq_lens == (5,)
+
+
+def test_a_decoder_embedder_computes_on_the_device(model_dir: Path) -> None:
+    embedder = load_embedder(str(model_dir), _meta_config(), progress=False)
+    hidden = embedder.encoder.hidden_states([[1, 2, 3, 4, 5], [6, 7]])
+    assert hidden.device == META and hidden.shape == (7, TINY["hidden_size"])
+    pooled = pool(hidden, [5, 2], PoolingConfig(PoolingMode.MEAN, normalize=True))
+    assert pooled.device == META and pooled.shape == (2, TINY["hidden_size"])
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta", "cuda", "cuda:1"])
+def test_engine_config_accepts_cpu_cuda_and_meta(device: str) -> None:
+    assert EngineConfig(device=device).device == device
+
+
+@pytest.mark.parametrize("device", ["auto", "nvidia", "cuda:", "cuda:x", "CPU", ""])
+def test_engine_config_refuses_other_device_names(device: str) -> None:
+    with pytest.raises(ConfigError, match="device must be"):
+        EngineConfig(device=device)
+
+
+@pytest.mark.parametrize("quantization", ["gguf", "q8_0", "q4_0", "q4_1"])
+def test_quantized_weights_are_refused_off_the_cpu(quantization: str) -> None:
+    assert EngineConfig(device="cpu", quantization=quantization).quantization == quantization
+    with pytest.raises(ConfigError, match="CPU kernel"):
+        EngineConfig(device="cuda", quantization=quantization)
+
+
+@pytest.mark.gpu
+def test_a_cuda_runner_pins_its_step_inputs_and_matches_the_cpu(model_dir: Path) -> None:
+    checkpoint = open_checkpoint(str(model_dir))
+    cpu = ModelRunner(checkpoint, _meta_config(device="cpu"), context_len=128, progress=False)
+    cuda = ModelRunner(checkpoint, _meta_config(device="cuda"), context_len=128, progress=False)
+    assert cuda._pin
+    requests = lambda: [Request("a", list(range(3, 12)), SamplingParams(), page_ids=[0, 1, 2])]   # noqa: E731
+    expected = cpu.forward_logits(requests(), is_decode=False)
+    got = cuda.forward_logits(requests(), is_decode=False)
+    assert got.device.type == "cuda"
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_greedy_generation_on_cuda_equals_the_cpu_fp32_engine(model_dir: Path) -> None:
+    def generate(device: str) -> list[int]:
+        config = _meta_config(device=device, max_total_tokens=128, attention_backend="auto", sampling_backend="auto")
+        engine = Engine(open_checkpoint(str(model_dir)), config, progress=False)
+        engine.add_request(Request("g", [3, 17, 42, 99, 5, 61, 7], SamplingParams(temperature=0.0, ignore_eos=True,
+                                                                                 max_new_tokens=24)))
+        tokens: list[int] = []
+        while engine.has_work:
+            tokens += [out.token_id for out in engine.step() if out.token_id is not None]
+        return tokens
+    assert generate("cuda") == generate("cpu")
