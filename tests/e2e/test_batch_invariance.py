@@ -39,7 +39,7 @@ def _complete(url: str, topic: str) -> tuple[str, str]:
 def test_sixteen_concurrent_streams_give_the_texts_they_give_one_at_a_time(default_stack: Stack) -> None:
     log = default_stack.log_path.read_text()
     # the default really is the packed decode path and the C++ attention kernel
-    assert re.search(r"\[decode\] .* model: dtype \w+, quantization gguf .* attention cpu", log)
+    assert re.search(r"\[decode\] .* model on cpu: dtype \w+, quantization gguf .* attention cpu", log)
     alone = [_complete(default_stack.url, topic) for topic in TOPICS]
     with ThreadPoolExecutor(len(TOPICS)) as pool:
         together = list(pool.map(lambda topic: _complete(default_stack.url, topic), TOPICS))
