@@ -74,7 +74,7 @@ def check_open_plane(credentials: InternalCredentials, hosts: list[str], insecur
     """Refuse an open plane (no token, no mTLS) on any non-loopback host unless --insecure."""
     if not credentials.is_open:
         return
-    exposed = [h for h in hosts if not is_loopback_host(host_of(h) if ":" in h else h)]
+    exposed = [h for h in hosts if not is_loopback_host(host_of(h))]
     if not exposed:
         return
     if not insecure:

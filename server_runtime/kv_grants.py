@@ -92,6 +92,3 @@ class IssuedGrants:
             logger.warning("refused Generate for %s: no reservation with that grant", request_id)
             raise GrantError("no reservation holds this request id and grant")
         del self._issued[request_id]
-
-    def forget(self, request_id: str) -> None:
-        self._issued.pop(request_id, None)

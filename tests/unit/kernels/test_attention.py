@@ -271,20 +271,3 @@ def test_metadata_moves_to_a_device_with_its_lengths_as_ints() -> None:
         assert getattr(moved, name).dtype == getattr(meta, name).dtype
         assert getattr(moved, name).shape == getattr(meta, name).shape
     assert moved.query_lens == (2, 3) and moved.seq_lens == (11, 6)
-
-
-def test_build_with_pin_pins_every_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No CUDA here to pin for: `pin_memory` is replaced by a recorder."""
-    pinned: set[int] = set()
-
-    def pin_memory(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        copy = self.clone()
-        pinned.add(id(copy))
-        return copy
-    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
-    meta = AttentionMetadata.build([[3, 1], [0]], [5, 1], [6, 2], PAGE_SIZE, pin=True)
-    tensors = (meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, meta.write_pages,
-               meta.write_offsets)
-    assert all(id(t) in pinned for t in tensors)
-    assert meta.qo_indptr.tolist() == [0, 5, 6] and meta.kv_indptr.tolist() == [0, 2, 3]
-    assert meta.qo_indptr.dtype == torch.int32 and meta.write_pages.dtype == torch.int64
