@@ -34,6 +34,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 lambda engine: engine.reserve(request.request_id, request.prompt_len, ttl_s, grace_s))
         except EngineError as exc:
             await abort_with(context, exc)
+        except asyncio.CancelledError:   # the caller went away; its reservation, if made, was never granted
+            await asyncio.shield(self.ctx.loop.abort(request.request_id, "the caller went away", write_settled=True))
+            raise
         engine = self.ctx.engine
         target = common_pb2.KvTarget(session_id=self.ctx.transport.session_id,
                                      base_addr=engine.runner.kv_pool.base_addr,

@@ -37,6 +37,7 @@ class GatewayConfig:
     admin_api_key: str | None = field(default=None, repr=False)
     skip_tokenizer_init: bool = False     # no tokenizer: token ids in and out, no text
     batch_concurrency: int = 8
+    max_batch_requests: int = 256         # generations one HTTP request may start (prompts x n)
     batch_yield_threshold: int = 1
     is_embedding: bool = False            # prefill workers serve an embedding model; no decode workers
     expert_distribution_dir: str = "."    # where /dump_expert_distribution_record writes its CSV files
@@ -53,7 +54,7 @@ class GatewayConfig:
             raise ValueError("data_dir must be set")
         if self.admin_api_key and self.admin_api_key == self.api_key:
             raise ValueError("the admin API key must differ from the user API key")
-        for name in ("batch_concurrency", "batch_yield_threshold"):
+        for name in ("batch_concurrency", "batch_yield_threshold", "max_batch_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("reserve_timeout_s", "prefill_timeout_s", "request_timeout_s"):

@@ -15,6 +15,7 @@ from typing import AsyncIterator
 
 from gateway.config import GatewayConfig
 from gateway.detokenizer import IncrementalDetokenizer
+from gateway.errors import bad_request
 from gateway.handoff import GeneratedToken, HandoffTimings, TokenEvent, run_handoff
 from gateway.stop_strings import StopStringMatcher
 from gateway.tokenizer import Tokenizer
@@ -136,6 +137,13 @@ class _StopTokenTrim:
             self._held = ids[-1:]
             return ids[:-1]
         return ids
+
+
+def check_batch_size(config: GatewayConfig, requests: list[GenerationRequest], param: str) -> None:
+    """400 for a request that would start more generations (prompts x n) than the gateway allows."""
+    if len(requests) > config.max_batch_requests:
+        raise bad_request(f"this request asks for {len(requests)} generations (prompts x n); at most "
+                          f"{config.max_batch_requests} are allowed per request", param)
 
 
 async def generate_all(pool: WorkerPool, config: GatewayConfig, tokenizer: Tokenizer | None,

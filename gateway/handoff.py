@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 _FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
                  common_pb2.FINISH_REASON_ABORT: "abort"}
 _ABORT_TIMEOUT_S = 2.0
+_SETTLE_TIMEOUT_S = 10.0   # a running KV write finishes within this (or the decode pages rest for the grace)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,9 +121,13 @@ async def _trip(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt
     """The trip itself, as `run_handoff` describes it, without the metrics."""
     started = time.perf_counter()
     decode, prefill = pool.pick("decode"), pool.pick("prefill")
-    reserved = await _call(decode, decode.stub.Reserve(
-        decode_pb2.ReserveRequest(request_id=request_id, prompt_len=len(prompt_ids)),
-        timeout=config.reserve_timeout_s))
+    try:
+        reserved = await _call(decode, decode.stub.Reserve(
+            decode_pb2.ReserveRequest(request_id=request_id, prompt_len=len(prompt_ids)),
+            timeout=config.reserve_timeout_s))
+    except asyncio.CancelledError:   # the reservation may have been made: no prefill was sent for it
+        await _settle(_release(decode, prefill, request_id, None))
+        raise
     reserve_ms = (time.perf_counter() - started) * 1000
     generate: grpc.aio.UnaryStreamCall | None = None
     finished = False
@@ -161,7 +166,9 @@ async def _trip(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt
         raise answered.error from None
     finally:
         if not finished:
-            await _release(decode, request_id, generate, write_settled)
+            if generate is not None:
+                generate.cancel()
+            await _settle(_release(decode, prefill, request_id, None if write_settled else reserved.kv_target))
 
 
 async def _call(worker: Worker, call):
@@ -202,12 +209,34 @@ async def _stream(worker: Worker, call: grpc.aio.UnaryStreamCall) -> AsyncIterat
         raise APIError.from_grpc(exc, worker.role, worker.address) from None
 
 
-async def _release(decode: Worker, request_id: str, generate: grpc.aio.UnaryStreamCall | None,
-                   write_settled: bool) -> None:
-    """Free the decode server's pages for an unfinished trip (cancelling the stream does it too)."""
-    if generate is not None:
-        generate.cancel()
-    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
-        await asyncio.shield(decode.control.Abort(
-            common_pb2.AbortRequest(request_id=request_id, kv_write_settled=write_settled),
-            timeout=_ABORT_TIMEOUT_S))
+async def _release(decode: Worker, prefill: Worker, request_id: str, unsettled: common_pb2.KvTarget | None
+                   ) -> None:
+    """Free the decode server's pages for an unfinished trip. `unsettled` is the KV target of a
+    Prefill that has not answered: the prefill server is asked to stop it and confirm its write is
+    over, so the decode server frees the pages at once; if it cannot confirm, they rest for the
+    write grace instead. (Cancelling a Generate stream frees them too; the Abort makes it certain.)"""
+    write_settled = unsettled is None
+    if unsettled is not None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await prefill.stub.CancelPrefill(prefill_pb2.CancelPrefillRequest(request_id=request_id,
+                                                                              kv_target=unsettled),
+                                             timeout=_SETTLE_TIMEOUT_S)
+            write_settled = True
+        if not write_settled:
+            logger.warning("prefill worker %s did not confirm that %s's KV write is over; its decode pages "
+                           "rest for the write grace", prefill.address, request_id)
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        await decode.control.Abort(common_pb2.AbortRequest(request_id=request_id, kv_write_settled=write_settled),
+                                   timeout=_ABORT_TIMEOUT_S)
+
+
+_releasing: set[asyncio.Task] = set()   # strong references: a shielded release outlives its cancelled trip
+
+
+async def _settle(release) -> None:
+    """Run a release to its end even if the trip that started it is cancelled again meanwhile."""
+    task = asyncio.ensure_future(release)
+    _releasing.add(task)
+    task.add_done_callback(_releasing.discard)
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.shield(task)

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from gateway.errors import bad_request
-from gateway.generation import Finish, GenerationRequest, GenerationResult, generate_choices
+from gateway.generation import Finish, GenerationRequest, GenerationResult, check_batch_size, generate_choices
 from gateway.native_logprobs import LogprobOptions, logprob_fields, logprob_options
 from gateway.sampling import SamplingFields, build_sampling, check_token_ids, output_constraint, stop_list
 from gateway.schemas import GenerateRequest
@@ -52,6 +52,7 @@ async def generate(body: GenerateRequest, state: GatewayState = Depends(gateway_
         choices = _requests_for(state, body, limits, prompt_ids, params, rid, logprobs, arrived_at)
         requests += choices
         options += [logprobs] * len(choices)
+    check_batch_size(state.config, requests, "text" if body.text is not None else "input_ids")
     if body.stream:
         return sse_response(_stream(state, body, requests, options, arrived_at, is_batch or len(requests) > 1))
     results = [GenerationResult() for _ in requests]

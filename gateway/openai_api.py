@@ -9,7 +9,7 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Depends
 
 from gateway.errors import bad_request
-from gateway.generation import GenerationRequest, GenerationResult, generate_choices
+from gateway.generation import GenerationRequest, GenerationResult, check_batch_size, generate_choices
 from gateway.openai_format import (chat_logprobs, completion_logprobs, finish_name, join_completion_logprobs,
                                    matched_stop, prompt_completion_logprobs, usage)
 from gateway.sampling import (SamplingFields, build_sampling, check_token_ids, check_top_logprobs, output_constraint,
@@ -60,6 +60,7 @@ async def chat_completions(body: ChatCompletionRequest, state: GatewayState = De
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     requests = _choice_requests(state, body, [prompt_ids], body.n, max_tokens, param, num_top, plan)
+    check_batch_size(state.config, requests, "n")
     created, rid = int(time.time()), f"chatcmpl-{requests[0].request_id}"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -134,6 +135,7 @@ async def completions(body: CompletionRequest, state: GatewayState = Depends(gat
     requests = [r for ids in prompts for r in _choice_requests(state, body, [ids], best_of, body.max_tokens,
                                                                  "max_tokens", num_top,
                                                                  prompt_logprob_start=0 if prompt_logprobs else None)]
+    check_batch_size(state.config, requests, "prompt")
     created, rid = int(time.time()), f"cmpl-{requests[0].request_id}"
     echoes = [state.require_tokenizer("echo").decode(ids, skip_special_tokens=False) if body.echo else ""
               for ids in prompts]

@@ -116,6 +116,8 @@ def _add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", default=None,
                    help="where /v1/files and /v1/batches keep their SQLite database and file contents; one "
                         "gateway per directory (default: $XDG_DATA_HOME/tandem, i.e. ~/.local/share/tandem)")
+    p.add_argument("--max-batch-requests", type=int, default=256,
+                   help="most generations one request may start (prompts x n); more get a 400")
     p.add_argument("--batch-concurrency", type=int, default=8,
                    help="batch lines run at once; a new one starts only while no interactive request is in flight")
     p.add_argument("--expert-distribution-dir", default=None,
@@ -222,6 +224,7 @@ def _serve(args: argparse.Namespace) -> int:
                               "--request-timeout", str(args.request_timeout),
                               "--data-dir", args.data_dir or default_data_dir(),
                               "--batch-concurrency", str(args.batch_concurrency),
+                              "--max-batch-requests", str(args.max_batch_requests),
                               *(["--default-sampling", args.default_sampling] if args.default_sampling else []),
                               *(["--skip-tokenizer-init"] if args.skip_tokenizer_init else []),
                               *(["--expert-distribution-dir", args.expert_distribution_dir]
@@ -286,7 +289,7 @@ def _gateway(args: argparse.Namespace) -> int:
                            port=args.port, prefill_timeout_s=args.prefill_timeout,
                            request_timeout_s=args.request_timeout,
                            data_dir=os.path.abspath(args.data_dir or default_data_dir()),
-                           batch_concurrency=args.batch_concurrency,
+                           batch_concurrency=args.batch_concurrency, max_batch_requests=args.max_batch_requests,
                            expert_distribution_dir=os.path.abspath(args.expert_distribution_dir or os.getcwd()),
                            internal=internal)
     serve_gateway(config)

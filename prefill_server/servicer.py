@@ -29,19 +29,41 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
         self.grants = GrantChecker(grant_key(ctx.config.credentials.token))
+        self._running: dict[str, asyncio.Event] = {}   # grant -> set once that Prefill's write is over
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
                       ) -> prefill_pb2.PrefillResponse:
         bind_request_id(request.request_id)
+        grant = request.kv_target.grant
         try:   # first: a target without the decode server's grant for these pages gets no compute either
             self.grants.check(request.request_id, request.kv_target)
         except GrantError as exc:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        # No await between the check and this line: CancelPrefill sees the grant either unspent or running.
+        over = self._running[grant] = asyncio.Event()
         try:
             return await self._prefill(request)
         except (EngineError, KVTransferError) as exc:
             logger.warning("prefill %s failed: %s", request.request_id, exc)
             await abort_with(context, exc)
+        finally:
+            del self._running[grant]
+            over.set()
+
+    async def CancelPrefill(self, request: prefill_pb2.CancelPrefillRequest, context: grpc.aio.ServicerContext
+                            ) -> prefill_pb2.CancelPrefillResponse:
+        rid, target = request.request_id, request.kv_target
+        bind_request_id(rid)
+        try:   # verified before anything is stopped; spent, so no Prefill can start with it from now on
+            self.grants.revoke(rid, target)
+        except GrantError as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        over = self._running.get(target.grant)
+        if over is None:   # never started, or already over
+            return prefill_pb2.CancelPrefillResponse(was_running=False)
+        await self.ctx.loop.stop_compute(rid, "cancelled by the gateway")
+        await over.wait()   # the Prefill's finally waits for a running write before it sets this
+        return prefill_pb2.CancelPrefillResponse(was_running=True)
 
     async def _prefill(self, request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
         rid = request.request_id

@@ -95,6 +95,14 @@ class EngineLoop:
             return held or output is not None
         return await self.call(abort)
 
+    async def stop_compute(self, request_id: str, message: str) -> None:
+        """Abort a request still waiting or running. Pages it already holds for a KV transfer stay
+        held: the write may be reading them, and its owner releases them when it is over."""
+        def stop(engine: Engine) -> None:
+            if not engine.is_awaiting_release(request_id) and (output := engine.abort(request_id, message)):
+                self._deliver(output)
+        await self.call(stop)
+
     async def update_weights(self, checkpoint) -> int:
         """Swap weights between steps; the aborted requests' streams get their final outputs."""
         def update(engine: Engine) -> int:

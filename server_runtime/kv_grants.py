@@ -54,13 +54,7 @@ class GrantChecker:
     def check(self, request_id: str, target: common_pb2.KvTarget) -> None:
         """Raises GrantError unless `target.grant` is the decode server's grant for exactly this
         request id, destination and page list, unexpired and not used before. Consumes it."""
-        now_ms = int(time.time() * 1000)
-        self._used = {g: expiry for g, expiry in self._used.items() if expiry > now_ms}
-        expected = _mac(self.key, request_id, target)
-        if not target.grant or not hmac.compare_digest(target.grant, expected):
-            logger.warning("refused a KV write for %s: its grant does not cover the pages it names "
-                           "(forged, or another request's)", request_id)
-            raise GrantError("the KV target's grant is not valid for this request")
+        now_ms = self._verify(request_id, target)
         if target.grant_expires_unix_ms <= now_ms:
             logger.warning("refused a KV write for %s: its grant expired", request_id)
             raise GrantError("the KV target's grant has expired")
@@ -68,6 +62,24 @@ class GrantChecker:
             logger.warning("refused a KV write for %s: its grant was already used", request_id)
             raise GrantError("the KV target's grant was already used")
         self._used[target.grant] = target.grant_expires_unix_ms
+
+    def revoke(self, request_id: str, target: common_pb2.KvTarget) -> None:
+        """Spend a genuine grant without writing, so no later write can use it (an expired one
+        needs nothing more). Raises GrantError if it does not verify."""
+        now_ms = self._verify(request_id, target)
+        if target.grant_expires_unix_ms > now_ms:
+            self._used[target.grant] = target.grant_expires_unix_ms
+
+    def _verify(self, request_id: str, target: common_pb2.KvTarget) -> int:
+        """Forget expired grants, check the signature, and return the time (unix ms)."""
+        now_ms = int(time.time() * 1000)
+        self._used = {g: expiry for g, expiry in self._used.items() if expiry > now_ms}
+        expected = _mac(self.key, request_id, target)
+        if not target.grant or not hmac.compare_digest(target.grant, expected):
+            logger.warning("refused a KV grant for %s: it does not cover the pages it names "
+                           "(forged, or another request's)", request_id)
+            raise GrantError("the KV target's grant is not valid for this request")
+        return now_ms
 
 
 @dataclass(slots=True)

@@ -15,9 +15,10 @@ from tests.e2e.stack import Stack, start_services, start_stack
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
-# A line cancelled before the decode server admitted it leaves its reserved pages quarantined for
-# --kv-write-grace seconds; 7 s (with a 7 s transfer timeout, so Mooncake's own 5.6 s stays below it)
-# keeps the page checks short.
+# A line cancelled while its prefill runs gets its decode pages back as soon as the prefill worker
+# confirms the write is over; only a prefill worker that cannot answer leaves them resting for
+# --kv-write-grace seconds: 7 s (with a 7 s transfer timeout, so Mooncake's own 5.6 s stays below it)
+# keeps the page checks short even then.
 FLAGS = ("--dtype", "bfloat16", "--max-total-tokens", "8192", "--torch-threads", "1", "--transfer-timeout", "7",
          "--kv-write-grace", "7")
 

@@ -125,3 +125,26 @@ def test_forged_prefills_write_nothing_and_the_victim_output_is_unchanged(stack:
         finally:
             assert control.Abort(common_pb2.AbortRequest(request_id="insider", kv_write_settled=True),
                                  metadata=WORKER_METADATA).found
+
+
+def test_cancel_prefill_spends_the_grant_and_checks_it(stack: Stack) -> None:
+    """CancelPrefill before a Prefill arrives: the late Prefill is refused, so the decode pages may be
+    freed at once. Another request's id with the grant is refused."""
+    with grpc.insecure_channel(f"127.0.0.1:{stack.prefill_port}") as p_channel, \
+            grpc.insecure_channel(f"127.0.0.1:{stack.decode_port}") as d_channel:
+        prefill, decode = prefill_pb2_grpc.PrefillServiceStub(p_channel), decode_pb2_grpc.DecodeServiceStub(d_channel)
+        control = worker_pb2_grpc.WorkerServiceStub(d_channel)
+        own = decode.Reserve(decode_pb2.ReserveRequest(request_id="cancelled", prompt_len=16), timeout=10,
+                             metadata=WORKER_METADATA).kv_target
+        try:
+            with pytest.raises(grpc.RpcError) as refused:
+                prefill.CancelPrefill(prefill_pb2.CancelPrefillRequest(request_id="someone-else", kv_target=own),
+                                      timeout=10, metadata=WORKER_METADATA)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            answer = prefill.CancelPrefill(prefill_pb2.CancelPrefillRequest(request_id="cancelled", kv_target=own),
+                                           timeout=10, metadata=WORKER_METADATA)
+            assert not answer.was_running
+            assert _forged_prefill(prefill, "cancelled", own, 16) == grpc.StatusCode.PERMISSION_DENIED
+        finally:
+            assert control.Abort(common_pb2.AbortRequest(request_id="cancelled", kv_write_settled=True),
+                                 metadata=WORKER_METADATA).found

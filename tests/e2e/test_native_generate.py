@@ -136,6 +136,20 @@ def test_unknown_sampling_params_and_bad_shapes_are_400(stack: Stack) -> None:
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
 
+def test_a_batch_above_the_limit_is_400_and_starts_nothing(stack: Stack) -> None:
+    for url, body, param in (("/generate", {"text": ["x"] * 257}, "text"),
+                             ("/generate", {"input_ids": [[1, 2]] * 129, "sampling_params": {"n": 2}}, "input_ids"),
+                             ("/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": ["x"] * 257}, "prompt")):
+        response = httpx.post(f"{stack.url}{url}", json=body)
+        assert response.status_code == 400, url
+        error = response.json()["error"]
+        assert error["param"] == param and "at most 256" in error["message"]
+    # the limit counts generations: 256 are fine (one token each)
+    answer = httpx.post(f"{stack.url}/generate", json={"input_ids": [[1, 2]] * 128,
+                                                       "sampling_params": {"n": 2, "max_new_tokens": 1}}, timeout=300)
+    assert answer.status_code == 200 and len(answer.json()) == 256
+
+
 def test_logprob_options_may_differ_per_prompt_in_a_batch(stack: Stack, smollm2_path: Path) -> None:
     tokenizer = load_tokenizer(str(smollm2_path))
     prompts = [tokenizer.encode("One, two, three,"), tokenizer.encode("The capital of France is")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -125,6 +126,18 @@ def test_client_that_disconnects_mid_stream_leaves_no_pages(stack: Stack) -> Non
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
     # leaving the block closes the connection; the autouse fixture checks every page comes back
+
+
+def test_client_that_disconnects_during_prefill_frees_the_decode_pages_at_once(stack: Stack) -> None:
+    """Gone while its long prompt is still in the prefill worker: the prefill worker confirms the
+    write is over, so the decode reservation is freed now, not after the 30 s write grace (the
+    autouse check allows 5 s)."""
+    prompt = "Once upon a time, " * 180   # about 900 tokens: seconds of fp32 prefill on one thread
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        assert next(line for line in response.iter_lines() if line.startswith("data:"))   # the role chunk
+        time.sleep(0.3)
 
 
 def test_seed_openai_client_streaming_and_native_stream(stack: Stack, client: openai.OpenAI) -> None:

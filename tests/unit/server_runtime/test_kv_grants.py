@@ -66,3 +66,27 @@ def test_generate_needs_the_issued_grant_and_a_wrong_one_leaves_it() -> None:
     grants.redeem("victim", target.grant)   # the wrong attempts did not drop it
     with pytest.raises(GrantError):
         grants.redeem("victim", target.grant)
+
+
+def test_a_revoked_grant_can_no_longer_start_a_write() -> None:
+    _, target = _issued()
+    checker = GrantChecker(grant_key("the-cluster-token-0123456789"))
+    checker.revoke("victim", target)
+    with pytest.raises(GrantError, match="already used"):
+        checker.check("victim", target)
+    checker.revoke("victim", target)   # once spent (by a write or a cancel), a revoke is still fine
+
+
+def test_revoke_verifies_the_grant_first() -> None:
+    _, target = _issued()
+    checker = GrantChecker(grant_key("the-cluster-token-0123456789"))
+    with pytest.raises(GrantError, match="not valid"):
+        checker.revoke("someone-else", target)
+    checker.check("victim", target)   # the failed revoke spent nothing
+
+
+def test_an_expired_grant_is_accepted_by_revoke_and_not_remembered() -> None:
+    _, target = _issued(ttl_s=-1)
+    checker = GrantChecker(grant_key("the-cluster-token-0123456789"))
+    checker.revoke("victim", target)
+    assert not checker._used
