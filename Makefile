@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.stamp-install
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: serve test test-gpu protos kernels install bench bench-peer clean
+.PHONY: serve test test-gpu chaos protos kernels install bench bench-peer clean
 
 $(STAMP): pyproject.toml scripts/install_system_deps.sh
 	bash scripts/install_system_deps.sh
@@ -30,6 +30,10 @@ serve: install
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The fault-injection scenarios alone (tests/chaos; `make test` runs them too)
+chaos: install
+	$(PY) -m pytest tests/chaos $(PYTEST_ARGS)
 
 # On a machine with an NVIDIA GPU: FlashInfer, then the GPU-marked tests (skipped elsewhere) and the CPU
 # checks of FlashInfer's installed API.

@@ -60,7 +60,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 if sampling.grammar is not None:   # compile off the engine thread (see GrammarBackend)
                     await self.ctx.loop.prepare_grammar(sampling.grammar)
                 sink = await self.ctx.loop.admit(rid, list(request.prompt_token_ids), request.first_token.token_id,
-                                                 request.first_token.logprob, sampling, request.weights_version)
+                                                 request.first_token.logprob, sampling, request.weights_id)
             except EngineError as exc:
                 await abort_with(context, exc)   # the finally below drops the reservation
             queue_ms = (time.perf_counter() - received) * 1000

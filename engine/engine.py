@@ -70,7 +70,7 @@ class Engine:
                                    config.max_prefill_tokens, self.prefix_cache, config.chunked_prefill_size)
         self._requests: dict[str, Request] = {}
         self._held: dict[str, Request] = {}
-        self.weights_version = 0
+        self.weights_id = checkpoint.identity   # names the weights; prefill and decode must agree on it
         self._reservations: dict[str, _Reservation] = {}
         self._quarantine: list[tuple[float, list[int]]] = []   # (reusable at, pages)
 
@@ -108,16 +108,17 @@ class Engine:
         return page_ids
 
     def admit(self, request_id: str, prompt_ids: list[int], first_token: int, first_logprob: float,
-              sampling: SamplingParams, weights_version: int = 0) -> StepOutput | None:
+              sampling: SamplingParams, weights_id: str | None = None) -> StepOutput | None:
         """Start decoding a reserved request from its first token. Returns a finish output if the
         first token already ends it (its pages are then freed). The prompt's KV must have been
-        computed with the same weights version as ours."""
+        computed with the same weights as ours: `weights_id` is the prefill engine's (None: not checked)."""
         reservation = self._reservations.get(request_id)
         if reservation is None:
             raise RequestNotFoundError(f"no reservation for request {request_id!r} (expired or never made)")
-        if weights_version != self.weights_version:
-            raise RequestAbortedError(f"the model weights changed during request {request_id!r} "
-                                      f"(prefill version {weights_version}, decode version {self.weights_version})")
+        if weights_id is not None and weights_id != self.weights_id:
+            raise RequestAbortedError(f"the prefill and decode workers hold different model weights "
+                                      f"(prefill {weights_id or 'unnamed'}, decode {self.weights_id}); "
+                                      "they were updated apart or started from different checkpoints")
         if len(prompt_ids) != reservation.prompt_len:
             raise InvalidRequestError(
                 f"prompt has {len(prompt_ids)} tokens but {reservation.prompt_len} were reserved")
@@ -157,7 +158,7 @@ class Engine:
     def update_weights(self, checkpoint: Checkpoint) -> list[StepOutput]:
         """Load new weights in place: shapes must match exactly (checked before any byte is copied).
         Every waiting or running request is aborted first, so none mixes two sets of weights; the
-        prefix cache is flushed and `weights_version` goes up. Returns the abort outputs."""
+        prefix cache is flushed and `weights_id` names the new weights. Returns the abort outputs."""
         mismatch = [name for name in _SHAPE_FIELDS
                     if getattr(checkpoint.config, name) != getattr(self.model_config, name)]
         if mismatch:
@@ -167,7 +168,7 @@ class Engine:
         outputs = [self.abort(rid, "aborted: the model weights are being updated") for rid in list(self._requests)]
         self.runner.load_weights(checkpoint)
         self.flush_prefix_cache()
-        self.weights_version += 1
+        self.weights_id = checkpoint.identity
         return [o for o in outputs if o is not None]
 
     def release(self, request_id: str) -> None:
@@ -263,7 +264,7 @@ class Engine:
         self._held[req.request_id] = self._requests.pop(req.request_id)
         return StepOutput(req.request_id, token.token_id, token.logprob, top_logprobs=token.top,
                           token_ids_logprobs=token.requested, cached_tokens=req.num_cached_tokens,
-                          weights_version=self.weights_version, prompt_logprobs=req.prompt_logprobs,
+                          weights_id=self.weights_id, prompt_logprobs=req.prompt_logprobs,
                           prefill_started_at=req.prefill_started_at)
 
     def _append_token(self, req: Request, token: "_Token", emit_token: bool) -> StepOutput | None:

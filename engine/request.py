@@ -166,6 +166,6 @@ class StepOutput:
     top_logprobs: tuple[tuple[int, float], ...] = ()
     token_ids_logprobs: tuple[tuple[int, float], ...] = ()
     cached_tokens: int = 0       # set on a request's first token: prompt tokens served from the cache
-    weights_version: int = 0     # the engine's weights version when this output was computed
+    weights_id: str = ""         # the engine's `weights_id` when this output was computed
     prompt_logprobs: PromptLogprobs | None = None   # on the first token, when the request asked
     prefill_started_at: float | None = None         # on the first token: when its prefill forward began

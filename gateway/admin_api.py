@@ -52,7 +52,8 @@ async def _worker_info(worker: Worker) -> dict:
     if info is not None:
         entry.update(version=info.version, model_path=info.model_path, context_len=info.context_len,
                      page_size=info.kv_layout.page_size, max_total_num_tokens=info.num_pages * info.kv_layout.page_size,
-                     kv_pool_bytes=info.num_pages * info.kv_layout.page_bytes, kv_dtype=info.kv_layout.dtype)
+                     kv_pool_bytes=info.num_pages * info.kv_layout.page_bytes, kv_dtype=info.kv_layout.dtype,
+                     weights_id=info.weights_id)
     try:
         load = await worker.control.GetLoad(common_pb2.GetLoadRequest(), timeout=_INFO_TIMEOUT_S)
     except grpc.aio.AioRpcError as exc:

@@ -29,6 +29,7 @@ class GatewayConfig:
     reserve_timeout_s: float = 10.0
     prefill_timeout_s: float = 600.0
     request_timeout_s: float = 3600.0
+    stall_timeout_s: float = 20.0         # a worker silent this long on a call is health-checked (gateway/handoff.py)
     default_max_new_tokens: int = 128     # native /generate, as in SGLang
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     # Bearer keys (gateway/auth.py): `api_key` opens every route but the open probes; `admin_api_key`,
@@ -57,6 +58,6 @@ class GatewayConfig:
         for name in ("batch_concurrency", "batch_yield_threshold", "max_batch_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("reserve_timeout_s", "prefill_timeout_s", "request_timeout_s"):
+        for name in ("reserve_timeout_s", "prefill_timeout_s", "request_timeout_s", "stall_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")

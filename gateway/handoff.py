@@ -120,7 +120,7 @@ async def _trip(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt
                 gateway_queue_ms: float) -> AsyncIterator[TokenEvent]:
     """The trip itself, as `run_handoff` describes it, without the metrics."""
     started = time.perf_counter()
-    decode, prefill = pool.pick("decode"), pool.pick("prefill")
+    prefill, decode = pool.pick_pair()
     try:
         reserved = await _call(decode, decode.stub.Reserve(
             decode_pb2.ReserveRequest(request_id=request_id, prompt_len=len(prompt_ids)),
@@ -137,7 +137,8 @@ async def _trip(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt
                                                      sampling_params=sampling, kv_target=reserved.kv_target)
         if prompt_logprob_start is not None:
             prefill_request.logprob_start_len = prompt_logprob_start
-        first = await _prefill(prefill, prefill.stub.Prefill(prefill_request, timeout=config.prefill_timeout_s))
+        first = await _prefill(prefill, prefill.stub.Prefill(prefill_request, timeout=config.prefill_timeout_s),
+                               config.stall_timeout_s)
         write_settled = True
         timings = HandoffTimings(reserve_ms, first.queue_ms, first.compute_ms, first.transfer_ms, first.kv_bytes,
                                  (time.perf_counter() - started) * 1000, first.cached_tokens, gateway_queue_ms)
@@ -146,10 +147,10 @@ async def _trip(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt
         generate = decode.stub.Generate(
             decode_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                        first_token=first.first_token, sampling_params=sampling,
-                                       weights_version=first.weights_version,
+                                       weights_id=first.weights_id,
                                        kv_grant=reserved.kv_target.grant),
             timeout=config.request_timeout_s)
-        async for message in _stream(decode, generate):
+        async for message in _stream(decode, generate, config.stall_timeout_s):
             reason = _FINISH_NAMES.get(message.finish_reason)
             finished = reason is not None
             yield TokenEvent([GeneratedToken.from_proto(t) for t in message.tokens], reason,
@@ -191,9 +192,9 @@ _UNSETTLED_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode
                               grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN})
 
 
-async def _prefill(worker: Worker, call):
+async def _prefill(worker: Worker, call, stall_timeout_s: float):
     try:
-        return await call
+        return await _unless_stalled(worker, call, stall_timeout_s)
     except grpc.aio.AioRpcError as exc:
         error = APIError.from_grpc(exc, worker.role, worker.address)
         if exc.code() in _UNSETTLED_CODES:
@@ -201,12 +202,32 @@ async def _prefill(worker: Worker, call):
         raise _PrefillAnswered(error) from None
 
 
-async def _stream(worker: Worker, call: grpc.aio.UnaryStreamCall) -> AsyncIterator[decode_pb2.GenerateResponse]:
+async def _stream(worker: Worker, call: grpc.aio.UnaryStreamCall, stall_timeout_s: float
+                  ) -> AsyncIterator[decode_pb2.GenerateResponse]:
     try:
-        async for message in call:
+        while (message := await _unless_stalled(worker, call.read(), stall_timeout_s)) is not grpc.aio.EOF:
             yield message
     except grpc.aio.AioRpcError as exc:
         raise APIError.from_grpc(exc, worker.role, worker.address) from None
+
+
+async def _unless_stalled(worker: Worker, awaitable, stall_timeout_s: float):
+    """Await a call's answer; each time `stall_timeout_s` passes without one, check that the worker
+    still answers health checks. A worker that does not (frozen, wedged, its host gone) ends the
+    wait with a 503 and is marked unready; a slow but live one (a long prompt, a queue) is waited for."""
+    pending = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait((pending,), timeout=stall_timeout_s)
+            if done:
+                return pending.result()
+            if not await worker.responds():
+                logger.warning("%s worker %s sent nothing for %g s and does not answer health checks",
+                               worker.role, worker.address, stall_timeout_s)
+                raise APIError(503, f"the {worker.role} worker stopped responding (nothing for "
+                                    f"{stall_timeout_s:g} s)", "service_unavailable", code="worker_stalled")
+    finally:
+        pending.cancel()
 
 
 async def _release(decode: Worker, prefill: Worker, request_id: str, unsettled: common_pb2.KvTarget | None

@@ -164,5 +164,6 @@ def _finish_reason(finish: Finish | None, num_tokens: int) -> dict | None:
 
 
 def _worker_states(state: GatewayState) -> list[dict]:
-    """Role and readiness only: /health is open to all, so it names no address (/get_server_info does)."""
-    return [{"role": w.role, "ready": w.is_ready} for w in state.pool.all_workers()]
+    """Role, readiness and weights only: /health is open to all, so it names no address
+    (/get_server_info does). A prefill and a decode worker pair only when their weights agree."""
+    return [{"role": w.role, "ready": w.is_ready, "weights": w.weights_id} for w in state.pool.all_workers()]

@@ -1,4 +1,5 @@
-"""gRPC clients for the prefill and decode workers: readiness tracking and round-robin picking."""
+"""gRPC clients for the prefill and decode workers: readiness tracking and round-robin picking of
+prefill/decode pairs that hold the same weights."""
 
 from __future__ import annotations
 
@@ -25,8 +26,12 @@ _PROBE_TIMEOUT_S = 2.0
 # that streams already on it can finish (the gateway's default --request-timeout).
 _RETIRED_CHANNEL_GRACE_S = 3600.0
 # gRPC backs off reconnecting to a worker that went away by up to 120 s; cap it near the poll interval
-# so that a restarted worker is ready again within seconds.
-_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 1000))
+# so that a restarted worker is ready again within seconds. Keepalive pings every 10 s close a
+# connection whose worker stopped answering (a wedged or frozen process, a dead host) within 15 s,
+# failing the calls on it, even between calls; the workers accept pings that often (server_runtime/worker.py).
+_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 1000),
+                    ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+                    ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +63,12 @@ class Worker:
         self.info: common_pb2.GetModelInfoResponse | None = None
 
     async def probe(self) -> bool:
-        """Ask the worker's health service; fetch its model info each time it becomes ready (a
-        restarted worker may come back with another context length or pool)."""
+        """Ask the worker's health service, then its model info (a restarted worker may come back with
+        another context length or pool, and an update changes its weights)."""
         try:
             reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=_PROBE_TIMEOUT_S)
             ready = reply.status == health_pb2.HealthCheckResponse.SERVING
-            if ready and (self.info is None or not self.is_ready):
+            if ready:
                 self.info = await self.control.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=_PROBE_TIMEOUT_S)
         except grpc.aio.AioRpcError:
             ready = False
@@ -71,6 +76,22 @@ class Worker:
             logger.info("%s worker %s is %s", self.role, self.address, "ready" if ready else "not ready")
         self.is_ready = ready
         return ready
+
+    async def responds(self) -> bool:
+        """Whether the worker answers a health check now; one that does not is marked unready until
+        the next probe round finds it answering again."""
+        try:
+            await self._health.Check(health_pb2.HealthCheckRequest(), timeout=_PROBE_TIMEOUT_S)
+            return True
+        except grpc.aio.AioRpcError:
+            if self.is_ready:
+                logger.warning("%s worker %s stopped responding; it gets no new requests", self.role, self.address)
+            self.is_ready = False
+            return False
+
+    @property
+    def weights_id(self) -> str | None:
+        return self.info.weights_id if self.info is not None else None
 
 
 class WorkerPool:
@@ -137,8 +158,11 @@ class WorkerPool:
 
     @property
     def is_ready(self) -> bool:
-        """A ready worker of every role that was configured (an embedding gateway has no decode role)."""
-        return all(any(w.is_ready for w in ws) for role, ws in self.workers.items() if self._discovery[role].specs)
+        """Generation: a ready prefill and a ready decode worker that hold the same weights.
+        Embeddings (no decode role): a ready prefill worker."""
+        if not self._discovery["decode"].specs:
+            return any(w.is_ready for w in self.workers["prefill"])
+        return bool(self._paired_decodes())
 
     def pick(self, role: str) -> Worker:
         """Round-robin over ready workers of `role`; 503 when none is ready."""
@@ -146,6 +170,24 @@ class WorkerPool:
         if not ready:
             raise APIError(503, f"no {role} worker is ready", "service_unavailable", code="worker_unavailable")
         return ready[next(self._turns[role]) % len(ready)]
+
+    def pick_pair(self) -> tuple[Worker, Worker]:
+        """A ready (prefill, decode) pair holding the same weights, round-robin over decode workers
+        and then over the prefill workers that match; 503 when there is none."""
+        decodes = self._paired_decodes()
+        if not decodes:
+            for role in ("prefill", "decode"):
+                self.pick(role)   # 503 naming the role when it has no ready worker at all
+            raise APIError(503, "no ready prefill and decode workers hold the same model weights (update "
+                                "them to the same checkpoint)", "service_unavailable", code="worker_unavailable")
+        decode = decodes[next(self._turns["decode"]) % len(decodes)]
+        prefills = [w for w in self.workers["prefill"] if w.is_ready and w.weights_id == decode.weights_id]
+        return prefills[next(self._turns["prefill"]) % len(prefills)], decode
+
+    def _paired_decodes(self) -> list[Worker]:
+        """Ready decode workers with a ready prefill worker of the same weights."""
+        prefill_weights = {w.weights_id for w in self.workers["prefill"] if w.is_ready}
+        return [w for w in self.workers["decode"] if w.is_ready and w.weights_id in prefill_weights]
 
     def limits(self) -> ModelLimits:
         """The tightest limits over every worker that has reported; 503 before any has."""

@@ -99,6 +99,10 @@ def _add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model path)")
     p.add_argument("--prefill-timeout", type=float, default=600.0)
     p.add_argument("--request-timeout", type=float, default=3600.0)
+    p.add_argument("--stall-timeout", type=float, default=20.0,
+                   help="seconds a worker may send nothing on a request before the gateway checks its health; "
+                        "one that does not answer ends the request with a 503 and gets no new requests until "
+                        "it answers again")
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: requests send token ids and get token ids back (no text, no chat)")
     p.add_argument("--api-key", default=None,
@@ -222,6 +226,7 @@ def _serve(args: argparse.Namespace) -> int:
                               *(embedding_flags or ["--decode", decode_addr]),
                               "--prefill-timeout", str(args.prefill_timeout),
                               "--request-timeout", str(args.request_timeout),
+                              "--stall-timeout", str(args.stall_timeout),
                               "--data-dir", args.data_dir or default_data_dir(),
                               "--batch-concurrency", str(args.batch_concurrency),
                               "--max-batch-requests", str(args.max_batch_requests),
@@ -287,7 +292,7 @@ def _gateway(args: argparse.Namespace) -> int:
                            prefill_addrs=tuple(args.prefill), decode_addrs=tuple(args.decode or ()),
                            is_embedding=args.is_embedding, host=args.host,
                            port=args.port, prefill_timeout_s=args.prefill_timeout,
-                           request_timeout_s=args.request_timeout,
+                           request_timeout_s=args.request_timeout, stall_timeout_s=args.stall_timeout,
                            data_dir=os.path.abspath(args.data_dir or default_data_dir()),
                            batch_concurrency=args.batch_concurrency, max_batch_requests=args.max_batch_requests,
                            expert_distribution_dir=os.path.abspath(args.expert_distribution_dir or os.getcwd()),

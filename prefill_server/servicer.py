@@ -115,7 +115,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             prompt_logprobs=prompt_logprobs_to_proto(output.prompt_logprobs),
             transfer_ms=stats.seconds * 1000,
             kv_bytes=stats.num_bytes,
-            weights_version=output.weights_version,
+            weights_id=output.weights_id,
         )
 
     async def Embed(self, request: prefill_pb2.EmbedRequest, context: grpc.aio.ServicerContext

@@ -91,23 +91,23 @@ class WorkerServicer(WorkerInfoServicer):
             # SGLang's answer for a missing model, whether or not the path exists: the RPC cannot probe files.
             logger.warning("refused to load weights from %r: outside --weights-dir %s", path, self.ctx.weights_dirs)
             return common_pb2.UpdateWeightsResponse(
-                success=False, message=_not_found(path), weights_version=self.ctx.engine.weights_version)
+                success=False, message=_not_found(path), weights_id=self.ctx.engine.weights_id)
         try:
             checkpoint = await asyncio.to_thread(open_checkpoint, path)
         except FileNotFoundError:
             return common_pb2.UpdateWeightsResponse(
                 success=False, message=_not_found(path),
-                weights_version=self.ctx.engine.weights_version)
+                weights_id=self.ctx.engine.weights_id)
         except (ConfigError, ValueError, OSError) as exc:
             return common_pb2.UpdateWeightsResponse(success=False, message=f"Failed to open {path}: {exc}",
-                                                    weights_version=self.ctx.engine.weights_version)
+                                                    weights_id=self.ctx.engine.weights_id)
         try:
-            version = await self.ctx.loop.update_weights(checkpoint)
+            weights_id = await self.ctx.loop.update_weights(checkpoint)
         except InvalidRequestError as exc:
             return common_pb2.UpdateWeightsResponse(success=False, message=str(exc),
-                                                    weights_version=self.ctx.engine.weights_version)
+                                                    weights_id=self.ctx.engine.weights_id)
         return common_pb2.UpdateWeightsResponse(success=True, message="Succeeded to update model weights.",
-                                                weights_version=version)
+                                                weights_id=weights_id)
 
     # The expert counts live in the model runner and are touched only on the engine thread.
 

@@ -71,12 +71,12 @@ class EngineLoop:
         return sink
 
     async def admit(self, request_id: str, prompt_ids: list[int], first_token: int, first_logprob: float,
-                    sampling: SamplingParams, weights_version: int = 0) -> asyncio.Queue:
+                    sampling: SamplingParams, weights_id: str | None = None) -> asyncio.Queue:
         """Start decoding a reserved request; its outputs arrive on the returned queue."""
         sink: asyncio.Queue = asyncio.Queue()
 
         def admit(engine: Engine) -> None:
-            output = engine.admit(request_id, prompt_ids, first_token, first_logprob, sampling, weights_version)
+            output = engine.admit(request_id, prompt_ids, first_token, first_logprob, sampling, weights_id)
             if output is None:
                 self._sinks[request_id] = sink
             else:
@@ -103,12 +103,13 @@ class EngineLoop:
                 self._deliver(output)
         await self.call(stop)
 
-    async def update_weights(self, checkpoint) -> int:
-        """Swap weights between steps; the aborted requests' streams get their final outputs."""
-        def update(engine: Engine) -> int:
+    async def update_weights(self, checkpoint) -> str:
+        """Swap weights between steps; the aborted requests' streams get their final outputs.
+        Returns the new `weights_id`."""
+        def update(engine: Engine) -> str:
             for output in engine.update_weights(checkpoint):
                 self._deliver(output)
-            return engine.weights_version
+            return engine.weights_id
         return await self.call(update)
 
     # ---- engine thread -------------------------------------------------------------------

@@ -98,7 +98,8 @@ class WorkerContext:
             model_path=self.config.model_path, architecture=engine.model_config.architecture.value,
             context_len=engine.context_len, vocab_size=engine.model_config.vocab_size,
             eos_token_ids=sorted(engine.eos_token_ids), kv_layout=layout_to_proto(engine.runner.layout),
-            num_pages=engine.allocator.num_pages, role=role_to_proto(self.config.role), version=self.version)
+            num_pages=engine.allocator.num_pages, role=role_to_proto(self.config.role), version=self.version,
+            weights_id=engine.weights_id)
 
     async def load(self) -> common_pb2.GetLoadResponse:
         def read(engine: Engine) -> common_pb2.GetLoadResponse:
@@ -153,7 +154,10 @@ async def serve_worker(config: WorkerConfig,
 
     server = grpc.aio.server(interceptors=[*config.credentials.server_interceptors(), metrics.interceptor()],
                              options=[("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-                                      ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)])
+                                      ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+                                      # the gateway pings every 10 s, with or without calls (gateway/workers.py)
+                                      ("grpc.keepalive_permit_without_calls", 1),
+                                      ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000)])
     service_names = (add_servicer(server, context), add_worker_servicer(server, context))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

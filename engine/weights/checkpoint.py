@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +37,7 @@ class Checkpoint:
     path: str
     format: str
     num_tensors: int
+    identity: str   # `weights_identity` of the files the weights come from
     _source: TensorSource = field(repr=False, compare=False)
 
     def tensors(self, progress: bool = True, keep_quantized: bool = False
@@ -95,8 +98,37 @@ def _open_gguf(path: Path) -> Checkpoint:
 
 
 def _opened(config: ModelConfig, path: Path, fmt: str, source: TensorSource) -> Checkpoint:
-    checkpoint = Checkpoint(config=config, path=str(path), format=fmt,
-                            num_tensors=source.num_tensors, _source=source)
-    logger.info("opened %s checkpoint %s: %s, %d layers, %d tensors", fmt, path,
-                config.architecture.value, config.num_layers, checkpoint.num_tensors)
+    files = [path] if fmt == "gguf" else [path / CONFIG_FILE, *sorted(path.glob("*.safetensors"))]
+    checkpoint = Checkpoint(config=config, path=str(path), format=fmt, num_tensors=source.num_tensors,
+                            identity=weights_identity(files), _source=source)
+    logger.info("opened %s checkpoint %s: %s, %d layers, %d tensors, weights %s", fmt, path,
+                config.architecture.value, config.num_layers, checkpoint.num_tensors, checkpoint.identity)
     return checkpoint
+
+
+_SAMPLES_PER_FILE = 64
+_SAMPLE_BYTES = 64 * 1024
+
+
+def weights_identity(files: list[Path]) -> str:
+    """A name for the weights in `files`, from their content, equal wherever a copy of the same
+    checkpoint lies (another path, host or mtime), so that workers started apart can tell whether
+    they compute the same KV.
+
+    It hashes each file's name and size and 64 evenly spaced 64 KiB samples of its bytes: constant
+    work at start-up whatever the model's size (4 MiB read per file), and any retrained or
+    differently quantized checkpoint changes the samples. A change confined to the bytes between
+    samples would go unnoticed; this is a guard against pairing mismatched workers, not a checksum.
+    """
+    digest = hashlib.sha256()
+    for path in files:
+        size = os.path.getsize(path)
+        digest.update(f"{path.name}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            if size <= _SAMPLES_PER_FILE * _SAMPLE_BYTES:
+                digest.update(f.read())
+                continue
+            for i in range(_SAMPLES_PER_FILE):   # the first sample starts the file, the last one ends it
+                f.seek(i * (size - _SAMPLE_BYTES) // (_SAMPLES_PER_FILE - 1))
+                digest.update(f.read(_SAMPLE_BYTES))
+    return digest.hexdigest()[:16]

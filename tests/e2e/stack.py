@@ -49,26 +49,11 @@ def is_alive(pid: int) -> bool:
         return False
 
 
-@dataclass
-class Stack:
-    proc: subprocess.Popen
-    port: int
+class WorkerPages:
+    """Page checks over a prefill and a decode worker's gRPC ports (`prefill_port`, `decode_port`)."""
+
     prefill_port: int
     decode_port: int
-    log_path: Path
-    prefill_metrics_port: int = 0
-    decode_metrics_port: int = 0
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def worker_metrics(self, role: str) -> str:
-        """The Prometheus text of the `role` worker's metrics endpoint."""
-        port = self.prefill_metrics_port if role == "prefill" else self.decode_metrics_port
-        reply = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
-        reply.raise_for_status()
-        return reply.text
 
     def load(self) -> dict[str, common_pb2.GetLoadResponse]:
         loads = {}
@@ -90,6 +75,28 @@ class Stack:
             if time.monotonic() > deadline:
                 raise AssertionError(f"KV pages still held after the test: {held}")
             time.sleep(0.1)
+
+
+@dataclass
+class Stack(WorkerPages):
+    proc: subprocess.Popen
+    port: int
+    prefill_port: int
+    decode_port: int
+    log_path: Path
+    prefill_metrics_port: int = 0
+    decode_metrics_port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def worker_metrics(self, role: str) -> str:
+        """The Prometheus text of the `role` worker's metrics endpoint."""
+        port = self.prefill_metrics_port if role == "prefill" else self.decode_metrics_port
+        reply = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+        reply.raise_for_status()
+        return reply.text
 
     def stop(self) -> list[int]:
         """SIGINT the supervisor (as Ctrl-C would); returns child pids still alive after it exits."""
@@ -144,7 +151,7 @@ def wait_health(url: str, status: int, timeout_s: float = 30) -> None:
 
 
 @dataclass
-class Services:
+class Services(WorkerPages):
     """Prefill, decode and gateway as three separate processes (`tandem prefill|decode|gateway`), unlike
     `tandem serve`, which stops everything when one child dies: here the gateway or the decode worker can
     be killed and started again on its own."""

@@ -245,10 +245,13 @@ def test_files_and_batches_errors(batch_stack: Stack, client: openai.OpenAI, tmp
     assert failed.id in [b.id for b in client.batches.list(limit=100)]
 
 
+_NUM_LINES = 40
+
+
 def test_batch_survives_killing_the_gateway(tmp_path: Path) -> None:
-    """The seed's 100-line batch (max_tokens 8): kill -9 the gateway mid-way, start a new one on the same
-    data directory; the batch completes and every custom_id is in the output file exactly once. The
-    gateway has an API key, which its batch lines must carry too."""
+    """The seed's batch lines (max_tokens 8), 40 of them: kill -9 the gateway mid-way, start a new one on
+    the same data directory; the batch completes and every custom_id is in the output file exactly once.
+    The gateway has an API key, which its batch lines must carry too."""
     services = start_services(tmp_path, *FLAGS)
     gateway_flags = ("--data-dir", str(tmp_path / "data"), "--batch-concurrency", "4", "--api-key", "sekret")
     try:
@@ -259,19 +262,19 @@ def test_batch_survives_killing_the_gateway(tmp_path: Path) -> None:
                               "messages": [{"role": "system", "content": f"{i}: You are a helpful AI assistant"},
                                            {"role": "user",
                                             "content": "Write a detailed story about topic. Make it very long."}]}}
-                    for i in range(100)]
+                    for i in range(_NUM_LINES)]
         input_id = upload(client, tmp_path / "batch_requests.jsonl", requests)
         batch = client.batches.create(input_file_id=input_id, endpoint="/v1/chat/completions",
                                       completion_window="24h")
-        before = wait_for(client, batch.id, lambda b: b.request_counts.completed >= 10, poll_s=0.05)
+        before = wait_for(client, batch.id, lambda b: b.request_counts.completed >= 8, poll_s=0.05)
         services.kill_gateway()
-        assert before.status == "in_progress" and before.request_counts.completed < 100
+        assert before.status == "in_progress" and before.request_counts.completed < _NUM_LINES
         services.start_gateway(*gateway_flags)
         batch = wait_for(client, batch.id, lambda b: b.status == "completed", timeout_s=300)
         counts = batch.request_counts
-        assert (counts.total, counts.completed, counts.failed) == (100, 100, 0)
+        assert (counts.total, counts.completed, counts.failed) == (_NUM_LINES, _NUM_LINES, 0)
         output = read_lines(client, batch.output_file_id)
-        assert sorted(o["custom_id"] for o in output) == sorted(f"request-{i}" for i in range(100))
+        assert sorted(o["custom_id"] for o in output) == sorted(f"request-{i}" for i in range(_NUM_LINES))
         assert all(o["response"]["status_code"] == 200 for o in output)
         assert batch.error_file_id is None
     finally:

@@ -72,7 +72,7 @@ def test_health_follows_the_decode_worker_through_a_kill_and_a_restart(services:
     services.kill_decode()
     assert seconds_until_health(services.url, 503, timeout_s=MAX_SECONDS_TO_NOTICE) < MAX_SECONDS_TO_NOTICE
     unavailable = httpx.get(f"{services.url}/health")
-    assert {"role": "decode", "ready": False} in unavailable.json()["workers"]
+    assert [(w["role"], w["ready"]) for w in unavailable.json()["workers"]] == [("prefill", True), ("decode", False)]
     assert str(services.decode_port) not in unavailable.text   # /health is open to all: no internal address
     refused = generate(services.url)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "worker_unavailable"

@@ -110,23 +110,25 @@ def test_prefix_cache_hits_give_the_same_tokens_as_recomputing(model_dir: Path) 
     assert engine.flush_prefix_cache() > 0 and engine.allocator.num_free == engine.allocator.num_pages
 
 
-def test_update_weights_checks_shapes_first_and_bumps_the_version(model_dir: Path, tmp_path: Path) -> None:
+def test_update_weights_checks_shapes_first_and_renames_the_weights(model_dir: Path, tmp_path: Path) -> None:
     from engine.errors import InvalidRequestError, RequestAbortedError
     from tests.tiny_models import save_tiny_qwen2
     engine = Engine(open_checkpoint(str(model_dir)), EngineConfig(dtype="float32", page_size=4, max_total_tokens=128),
                     progress=False)
     engine.add_request(Request("inflight", list(PROMPT), SamplingParams(max_new_tokens=50, ignore_eos=True)))
     engine.step()
+    before = engine.weights_id
     other = save_tiny_llama(tmp_path / "other", seed=5)
     [aborted] = engine.update_weights(open_checkpoint(str(other)))
-    assert aborted.finish_reason is FinishReason.ABORT and engine.weights_version == 1
+    assert aborted.finish_reason is FinishReason.ABORT and engine.weights_id == open_checkpoint(str(other)).identity
+    assert engine.weights_id != before
     assert engine.allocator.num_free == engine.allocator.num_pages
     with pytest.raises(InvalidRequestError, match="do not match"):
         engine.update_weights(open_checkpoint(str(save_tiny_qwen2(tmp_path / "qwen"))))
-    assert engine.weights_version == 1
+    assert engine.weights_id == open_checkpoint(str(other)).identity
     engine.reserve("late", len(PROMPT), ttl_s=30)
-    with pytest.raises(RequestAbortedError, match="weights changed"):
-        engine.admit("late", list(PROMPT), 5, -1.0, SamplingParams(), weights_version=0)
+    with pytest.raises(RequestAbortedError, match="different model weights"):
+        engine.admit("late", list(PROMPT), 5, -1.0, SamplingParams(), weights_id=before)
 
 
 def _hf_all_logprobs(model_dir: Path, ids: list[int]) -> torch.Tensor:

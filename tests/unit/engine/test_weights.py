@@ -275,3 +275,29 @@ def test_directory_with_one_gguf(tmp_path: Path) -> None:
     checkpoint = open_checkpoint(str(only))
     assert checkpoint.path == str(only / "qwen.gguf")
     assert checkpoint.format == "gguf" and checkpoint.config.architecture is Architecture.QWEN2
+
+
+def test_weights_identity_follows_content_not_place(tmp_path: Path) -> None:
+    first = open_checkpoint(str(save_tiny_llama(tmp_path / "a", seed=1)))
+    copy = tmp_path / "elsewhere" / "a-copy"
+    copy.mkdir(parents=True)
+    for f in (tmp_path / "a").iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    os.utime(copy / "model.safetensors", (0, 0))   # another mtime, another path: the same weights
+    assert open_checkpoint(str(copy)).identity == first.identity
+    assert open_checkpoint(str(save_tiny_llama(tmp_path / "b", seed=5))).identity != first.identity
+
+
+def test_weights_identity_of_a_large_file_samples_across_it(tmp_path: Path) -> None:
+    from engine.weights.checkpoint import weights_identity
+    path = tmp_path / "big.gguf"
+    data = bytearray(os.urandom(16 << 20))
+    path.write_bytes(data)
+    before = weights_identity([path])
+    data[-1] ^= 0xFF   # the last sample ends at the file's end
+    path.write_bytes(data)
+    assert weights_identity([path]) != before
+    data[-1] ^= 0xFF
+    data[(8 << 20) + 1] ^= 0xFF   # bytes no sample covers: not noticed (documented)
+    path.write_bytes(data)
+    assert weights_identity([path]) == before
