@@ -28,8 +28,12 @@ kernels: $(STAMP)
 serve: install
 	$(VENV)/bin/tandem serve $(ARGS)
 
+# Test files run in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one, so its servers
+# start once). A serial run keeps about one of 2 cores busy (tests mostly wait on their servers), so
+# two workers overlap well there. TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The fault-injection scenarios alone (tests/chaos; `make test` runs them too)
 chaos: install

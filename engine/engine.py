@@ -18,10 +18,10 @@ import time
 from dataclasses import dataclass
 
 from engine.config import ConfigError, EngineConfig
-from engine.errors import (ContextLengthExceededError, InvalidRequestError, RequestAbortedError,
+from engine.errors import (CapacityError, ContextLengthExceededError, InvalidRequestError, RequestAbortedError,
                            RequestNotFoundError)
 from engine.grammar import GrammarBackend, accept_token
-from engine.page_allocator import PageAllocator
+from engine.page_allocator import PageAllocator, pages_needed
 from engine.prefix_cache import PrefixCache
 from engine.request import FinishReason, Request, SamplingParams, StepOutput, join_prompt_logprobs
 from engine.runner import ModelRunner
@@ -103,6 +103,12 @@ class Engine:
         if prompt_len >= self.context_len:
             raise ContextLengthExceededError(
                 f"prompt has {prompt_len} tokens; the context length is {self.context_len}")
+        needed = pages_needed(prompt_len, self.config.page_size)
+        if needed > self.allocator.num_pages:   # no wait would help: not a capacity error
+            raise InvalidRequestError(f"prompt needs {needed} KV pages but the decode pool has "
+                                      f"{self.allocator.num_pages} in all")
+        if self.scheduler.has_resuming:
+            raise CapacityError("requests paused for lack of KV pages are resumed before new ones are reserved")
         page_ids = self.scheduler.reserve(prompt_len)
         self._reservations[request_id] = _Reservation(page_ids, prompt_len, time.monotonic() + ttl_s, grace_s)
         return page_ids

@@ -90,6 +90,9 @@ class Request:
     server releases them (after the KV transfer).
     With `prompt_logprob_start` set, prefill also scores the prompt's own tokens from that position
     on (`prompt_logprobs`), so the prefix cache may serve at most the tokens before it.
+    A running request preempted for lack of pages (`is_resuming`) gave its pages back; it waits to
+    be prefilled again over its whole sequence so far, and the token sampled at the end of that
+    prefill is its next output token, as a decode step would have sampled it.
     """
 
     request_id: str
@@ -112,10 +115,20 @@ class Request:
     prompt_logprob_start: int | None = None   # score the prompt from this position (None: don't)
     prompt_logprobs: "PromptLogprobs | None" = None
     prefill_started_at: float | None = None   # time.perf_counter() when its (first chunk's) prefill began
+    is_resuming: bool = False     # preempted: its KV is recomputed by a prefill of `prefill_ids`
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What a prefill computes: the prompt, or for a resuming request the whole sequence so far."""
+        return self.prompt_ids + self.output_ids if self.is_resuming else self.prompt_ids
+
+    @property
+    def prefill_len(self) -> int:
+        return self.seq_len if self.is_resuming else self.prompt_len
 
     @property
     def seq_len(self) -> int:

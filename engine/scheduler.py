@@ -2,8 +2,10 @@
 
 Policy: new prompts are prefilled first (FCFS, up to `max_prefill_tokens` per step, and only
 while their pages fit); otherwise every running request decodes together in one batch. A running
-request that needs a new page when none is free is aborted (the newest first) rather than
-blocking the batch forever.
+request that needs a new page when none is free preempts the newest running requests: they give
+their pages back and wait, ahead of new prompts, to be recomputed by a prefill of everything they
+had (their output so far included) once pages are free again, then decode on. Only a request
+that could not fit even alone in the whole pool is aborted.
 
 Chunked prefill (`chunked_prefill_size`): a prefill step computes at most that many prompt tokens
 (and at most `max_prefill_tokens`) in all; the prompt that would cross the cap is split, and the
@@ -42,6 +44,7 @@ class Scheduler:
         self.chunked_prefill_size = chunked_prefill_size or None   # 0, like None, means no chunking
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0
 
     @property
     def has_work(self) -> bool:
@@ -56,7 +59,7 @@ class Scheduler:
         self.running.append(req)
 
     def schedule(self) -> tuple[ScheduledBatch | None, list[Request]]:
-        """Pick the next batch. Also returns requests aborted for lack of pages (already finished)."""
+        """Pick the next batch. Also returns requests aborted because they could never fit (already finished)."""
         prefill = self._schedule_prefill()
         if prefill:
             return ScheduledBatch(prefill, is_decode=False), []
@@ -81,17 +84,20 @@ class Scheduler:
             if not is_continuing and len(self.running) + len(batch) >= self.max_running_requests:
                 break
             if (self.chunked_prefill_size is None and batch
-                    and num_tokens + req.prompt_len - req.num_computed > budget):
+                    and num_tokens + req.prefill_len - req.num_computed > budget):
                 break
             matched = self._match_prefix(req)
-            needed = pages_needed(req.prompt_len, self.page_size) - len(req.page_ids)
-            if not self._can_allocate(needed):
+            needed = pages_needed(req.prefill_len, self.page_size) - len(req.page_ids)
+            # a preempted request comes back only with a page of room for each running one, or the
+            # next decode step would preempt again at once
+            headroom = len(self.running) if req.is_resuming and not is_continuing else 0
+            if not self._can_allocate(needed + headroom):
                 if matched:   # give the matched pages back; the request retries the match later
                     self.release_pages(req)
                     req.num_computed = req.num_cached_tokens = 0
                 break
             req.page_ids.extend(self._allocate(needed))
-            num_left = req.prompt_len - req.num_computed
+            num_left = req.prefill_len - req.num_computed
             is_split = self.chunked_prefill_size is not None and num_tokens + num_left > budget
             req.num_new_tokens = budget - num_tokens if is_split else num_left
             batch.append(req)
@@ -109,22 +115,40 @@ class Scheduler:
         return min(self.chunked_prefill_size, self.max_prefill_tokens)
 
     def _grow_decode_pages(self) -> list[Request]:
-        """Give each running request room for the token it is about to write."""
-        evicted: list[Request] = []
+        """Give each running request room for the token it is about to write. When the pool has no
+        page left, the newest running requests are preempted (`preempt`) until one is free; a request
+        that could not fit even alone in the whole pool is aborted instead. Returns the aborted."""
+        aborted: list[Request] = []
         for req in list(self.running):
-            if req.is_finished or pages_needed(req.seq_len, self.page_size) <= len(req.page_ids):
+            if req not in self.running or pages_needed(req.seq_len, self.page_size) <= len(req.page_ids):
                 continue
-            while not self._can_allocate(1) and self.running:
-                victim = self.running[-1]
-                self.finish(victim, FinishReason.ABORT,
-                            message=f"KV cache exhausted ({self.allocator.num_pages} pages); request evicted")
-                evicted.append(victim)
-                if victim is req:
-                    break
-            if req.is_finished:
+            if pages_needed(req.seq_len, self.page_size) > self.allocator.num_pages:
+                self.finish(req, FinishReason.ABORT,
+                            message=f"KV cache exhausted: the request needs {pages_needed(req.seq_len, self.page_size)} "
+                                    f"KV pages for {req.seq_len} tokens, more than the pool's {self.allocator.num_pages}")
+                aborted.append(req)
                 continue
-            req.page_ids.extend(self._allocate(1))
-        return evicted
+            while not self._can_allocate(1) and req in self.running:
+                self.preempt(self.running[-1])
+            if req in self.running:
+                req.page_ids.extend(self._allocate(1))
+        return aborted
+
+    def preempt(self, req: Request) -> None:
+        """Pause a running request: free its pages and queue it to be recomputed (ahead of new
+        prompts, behind a prompt part-way through its chunks), keeping what it generated."""
+        self.running.remove(req)
+        self.release_pages(req)
+        req.num_computed = req.num_cached_tokens = 0
+        req.is_resuming = True
+        req.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.insert(1 if self.waiting and self.waiting[0].page_ids else 0, req)
+
+    @property
+    def has_resuming(self) -> bool:
+        """Preempted requests wait to come back: new reservations must not take their pages first."""
+        return any(r.is_resuming for r in self.waiting)
 
     def after_prefill(self, req: Request) -> bool:
         """The step wrote `req.num_new_tokens` more prompt tokens. Returns whether the prompt is now
@@ -133,8 +157,9 @@ class Scheduler:
         next chunk, and the token sampled this step must be ignored."""
         req.num_computed += req.num_new_tokens
         req.num_new_tokens = 0
-        if req.num_computed < req.prompt_len:
+        if req.num_computed < req.prefill_len:
             return False
+        req.is_resuming = False
         if self.prefix_cache is not None:
             self.prefix_cache.insert(req.prompt_ids, req.page_ids, req.num_cached_tokens // self.page_size)
         if not req.is_prefill_only:

@@ -48,7 +48,7 @@ class StepInputs:
 def build_step_inputs(requests: list[Request], is_decode: bool, page_size: int, pin: bool = False) -> StepInputs:
     """Host tensors (pinned when `pin`) for one step of `requests`, whose pages are allocated.
 
-    Prefill computes `num_new_tokens` prompt tokens from `num_computed` on (the rest of the prompt
+    Prefill computes `num_new_tokens` tokens of `req.prefill_ids` from `num_computed` on (the rest
     when 0); decode feeds only the newest token."""
     ids: list[int] = []
     pos: list[int] = []
@@ -59,8 +59,8 @@ def build_step_inputs(requests: list[Request], is_decode: bool, page_size: int, 
             new = [req.output_ids[-1]] if req.output_ids else req.prompt_ids[-1:]
         else:
             start = req.num_computed
-            end = start + req.num_new_tokens if req.num_new_tokens else req.prompt_len
-            new = req.prompt_ids[start:end]
+            end = start + req.num_new_tokens if req.num_new_tokens else req.prefill_len
+            new = req.prefill_ids[start:end]
         ids.extend(new)
         pos.extend(range(start, start + len(new)))
         query_lens.append(len(new))

@@ -17,6 +17,7 @@ from gateway import (admin_api, batches_api, embeddings_api, expert_api, files_a
 from gateway.auth import AuthMiddleware, log_key_policy
 from gateway.batch_runner import run_batches
 from gateway.config import GatewayConfig
+from gateway.admission import Admission
 from gateway.errors import APIError
 from gateway.interactive_traffic import InteractiveTraffic, TrafficMiddleware
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
@@ -35,7 +36,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         pool = WorkerPool(config.prefill_addrs, config.decode_addrs, metrics=gateway_metrics,
-                          credentials=config.internal)
+                          credentials=config.internal,
+                          admission=Admission(config.max_queued_requests, config.max_queue_wait_s, gateway_metrics))
         app.state.gateway = GatewayState(config, tokenizer, pool)
         await pool.probe_all()
         pool.start()
@@ -83,7 +85,7 @@ class _JSONBodyMiddleware:
 
 
 async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

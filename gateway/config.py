@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from gateway.sampling_defaults import SamplingDefaults
 from tandem.internal_auth import InternalCredentials
 
+DEFAULT_MAX_QUEUED = 1024           # generations waiting for decode KV space (gateway/admission.py)
+DEFAULT_MAX_QUEUE_WAIT_S = 120.0
+
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
@@ -29,6 +32,8 @@ class GatewayConfig:
     reserve_timeout_s: float = 10.0
     prefill_timeout_s: float = 600.0
     request_timeout_s: float = 3600.0
+    max_queued_requests: int = DEFAULT_MAX_QUEUED      # generations waiting for decode KV space (admission)
+    max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S   # ... and how long each may wait
     stall_timeout_s: float = 20.0         # a worker silent this long on a call is health-checked (gateway/handoff.py)
     default_max_new_tokens: int = 128     # native /generate, as in SGLang
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
@@ -58,6 +63,9 @@ class GatewayConfig:
         for name in ("batch_concurrency", "batch_yield_threshold", "max_batch_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("reserve_timeout_s", "prefill_timeout_s", "request_timeout_s", "stall_timeout_s"):
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        for name in ("reserve_timeout_s", "prefill_timeout_s", "request_timeout_s", "stall_timeout_s",
+                     "max_queue_wait_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")

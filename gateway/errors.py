@@ -76,16 +76,22 @@ def public_message(text: str, keep: tuple[str, ...] = ()) -> str:
 
 
 class APIError(Exception):
-    """An error answered as `{"error": {"message", "type", "param", "code"}}` with `status`."""
+    """An error answered as `{"error": {"message", "type", "param", "code"}}` with `status`, and a
+    `Retry-After` header when `retry_after_s` is set (503s of an overloaded gateway)."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
 
     def body(self) -> dict:
         """The client's view: the message goes through `public_message` (the full one is logged)."""

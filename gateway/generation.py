@@ -154,6 +154,34 @@ async def generate_all(pool: WorkerPool, config: GatewayConfig, tokenizer: Token
     return result
 
 
+async def gather_results(pool: WorkerPool, config: GatewayConfig, tokenizer: Tokenizer | None,
+                         requests: list[GenerationRequest]) -> list[GenerationResult]:
+    """Every request's whole result (`generate_choices`, gathered)."""
+    results = [GenerationResult() for _ in requests]
+    async for index, delta in generate_choices(pool, config, tokenizer, requests):
+        results[index].add(delta)
+    return results
+
+
+async def started_choices(pool: WorkerPool, config: GatewayConfig, tokenizer: Tokenizer | None,
+                          requests: list[GenerationRequest]) -> AsyncIterator[tuple[int, TextDelta]]:
+    """`generate_choices`, once its first delta has arrived. By then a generation was admitted,
+    reserved and prefilled, so a streaming route that awaits this before it answers turns a refusal
+    (no KV space, a full queue, a failed prefill) into a real status code, not an error event
+    after a 200."""
+    choices = generate_choices(pool, config, tokenizer, requests)
+    first = await anext(choices)
+    return _chained(first, choices)
+
+
+async def _chained(first: tuple[int, TextDelta], rest: AsyncIterator[tuple[int, TextDelta]]
+                   ) -> AsyncIterator[tuple[int, TextDelta]]:
+    async with contextlib.aclosing(rest):
+        yield first
+        async for item in rest:
+            yield item
+
+
 async def generate_choices(pool: WorkerPool, config: GatewayConfig, tokenizer: Tokenizer | None,
                            requests: list[GenerationRequest]) -> AsyncIterator[tuple[int, TextDelta]]:
     """Run several generations concurrently (n choices, several prompts) and merge their deltas as

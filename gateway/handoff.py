@@ -120,14 +120,25 @@ async def _trip(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt
                 gateway_queue_ms: float) -> AsyncIterator[TokenEvent]:
     """The trip itself, as `run_handoff` describes it, without the metrics."""
     started = time.perf_counter()
-    prefill, decode = pool.pick_pair()
+    pair: list[Worker] = []   # (prefill, decode) of the Reserve under way, then of the trip
+
+    async def reserve() -> decode_pb2.ReserveResponse:
+        pair[:] = pool.pick_pair()
+        try:
+            return await _call(pair[1], pair[1].stub.Reserve(
+                decode_pb2.ReserveRequest(request_id=request_id, prompt_len=len(prompt_ids)),
+                timeout=config.reserve_timeout_s))
+        except APIError:
+            pair.clear()
+            raise
+
     try:
-        reserved = await _call(decode, decode.stub.Reserve(
-            decode_pb2.ReserveRequest(request_id=request_id, prompt_len=len(prompt_ids)),
-            timeout=config.reserve_timeout_s))
-    except asyncio.CancelledError:   # the reservation may have been made: no prefill was sent for it
-        await _settle(_release(decode, prefill, request_id, None))
+        reserved = await pool.admission.admit(reserve)   # waits its turn while the decode pool is full
+    except asyncio.CancelledError:   # a reservation may have been made: no prefill was sent for it
+        if pair:
+            await _settle(_release(pair[1], pair[0], request_id, None))
         raise
+    prefill, decode = pair
     reserve_ms = (time.perf_counter() - started) * 1000
     generate: grpc.aio.UnaryStreamCall | None = None
     finished = False
@@ -170,6 +181,7 @@ async def _trip(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt
             if generate is not None:
                 generate.cancel()
             await _settle(_release(decode, prefill, request_id, None if write_settled else reserved.kv_target))
+        pool.admission.released()
 
 
 async def _call(worker: Worker, call):

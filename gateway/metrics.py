@@ -4,7 +4,7 @@ One `GatewayMetrics` per app, with its own registry (never prometheus_client's g
 writes what: `MetricsMiddleware` counts every HTTP request by route template, method and status and
 keeps the in-flight gauge; the handoff (through `WorkerPool.metrics`) records time to first token,
 inter-token latency, end-to-end latency, its per-phase timings and token counts; the pool records
-how many workers of each role are ready. Everything runs on the event loop.
+how many workers of each role are ready; admission, the queue's depth, waits and refusals. Everything runs on the event loop.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class GatewayMetrics:
             "generations that finished or were closed by their reader", buckets=_LATENCY_BUCKETS_S, registry=r)
         self.handoff_phase = Histogram(
             "tandem_gateway_handoff_phase_seconds", "Each handoff phase: gateway_queue (HTTP arrival to the "
-            "trip's start), reserve (decode RPC), prefill_queue, prefill_compute, kv_transfer (as the prefill "
+            "trip's start), reserve (decode RPC, with any wait for decode KV space), prefill_queue, prefill_compute, kv_transfer (as the prefill "
             "server reports them), decode_queue (as the decode server reports it)", ["phase"],
             buckets=_PHASE_BUCKETS_S, registry=r)
         self.kv_transfer_bytes = Counter("tandem_gateway_kv_transfer_bytes",
@@ -64,6 +64,13 @@ class GatewayMetrics:
             "closed (the reader stopped first: a stop string, or the client left), error", ["outcome"], registry=r)
         self.workers_ready = Gauge("tandem_gateway_workers_ready", "Workers answering their health check, by role",
                                    ["role"], registry=r)
+        self.queued_requests = Gauge("tandem_gateway_queued_requests",
+                                     "Generations waiting for decode KV space (gateway/admission.py)", registry=r)
+        self.queue_wait = Histogram("tandem_gateway_queue_wait_seconds",
+                                    "Time generations that had to queue spent waiting for decode KV space",
+                                    buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.admission_refused = Counter("tandem_gateway_admission_refused", "Generations refused by admission: "
+                                         "queue_full, queue_timeout", ["reason"], registry=r)
 
     def observe_first_token(self, timings: HandoffTimings, num_prompt_tokens: int) -> None:
         self.time_to_first_token.observe(timings.first_token_ms / 1000)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import time
 from typing import AsyncIterator
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from gateway.disconnect import cancel_on_disconnect
 from gateway.errors import bad_request
-from gateway.generation import Finish, GenerationRequest, GenerationResult, check_batch_size, generate_choices
+from gateway.generation import (Finish, GenerationRequest, GenerationResult, TextDelta, check_batch_size,
+                                gather_results, started_choices)
 from gateway.native_logprobs import LogprobOptions, logprob_fields, logprob_options
 from gateway.sampling import SamplingFields, build_sampling, check_token_ids, output_constraint, stop_list
 from gateway.schemas import GenerateRequest
@@ -33,7 +35,7 @@ async def health(state: GatewayState = Depends(gateway_state)):
 
 
 @router.post("/generate")
-async def generate(body: GenerateRequest, state: GatewayState = Depends(gateway_state)):
+async def generate(body: GenerateRequest, http_request: Request, state: GatewayState = Depends(gateway_state)):
     """One prompt, or a batch (`text` / `input_ids` as lists), each with `n` samples. A single
     prompt with n == 1 answers one object; anything else answers a list, in prompt-major order."""
     arrived_at = time.perf_counter()
@@ -54,10 +56,11 @@ async def generate(body: GenerateRequest, state: GatewayState = Depends(gateway_
         options += [logprobs] * len(choices)
     check_batch_size(state.config, requests, "text" if body.text is not None else "input_ids")
     if body.stream:
-        return sse_response(_stream(state, body, requests, options, arrived_at, is_batch or len(requests) > 1))
-    results = [GenerationResult() for _ in requests]
-    async for index, delta in generate_choices(state.pool, state.config, state.tokenizer, requests):
-        results[index].add(delta)
+        started = await cancel_on_disconnect(http_request, started_choices(state.pool, state.config, state.tokenizer,
+                                                                           requests))
+        return sse_response(_stream(state, body, requests, started, options, arrived_at, is_batch or len(requests) > 1))
+    results = await cancel_on_disconnect(http_request, gather_results(state.pool, state.config, state.tokenizer,
+                                                                      requests))
     answers = [_response(state, body, r, o, res, arrived_at) for r, o, res in zip(requests, options, results)]
     return answers if is_batch or len(answers) > 1 else answers[0]
 
@@ -118,11 +121,12 @@ def _flag(params: dict, name: str, default: bool) -> bool:
 
 
 async def _stream(state: GatewayState, body: GenerateRequest, requests: list[GenerationRequest],
-                  options: list[LogprobOptions], started: float, with_index: bool) -> AsyncIterator[dict]:
+                  choices: AsyncIterator[tuple[int, TextDelta]], options: list[LogprobOptions], started: float,
+                  with_index: bool) -> AsyncIterator[dict]:
     """Each event carries the cumulative text of its prompt so far, as SGLang's stream does
     (plus `index` when several generations share the stream)."""
     results = [GenerationResult() for _ in requests]
-    async for index, delta in generate_choices(state.pool, state.config, state.tokenizer, requests):
+    async for index, delta in choices:
         results[index].add(delta)
         if delta.text or delta.finish is not None:
             event = _response(state, body, requests[index], options[index], results[index], started)

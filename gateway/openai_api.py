@@ -6,10 +6,12 @@ import json
 import time
 from typing import AsyncIterator
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 
+from gateway.disconnect import cancel_on_disconnect
 from gateway.errors import bad_request
-from gateway.generation import GenerationRequest, GenerationResult, check_batch_size, generate_choices
+from gateway.generation import (GenerationRequest, GenerationResult, TextDelta, check_batch_size, gather_results,
+                                started_choices)
 from gateway.openai_format import (chat_logprobs, completion_logprobs, finish_name, join_completion_logprobs,
                                    matched_stop, prompt_completion_logprobs, usage)
 from gateway.sampling import (SamplingFields, build_sampling, check_token_ids, check_top_logprobs, output_constraint,
@@ -38,7 +40,8 @@ async def get_model(model_id: str, state: GatewayState = Depends(gateway_state))
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, state: GatewayState = Depends(gateway_state)):
+async def chat_completions(body: ChatCompletionRequest, http_request: Request,
+                           state: GatewayState = Depends(gateway_state)):
     state.check_model(body.model)
     state.require_generation()
     tokenizer = state.require_tokenizer("messages")
@@ -64,8 +67,10 @@ async def chat_completions(body: ChatCompletionRequest, state: GatewayState = De
     created, rid = int(time.time()), f"chatcmpl-{requests[0].request_id}"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(_chat_chunks(state, requests, body, rid, created, include_usage, num_top, plan))
-    results = await _gather(state, requests)
+        choices = await cancel_on_disconnect(http_request, started_choices(state.pool, state.config, tokenizer,
+                                                                           requests))
+        return sse_response(_chat_chunks(state, requests, choices, body, rid, created, include_usage, num_top, plan))
+    results = await cancel_on_disconnect(http_request, gather_results(state.pool, state.config, state.tokenizer, requests))
     choices = []
     for index, result in enumerate(results):
         content, calls = parse_tool_calls(result.text, plan) if plan.parses_calls else (result.text, [])
@@ -118,7 +123,7 @@ def _arguments(call: dict):
 
 
 @router.post("/v1/completions")
-async def completions(body: CompletionRequest, state: GatewayState = Depends(gateway_state)):
+async def completions(body: CompletionRequest, http_request: Request, state: GatewayState = Depends(gateway_state)):
     state.check_model(body.model)
     state.require_generation()
     if body.suffix is not None:
@@ -141,9 +146,11 @@ async def completions(body: CompletionRequest, state: GatewayState = Depends(gat
               for ids in prompts]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(_completion_chunks(state, requests, body, rid, created, include_usage, echoes,
+        choices = await cancel_on_disconnect(http_request, started_choices(state.pool, state.config,
+                                                                           state.tokenizer, requests))
+        return sse_response(_completion_chunks(state, requests, choices, body, rid, created, include_usage, echoes,
                                                num_top, len(prompts)))
-    results = await _gather(state, requests)
+    results = await cancel_on_disconnect(http_request, gather_results(state.pool, state.config, state.tokenizer, requests))
     choices = []
     for p, prompt_ids in enumerate(prompts):
         candidates = results[p * best_of:(p + 1) * best_of]
@@ -211,13 +218,6 @@ def _choice_requests(state: GatewayState, body, prompts: list[list[int]], n: int
     return requests
 
 
-async def _gather(state: GatewayState, requests: list[GenerationRequest]) -> list[GenerationResult]:
-    results = [GenerationResult() for _ in requests]
-    async for index, delta in generate_choices(state.pool, state.config, state.tokenizer, requests):
-        results[index].add(delta)
-    return results
-
-
 def _stops(state: GatewayState, stop) -> tuple[str, ...]:
     stops = stop_list(stop)
     if stops:
@@ -249,7 +249,8 @@ def _constraint(body, plan: ToolPlan | None = None) -> tuple[str, str] | None:
     return output_constraint(schema, body.regex, body.ebnf, json_object, "response_format")
 
 
-async def _chat_chunks(state: GatewayState, requests: list[GenerationRequest], body: ChatCompletionRequest, rid: str,
+async def _chat_chunks(state: GatewayState, requests: list[GenerationRequest],
+                       choices: AsyncIterator[tuple[int, TextDelta]], body: ChatCompletionRequest, rid: str,
                        created: int, include_usage: bool, num_top: int, plan: ToolPlan) -> AsyncIterator[dict]:
     """Content streams as it comes; with tools, each choice's text is held until it finishes and then
     sent as tool_calls deltas (or as content, if it holds no call)."""
@@ -265,7 +266,7 @@ async def _chat_chunks(state: GatewayState, requests: list[GenerationRequest], b
         yield chunk(index, {"role": "assistant", "content": ""})
     results = [GenerationResult() for _ in requests]
     splitters = [ReasoningSplitter() if body.separate_reasoning else None for _ in requests]
-    async for index, delta in generate_choices(state.pool, state.config, tokenizer, requests):
+    async for index, delta in choices:
         result = results[index]
         result.add(delta)
         logprobs = chat_logprobs(tokenizer, delta.tokens, num_top) if body.logprobs else None
@@ -302,8 +303,9 @@ def _split_delta(splitter: ReasoningSplitter | None, text: str, is_last: bool) -
     return reasoning, content
 
 
-async def _completion_chunks(state: GatewayState, requests: list[GenerationRequest], body: CompletionRequest,
-                             rid: str, created: int, include_usage: bool, echoes: list[str], num_top: int,
+async def _completion_chunks(state: GatewayState, requests: list[GenerationRequest],
+                             choices: AsyncIterator[tuple[int, TextDelta]], body: CompletionRequest, rid: str,
+                             created: int, include_usage: bool, echoes: list[str], num_top: int,
                              num_prompts: int) -> AsyncIterator[dict]:
     def chunk(index: int, text: str, logprobs=None, finish: str | None = None, matched=None) -> dict:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
@@ -319,7 +321,7 @@ async def _completion_chunks(state: GatewayState, requests: list[GenerationReque
             yield chunk(index, echoes[index // per_prompt])
     results = [GenerationResult() for _ in requests]
     offsets = [len(echoes[i // per_prompt]) for i in range(len(requests))]
-    async for index, delta in generate_choices(state.pool, state.config, state.tokenizer, requests):
+    async for index, delta in choices:
         results[index].add(delta)
         if echo_pending[index]:
             echo_pending[index] = False

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.admission import Admission
+from gateway.config import DEFAULT_MAX_QUEUE_WAIT_S, DEFAULT_MAX_QUEUED
 from gateway.discovery import REFRESH_INTERVAL_S, RoleDiscovery
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
@@ -98,12 +100,14 @@ class WorkerPool:
     """The prefill and decode workers: static addresses, plus `dns:///name:port` ones re-resolved
     (`gateway/discovery.py`) on every probe round once their refresh interval has passed. `metrics`
     gets the number of ready workers per role, and the handoffs run through the pool record theirs.
-    Every channel carries `credentials` (the internal token, TLS)."""
+    Every channel carries `credentials` (the internal token, TLS). Handoffs wait for decode KV space
+    through `admission`."""
 
     def __init__(self, prefill_addrs: tuple[str, ...], decode_addrs: tuple[str, ...],
                  refresh_interval_s: float = REFRESH_INTERVAL_S, metrics: GatewayMetrics | None = None,
-                 credentials: InternalCredentials = InternalCredentials()) -> None:
+                 credentials: InternalCredentials = InternalCredentials(), admission: Admission | None = None) -> None:
         self.metrics = metrics or GatewayMetrics()
+        self.admission = admission or Admission(DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUE_WAIT_S, self.metrics)
         self._credentials = credentials
         self._discovery = {"prefill": RoleDiscovery("prefill", prefill_addrs, refresh_interval_s),
                            "decode": RoleDiscovery("decode", decode_addrs, refresh_interval_s)}

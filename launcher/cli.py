@@ -11,6 +11,7 @@ import re
 import sys
 from typing import TYPE_CHECKING
 
+from gateway.config import DEFAULT_MAX_QUEUE_WAIT_S, DEFAULT_MAX_QUEUED
 from gateway.discovery import check_worker_spec
 from launcher.defaults import (BUNDLED_MODEL_SAMPLING, default_data_dir, default_dtype, default_model_path,
                                default_torch_threads, is_bundled_model, served_name_for)
@@ -99,6 +100,11 @@ def _add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model path)")
     p.add_argument("--prefill-timeout", type=float, default=600.0)
     p.add_argument("--request-timeout", type=float, default=3600.0)
+    p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED,
+                   help="generations that may wait for decode KV space at once; one more gets a 503 with "
+                        "Retry-After (0: no queue, refuse at once)")
+    p.add_argument("--max-queue-wait", type=float, default=DEFAULT_MAX_QUEUE_WAIT_S,
+                   help="seconds a generation may wait for decode KV space before a 503 with Retry-After")
     p.add_argument("--stall-timeout", type=float, default=20.0,
                    help="seconds a worker may send nothing on a request before the gateway checks its health; "
                         "one that does not answer ends the request with a 503 and gets no new requests until "
@@ -227,6 +233,8 @@ def _serve(args: argparse.Namespace) -> int:
                               "--prefill-timeout", str(args.prefill_timeout),
                               "--request-timeout", str(args.request_timeout),
                               "--stall-timeout", str(args.stall_timeout),
+                              "--max-queued-requests", str(args.max_queued_requests),
+                              "--max-queue-wait", str(args.max_queue_wait),
                               "--data-dir", args.data_dir or default_data_dir(),
                               "--batch-concurrency", str(args.batch_concurrency),
                               "--max-batch-requests", str(args.max_batch_requests),
@@ -293,6 +301,7 @@ def _gateway(args: argparse.Namespace) -> int:
                            is_embedding=args.is_embedding, host=args.host,
                            port=args.port, prefill_timeout_s=args.prefill_timeout,
                            request_timeout_s=args.request_timeout, stall_timeout_s=args.stall_timeout,
+                           max_queued_requests=args.max_queued_requests, max_queue_wait_s=args.max_queue_wait,
                            data_dir=os.path.abspath(args.data_dir or default_data_dir()),
                            batch_concurrency=args.batch_concurrency, max_batch_requests=args.max_batch_requests,
                            expert_distribution_dir=os.path.abspath(args.expert_distribution_dir or os.getcwd()),

@@ -60,6 +60,8 @@ class WorkerMetrics:
                                          buckets=_BATCH_BUCKETS, registry=r)
         self.generation_tokens = Counter("tandem_worker_generation_tokens", "Tokens sampled by this worker's engine",
                                          registry=r)
+        self.preemptions = Gauge("tandem_worker_preemptions", "Running requests paused for lack of KV pages "
+                                 "(recomputed later) since start", registry=r)
         self._num_prompt_tokens = 0
         self._num_cached_tokens = 0
 
@@ -79,6 +81,7 @@ class WorkerMetrics:
         self.kv_pages.labels("free").set(num_free)
         self.kv_pages.labels("cached").set(num_cached)
         self.kv_pages.labels("used").set(num_total - num_free - num_cached)
+        self.preemptions.set(engine.scheduler.num_preemptions)
 
     def record_prefill(self, num_prompt_tokens: int, num_cached_tokens: int, kv_bytes: int,
                        transfer_seconds: float) -> None:

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 torch.set_flush_denormal(True)  # random-weight fp32 models crawl on denormals otherwise
+if os.environ.get("PYTEST_XDIST_WORKER"):   # `make test` runs test files in N processes: they share the cores
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

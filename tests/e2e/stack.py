@@ -60,7 +60,7 @@ class WorkerPages:
         for role, port in (("prefill", self.prefill_port), ("decode", self.decode_port)):
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 loads[role] = worker_pb2_grpc.WorkerServiceStub(channel).GetLoad(
-                    common_pb2.GetLoadRequest(), timeout=5, metadata=WORKER_METADATA)
+                    common_pb2.GetLoadRequest(), timeout=30, metadata=WORKER_METADATA)   # waits for a step to end
         return loads
 
     def assert_no_pages_held(self, within_s: float = 5.0) -> None:

@@ -336,21 +336,27 @@ def test_abort_of_a_held_prefill_only_request_frees_its_pages(model_dir: Path) -
     _assert_idle(engine)
 
 
-def test_kv_exhaustion_evicts_the_newest_request(model_dir: Path) -> None:
+def test_kv_exhaustion_preempts_the_newest_request_and_its_greedy_output_is_unchanged(model_dir: Path) -> None:
     engine = _engine(model_dir)  # 16 pages; three requests of 8 + 20 tokens need 7 pages each
     for rid in ("r0", "r1", "r2"):
         engine.add_request(Request(rid, PROMPT_A[:8], SamplingParams(max_new_tokens=20, **GREEDY)))
     outputs = _run(engine)
-    assert outputs["r2"][-1].finish_reason is FinishReason.ABORT
-    assert outputs["r2"][-1].token_id is None
-    assert "KV cache exhausted" in outputs["r2"][-1].abort_message
-    assert len(_tokens(outputs["r2"])) < 20
-    for rid in ("r0", "r1"):
-        assert len(_tokens(outputs[rid])) == 20
+    assert engine.scheduler.num_preemptions >= 1
+    alone = _tokens(_generate(_engine(model_dir), PROMPT_A[:8], "alone", max_new_tokens=20, **GREEDY))
+    for rid in ("r0", "r1", "r2"):   # the preempted one was recomputed and went on as if never paused
+        assert _tokens(outputs[rid]) == alone, rid
         assert outputs[rid][-1].finish_reason is FinishReason.LENGTH
-    assert _tokens(outputs["r0"]) == _tokens(outputs["r1"])  # same prompt, greedy
     _assert_idle(engine)
     assert not any(engine.holds(rid) for rid in ("r0", "r1", "r2"))
+
+
+def test_a_request_that_could_never_fit_the_pool_is_aborted_saying_why(model_dir: Path) -> None:
+    engine = _engine(model_dir)  # 16 pages of 4 tokens: 64 tokens in all
+    engine.add_request(Request("long", PROMPT_A[:8], SamplingParams(max_new_tokens=80, **GREEDY)))
+    last = _run(engine)["long"][-1]
+    assert last.finish_reason is FinishReason.ABORT and last.token_id is None
+    assert "more than the pool's 16" in last.abort_message
+    _assert_idle(engine)
 
 
 def test_same_seed_gives_same_tokens_wherever_it_runs(model_dir: Path) -> None:

@@ -1,5 +1,6 @@
 """Tests for engine.scheduler: FCFS prefill within token and page budgets, chunked prefill, decode
-batches, page growth, eviction of the newest request when the pool runs dry, and page release.
+batches, page growth, preemption of the newest request when the pool runs dry (and its return by
+recompute), abort only of what could never fit, and page release.
 Plain Python."""
 
 from __future__ import annotations
@@ -138,27 +139,49 @@ def test_decode_grows_pages_only_at_page_boundaries() -> None:
     assert len(set(req.page_ids)) == 3 and scheduler.allocator.num_used == 3
 
 
-def test_newest_request_is_evicted_when_pages_run_out() -> None:
-    scheduler = _scheduler(num_pages=4)
+def test_newest_request_is_preempted_when_pages_run_out_and_comes_back_by_recompute() -> None:
+    scheduler = _scheduler(num_pages=5)
     r0, r1 = _request("r0", 8), _request("r1", 8)
     _prefill(scheduler, r0, r1)     # 4 pages used; both now need a third page
-    assert scheduler.allocator.num_free == 0
-    batch, evicted = scheduler.schedule()
-    assert evicted == [r1]
-    assert r1.is_finished and r1.finish_reason is FinishReason.ABORT
-    assert "KV cache exhausted" in r1.abort_message and r1.page_ids == []
+    r1.output_ids.append(7)         # r1 has generated two tokens so far
+    scheduler.allocator.allocate(1)   # someone else holds the last page
+    batch, aborted = scheduler.schedule()
+    assert aborted == [] and not r1.is_finished and r1.is_resuming
+    assert r1.status is RequestStatus.WAITING and r1.page_ids == [] and r1.num_computed == 0
+    assert list(scheduler.waiting) == [r1] and scheduler.has_resuming and scheduler.num_preemptions == 1
     assert batch is not None and batch.is_decode and batch.requests == [r0]
     assert len(r0.page_ids) == 3 and scheduler.running == [r0]
-    assert scheduler.allocator.num_used == 3
+
+    scheduler.finish(r0, FinishReason.LENGTH)   # its 3 pages come back: r1 fits with room to decode
+    batch, aborted = scheduler.schedule()
+    assert aborted == [] and batch is not None and not batch.is_decode and batch.requests == [r1]
+    assert r1.prefill_ids == list(range(8)) + [0, 7] and r1.num_new_tokens == 10 and len(r1.page_ids) == 3
+    assert scheduler.after_prefill(r1) and not r1.is_resuming and scheduler.running == [r1]
+    assert not scheduler.has_resuming
 
 
-def test_lone_request_that_cannot_grow_evicts_itself() -> None:
+def test_a_preempted_request_waits_for_headroom_before_it_comes_back() -> None:
+    scheduler = _scheduler(num_pages=6)
+    r0, r1 = _request("r0", 8), _request("r1", 8)
+    _prefill(scheduler, r0, r1)     # 4 used, 2 free
+    held = scheduler.allocator.allocate(2)
+    scheduler.schedule()            # r1 preempted so that r0 grows
+    scheduler.allocator.free(held[:1])   # 2 free again: r1 needs 3 pages, plus one of room for r0
+    batch, _ = scheduler.schedule()
+    assert batch.is_decode and batch.requests == [r0] and r1.is_resuming
+    scheduler.allocator.free(held[1:])
+    r0.output_ids.extend([0] * 4)   # r0 filled its third page: it needs a fourth now
+    batch, _ = scheduler.schedule()
+    assert batch.is_decode and batch.requests == [r0] and len(r0.page_ids) == 4   # still no room for r1
+
+
+def test_a_request_that_could_never_fit_is_aborted_saying_why() -> None:
     scheduler = _scheduler(num_pages=2)
     req = _request("r", 8)
-    _prefill(scheduler, req)
-    batch, evicted = scheduler.schedule()
-    assert batch is None and evicted == [req]
-    assert req.finish_reason is FinishReason.ABORT
+    _prefill(scheduler, req)        # seq_len 9 needs 3 pages of a 2-page pool
+    batch, aborted = scheduler.schedule()
+    assert batch is None and aborted == [req]
+    assert req.finish_reason is FinishReason.ABORT and "more than the pool's 2" in req.abort_message
     assert scheduler.allocator.num_free == 2 and not scheduler.has_work
 
 
@@ -168,8 +191,8 @@ def test_last_free_page_goes_to_the_oldest_request() -> None:
     _prefill(scheduler, r0, r1)     # 4 used, 1 free
     r0.output_ids.append(0)         # both at seq_len 10 need a third page; only r0 gets the free one
     r1.output_ids.append(0)
-    batch, evicted = scheduler.schedule()
-    assert evicted == [r1] and batch is not None and batch.requests == [r0]
+    batch, aborted = scheduler.schedule()
+    assert aborted == [] and r1.is_resuming and batch is not None and batch.requests == [r0]
     assert scheduler.allocator.num_used == 3
 
 
