@@ -58,6 +58,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             try:
                 sampling = sampling_from_proto(request.sampling_params)
                 if sampling.grammar is not None:   # compile off the engine thread (see GrammarBackend)
+                    ttl_s = self.ctx.config.reservation_ttl_s   # a slow compile must not let the reservation expire
+                    await self.ctx.loop.call(lambda engine: engine.touch_reservation(rid, ttl_s))
                     await self.ctx.loop.prepare_grammar(sampling.grammar)
                 sink = await self.ctx.loop.admit(rid, list(request.prompt_token_ids), request.first_token.token_id,
                                                  request.first_token.logprob, sampling, request.weights_id)

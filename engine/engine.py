@@ -113,6 +113,13 @@ class Engine:
         self._reservations[request_id] = _Reservation(page_ids, prompt_len, time.monotonic() + ttl_s, grace_s)
         return page_ids
 
+    def touch_reservation(self, request_id: str, ttl_s: float) -> None:
+        """Keep a reservation at least `ttl_s` more seconds: its Generate has arrived and is getting
+        ready (compiling a grammar), so the prefill's KV is already in its pages."""
+        reservation = self._reservations.get(request_id)
+        if reservation is not None:
+            reservation.expires_at = max(reservation.expires_at, time.monotonic() + ttl_s)
+
     def admit(self, request_id: str, prompt_ids: list[int], first_token: int, first_logprob: float,
               sampling: SamplingParams, weights_id: str | None = None) -> StepOutput | None:
         """Start decoding a reserved request from its first token. Returns a finish output if the

@@ -381,3 +381,12 @@ def test_different_seeds_give_different_tokens(model_dir: Path) -> None:
     greedy = tuple(_tokens(_generate(engine, PROMPT_A, "g", max_new_tokens=10, **GREEDY)))
     assert greedy not in runs.values()
     _assert_idle(engine)
+
+
+def test_a_touched_reservation_outlives_its_first_ttl(model_dir: Path) -> None:
+    engine = _engine(model_dir)
+    engine.reserve("slow-grammar", len(PROMPT_A), ttl_s=0.05)
+    engine.touch_reservation("slow-grammar", ttl_s=30)
+    time.sleep(0.1)
+    assert engine.expire_reservations(time.monotonic()) == [] and engine.holds("slow-grammar")
+    engine.touch_reservation("unknown", ttl_s=30)   # nothing to keep: no error
