@@ -9,9 +9,9 @@ import time
 import grpc
 
 from engine.errors import EngineError
-from engine.request import StepOutput
+from engine.request import FinishReason, StepOutput
 from server_runtime.convert import finish_to_proto, layout_to_proto, sampling_from_proto, token_to_proto
-from server_runtime.errors import abort_with
+from server_runtime.errors import RequestFailedError, abort_with
 from server_runtime.kv_grants import GrantError, IssuedGrants, grant_key
 from server_runtime.worker import WorkerContext
 from tandem.request_log import bind_request_id
@@ -28,6 +28,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     async def Reserve(self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
                       ) -> decode_pb2.ReserveResponse:
         bind_request_id(request.request_id)
+        if self.ctx.is_draining:   # a gateway that has not seen NOT_SERVING yet; it may retry elsewhere
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode worker is shutting down")
         ttl_s, grace_s = self.ctx.config.reservation_ttl_s, self.ctx.config.write_grace_s
         try:
             page_ids = await self.ctx.loop.call(
@@ -60,7 +62,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 if sampling.grammar is not None:   # compile off the engine thread (see GrammarBackend)
                     ttl_s = self.ctx.config.reservation_ttl_s   # a slow compile must not let the reservation expire
                     await self.ctx.loop.call(lambda engine: engine.touch_reservation(rid, ttl_s))
-                    await self.ctx.loop.prepare_grammar(sampling.grammar)
+                    await self.ctx.loop.prepare_grammar(sampling.grammar, self.ctx.config.grammar_compile_timeout_s)
                 sink = await self.ctx.loop.admit(rid, list(request.prompt_token_ids), request.first_token.token_id,
                                                  request.first_token.logprob, sampling, request.weights_id)
             except EngineError as exc:
@@ -71,10 +73,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 while not sink.empty():
                     outputs.append(sink.get_nowait())
                 finished = outputs[-1].finish_reason is not None
-                response = _response(rid, outputs)
-                if queue_ms is not None:   # the first message
-                    response.queue_ms, queue_ms = queue_ms, None
-                yield response
+                # A failed request (its pages already freed): the tokens before it, then the error as the status.
+                failure = outputs.pop() if outputs[-1].finish_reason is FinishReason.ERROR else None
+                if outputs:
+                    response = _response(rid, outputs)
+                    if queue_ms is not None:   # the first message
+                        response.queue_ms, queue_ms = queue_ms, None
+                    yield response
+                if failure is not None:
+                    await abort_with(context, RequestFailedError(failure.abort_message))
         finally:
             if not finished:     # rejected, or the client went away: free the request's pages now
                 # Generate comes after the prefill answered, so its KV write has settled.

@@ -24,12 +24,13 @@ from engine.grammar import GrammarBackend, accept_token
 from engine.page_allocator import PageAllocator, pages_needed
 from engine.prefix_cache import PrefixCache
 from engine.request import FinishReason, Request, SamplingParams, StepOutput, join_prompt_logprobs
-from engine.runner import ModelRunner
+from engine.runner import FaultHooks, ModelRunner
 from engine.scheduler import Scheduler
 from engine.weights import Checkpoint
 
 logger = logging.getLogger(__name__)
 
+NON_FINITE_LOGITS_MESSAGE = "the model produced non-finite logits (NaN or inf) for this request"
 
 _SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                  "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "o_proj_bias", "num_experts",
@@ -53,7 +54,8 @@ class _Reservation:
 
 
 class Engine:
-    def __init__(self, checkpoint: Checkpoint, config: EngineConfig, progress: bool = True) -> None:
+    def __init__(self, checkpoint: Checkpoint, config: EngineConfig, progress: bool = True,
+                 faults: FaultHooks = FaultHooks()) -> None:
         mc = checkpoint.config
         if mc.architecture.is_classifier:
             raise ConfigError(f"{mc.architecture.value} is a classification (reward) model, not a generation "
@@ -63,7 +65,7 @@ class Engine:
         self.context_len = min(config.context_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.grammar = GrammarBackend(checkpoint.path, mc.vocab_size)
-        self.runner = ModelRunner(checkpoint, config, self.context_len, progress=progress)
+        self.runner = ModelRunner(checkpoint, config, self.context_len, progress=progress, faults=faults)
         self.allocator = PageAllocator(self.runner.kv_pool.num_pages)
         self.prefix_cache = PrefixCache(self.allocator, config.page_size) if config.enable_prefix_cache else None
         self.scheduler = Scheduler(self.allocator, config.page_size, config.max_running_requests,
@@ -194,6 +196,11 @@ class Engine:
         """Whether a request, reservation or held KV exists under this id."""
         return request_id in self._requests or request_id in self._reservations or request_id in self._held
 
+    @property
+    def is_idle(self) -> bool:
+        """No request, reservation or held KV: nothing in flight would be lost by stopping now."""
+        return not (self._requests or self._reservations or self._held)
+
     def is_awaiting_release(self, request_id: str) -> bool:
         """A finished prefill-only request whose pages wait for `release`."""
         return request_id in self._held
@@ -254,6 +261,9 @@ class Engine:
                     req.prefill_started_at = started
         sampled = self.runner.run(batch.requests, batch.is_decode, self.grammar)
         for row, req in enumerate(batch.requests):
+            if row in sampled.non_finite_rows:   # this request alone fails; the rest of the batch goes on
+                outputs.append(self._fail(req, NON_FINITE_LOGITS_MESSAGE))
+                continue
             if not batch.is_decode:
                 if sampled.prompt is not None:   # the piece this chunk scored joins those before it
                     req.prompt_logprobs = join_prompt_logprobs(req.prompt_logprobs, sampled.prompt[row])
@@ -269,6 +279,13 @@ class Engine:
         return outputs
 
     # ---- internals -----------------------------------------------------------------------
+
+    def _fail(self, req: Request, message: str) -> StepOutput:
+        """End `req` with FinishReason.ERROR (its pages freed) and say why."""
+        logger.error("request %s failed: %s", req.request_id, message)
+        self.scheduler.finish(req, FinishReason.ERROR, message)
+        del self._requests[req.request_id]
+        return StepOutput(req.request_id, None, None, FinishReason.ERROR, abort_message=message)
 
     def _finish_prefill_only(self, req: Request, token: "_Token") -> StepOutput:
         req.output_ids.append(token.token_id)

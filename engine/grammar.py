@@ -3,12 +3,13 @@
 Each constrained request holds a matcher that tracks what it has generated; before sampling, its
 row of logits is masked to the tokens the grammar allows next. xgrammar and the tokenizer (for the
 vocabulary's byte strings) load on the first constrained request, so unconstrained serving never
-pays for them. Compiled grammars are cached by spec.
+pays for them. The most recently used compiled grammars are cached by spec (`CACHE_SIZE`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -19,31 +20,45 @@ from engine.grammar_spec import GrammarKind, GrammarSpec
 
 logger = logging.getLogger(__name__)
 
+CACHE_SIZE = 256   # compiled grammars kept: a flood of distinct schemas cannot grow memory without bound
+
 
 class GrammarBackend:
     """Compiles specs into per-request matchers and masks logits with them.
 
-    `prepare` may run off the engine thread, one call at a time (the server runtime does so before
-    submitting a request, so loading the tokenizer or compiling a large schema never stalls running
-    requests); `new_matcher` and `mask_logits` run on the engine thread and then only hit the cache.
+    `load` and `prepare` may run off the engine thread, one call at a time (the server runtime does
+    so before submitting a request, so loading the tokenizer or compiling a large schema never stalls
+    running requests); `new_matcher` and `mask_logits` run on the engine thread and then only hit
+    the cache.
     """
 
     def __init__(self, tokenizer_path: str, vocab_size: int) -> None:
         self._tokenizer_path = tokenizer_path
         self._vocab_size = vocab_size
         self._compiler: Any = None
-        self._compiled: dict[GrammarSpec, Any] = {}
+        self._compiled: OrderedDict[GrammarSpec, Any] = OrderedDict()
 
-    def prepare(self, spec: GrammarSpec) -> None:
-        """Compile `spec` into the cache; an invalid schema, regex or grammar raises InvalidRequestError."""
-        if spec not in self._compiled:
-            self._compiled[spec] = self._compile(spec)
+    def load(self) -> None:
+        """Load the tokenizer's vocabulary and the compiler (once; the first constrained request)."""
+        self._ensure_compiler()
+
+    def prepare(self, spec: GrammarSpec) -> Any:
+        """The compiled `spec`, from the cache or compiled into it; an invalid schema, regex or grammar
+        raises InvalidRequestError."""
+        compiled = self._compiled.get(spec)
+        if compiled is None:
+            compiled = self._compile(spec)
+            self._compiled[spec] = compiled
+            while len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(spec)
+        return compiled
 
     def new_matcher(self, spec: GrammarSpec) -> Any:
         """A fresh matcher for `spec` (compiled here if `prepare` was not called first)."""
-        self.prepare(spec)
         import xgrammar
-        return xgrammar.GrammarMatcher(self._compiled[spec])
+        return xgrammar.GrammarMatcher(self.prepare(spec))
 
     def mask_logits(self, logits: torch.Tensor, matchers: list[Any]) -> torch.Tensor:
         """Return `logits` ([B, V] fp32, any device) with each constrained row limited to its grammar's

@@ -21,6 +21,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"          # eos or a stop token id
     LENGTH = "length"      # max_new_tokens or the context length
     ABORT = "abort"
+    ERROR = "error"        # this request's computation went wrong (non-finite logits); the batch goes on
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +112,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     matched_token_id: int | None = None
-    abort_message: str = ""
+    abort_message: str = ""      # why it was aborted, or why it failed (FinishReason.ERROR)
     prompt_logprob_start: int | None = None   # score the prompt from this position (None: don't)
     prompt_logprobs: "PromptLogprobs | None" = None
     prefill_started_at: float | None = None   # time.perf_counter() when its (first chunk's) prefill began
@@ -175,7 +176,7 @@ class StepOutput:
     logprob: float | None
     finish_reason: FinishReason | None = None
     matched_token_id: int | None = None
-    abort_message: str = ""
+    abort_message: str = ""      # for ABORT and ERROR: why
     top_logprobs: tuple[tuple[int, float], ...] = ()
     token_ids_logprobs: tuple[tuple[int, float], ...] = ()
     cached_tokens: int = 0       # set on a request's first token: prompt tokens served from the cache

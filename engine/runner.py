@@ -38,18 +38,30 @@ _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16"
 @dataclass(frozen=True, slots=True)
 class SampledTokens:
     """One token per scheduled request, in batch order; `extras` when any request asked for them,
-    and `prompt` (per request, None where not asked) when a prefill request wanted prompt logprobs."""
+    and `prompt` (per request, None where not asked) when a prefill request wanted prompt logprobs.
+    `non_finite_rows`: the rows whose logits held a NaN or +inf (or only -inf); their tokens mean
+    nothing and their requests must fail."""
 
     token_ids: list[int]
     logprobs: list[float]
     extras: LogprobExtras | None = None
     prompt: list[PromptLogprobs | None] | None = None
+    non_finite_rows: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class FaultHooks:
+    """Faults injected on purpose, for the chaos tests only (tests/chaos); the default injects none.
+    The server runtime reads them from TANDEM_FAULT_* environment variables (server_runtime/worker.py)."""
+
+    nan_logits_seed: int | None = None   # requests whose sampling seed is this get NaN logits
 
 
 class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig, context_len: int,
-                 progress: bool = True) -> None:
+                 progress: bool = True, faults: FaultHooks = FaultHooks()) -> None:
         self.model_config: ModelConfig = checkpoint.config
+        self.faults = faults
         self.dtype = _TORCH_DTYPES[config.dtype]
         self.device = torch.device(config.device)
         self.page_size = config.page_size
@@ -101,7 +113,7 @@ class ModelRunner:
         prompt_ids[num_computed:]; for decode, the last generated token.
         """
         hidden, inputs = self._forward(requests, is_decode)
-        logits = self.model.compute_logits(hidden[inputs.logit_rows])
+        logits, non_finite_rows = self._finite_logits(self.model.compute_logits(hidden[inputs.logit_rows]), requests)
         prompt = None
         if not is_decode and any(r.prompt_logprob_start is not None for r in requests):
             prompt = self._prompt_logprobs(hidden, requests, inputs.query_lens)
@@ -116,7 +128,21 @@ class ModelRunner:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
             logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
             extras = logprob_extras(raw_logprobs, requests)
-        return SampledTokens(token_ids.tolist(), logprobs.tolist(), extras, prompt)
+        return SampledTokens(token_ids.tolist(), logprobs.tolist(), extras, prompt, non_finite_rows)
+
+    def _finite_logits(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """`logits` [B, V], with every row that has no usable distribution (a NaN or +inf anywhere, or
+        only -inf) set to zeros, so sampling the batch stays well defined; and those rows, whose
+        requests the engine fails. One [B] reduction and one scalar read per step."""
+        seed = self.faults.nan_logits_seed
+        if seed is not None and any(r.sampling.seed == seed for r in requests):
+            logits = logits.clone()
+            logits[[row for row, r in enumerate(requests) if r.sampling.seed == seed]] = float("nan")
+        is_usable = torch.isfinite(logits.amax(dim=-1))   # amax propagates NaN
+        if bool(is_usable.all()):
+            return logits, ()
+        rows = tuple((~is_usable).nonzero().flatten().tolist())
+        return logits.masked_fill(~is_usable.unsqueeze(1), 0.0), rows
 
     @torch.inference_mode()
     def forward_logits(self, requests: list[Request], is_decode: bool) -> torch.Tensor:

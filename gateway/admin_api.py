@@ -15,13 +15,14 @@ from pydantic import BaseModel, ConfigDict
 import tandem
 from gateway.errors import APIError, public_message
 from gateway.generation import GenerationRequest, generate_all
+from gateway.json_route import JSONRoute
 from gateway.state import GatewayState, gateway_state
 from gateway.workers import Worker
 from tandem.v1 import common_pb2, prefill_pb2
 
 logger = logging.getLogger(__name__)
 
-router = APIRouter()
+router = APIRouter(route_class=JSONRoute)
 
 _INFO_TIMEOUT_S = 5.0
 _UPDATE_TIMEOUT_S = 600.0

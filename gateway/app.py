@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway import (admin_api, batches_api, embeddings_api, expert_api, files_api, metrics, native_api,
                      openai_api, vllm_api)
 from gateway.auth import AuthMiddleware, log_key_policy
+from gateway.body_limit import BodyLimitMiddleware, BodyTooLarge
 from gateway.batch_runner import run_batches
 from gateway.config import GatewayConfig
 from gateway.admission import Admission
@@ -63,6 +64,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_middleware(MetricsMiddleware, metrics=gateway_metrics)   # first added: innermost, sees the route
     app.add_middleware(TrafficMiddleware, traffic=traffic)
     app.add_middleware(_JSONBodyMiddleware)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes,
+                       route_limits={"/v1/files": files_api.MAX_UPLOAD_BODY_BYTES})
     app.add_middleware(AuthMiddleware, api_key=config.api_key, admin_api_key=config.admin_api_key)  # outermost
     log_key_policy(config)
     return app
@@ -90,6 +93,11 @@ async def _api_error(request: Request, exc: APIError) -> JSONResponse:
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {}
+    if first.get("type") == "json_invalid":
+        where = first.get("loc", ("body", None))[-1]
+        reason = (first.get("ctx") or {}).get("error", "invalid JSON")
+        return JSONResponse(APIError(400, f"the request body is not valid JSON: {reason} (at character {where})",
+                                     code="invalid_json").body(), status_code=400)
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request body")
@@ -97,6 +105,8 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if isinstance(exc, BodyTooLarge):   # the rest of the body stays unread: close rather than drain it
+        return JSONResponse(exc.body(), status_code=413, headers={"Connection": "close"})
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     return JSONResponse(APIError(exc.status_code, str(exc.detail), kind).body(), status_code=exc.status_code)
 

@@ -14,8 +14,9 @@ from gateway.batch_runner import BatchService, batch_service
 from gateway.batch_store import COMPLETION_WINDOW_S, BatchRecord
 from gateway.errors import APIError, bad_request
 from gateway.files_api import check_limit, list_object, store_errors
+from gateway.json_route import JSONRoute
 
-router = APIRouter()
+router = APIRouter(route_class=JSONRoute)
 
 MAX_LIST_LIMIT = 100
 _MAX_METADATA_KEYS, _MAX_METADATA_KEY_LEN, _MAX_METADATA_VALUE_LEN = 16, 64, 512

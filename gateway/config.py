@@ -9,6 +9,7 @@ from tandem.internal_auth import InternalCredentials
 
 DEFAULT_MAX_QUEUED = 1024           # generations waiting for decode KV space (gateway/admission.py)
 DEFAULT_MAX_QUEUE_WAIT_S = 120.0
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024   # any JSON body; /v1/files uploads have their own limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +45,7 @@ class GatewayConfig:
     skip_tokenizer_init: bool = False     # no tokenizer: token ids in and out, no text
     batch_concurrency: int = 8
     max_batch_requests: int = 256         # generations one HTTP request may start (prompts x n)
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES   # larger bodies get a 413 unread
     batch_yield_threshold: int = 1
     is_embedding: bool = False            # prefill workers serve an embedding model; no decode workers
     expert_distribution_dir: str = "."    # where /dump_expert_distribution_record writes its CSV files
@@ -60,7 +62,7 @@ class GatewayConfig:
             raise ValueError("data_dir must be set")
         if self.admin_api_key and self.admin_api_key == self.api_key:
             raise ValueError("the admin API key must differ from the user API key")
-        for name in ("batch_concurrency", "batch_yield_threshold", "max_batch_requests"):
+        for name in ("batch_concurrency", "batch_yield_threshold", "max_batch_requests", "max_request_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queued_requests < 0:

@@ -27,13 +27,15 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from gateway.errors import APIError, bad_request
+from gateway.json_route import JSONRoute
 from gateway.sampling import check_token_ids
 from gateway.schemas import EmbeddingRequest, EncodeRequest
 from gateway.state import GatewayState, gateway_state
+from gateway.text_input import encode_texts
 from gateway.workers import ModelLimits
 from tandem.v1 import prefill_pb2
 
-router = APIRouter()
+router = APIRouter(route_class=JSONRoute)
 
 MAX_INPUTS = 2048         # OpenAI's limit on inputs per request
 INPUTS_PER_CALL = 32      # inputs per Embed RPC: keeps each reply far below gRPC's 4 MiB default
@@ -49,7 +51,7 @@ class Embedded:
 async def create_embeddings(body: EmbeddingRequest, state: GatewayState = Depends(gateway_state)) -> JSONResponse:
     state.check_model(body.model)
     limits = embedding_limits(state, "/v1/embeddings")
-    token_lists = _openai_inputs(state, body.input, limits)
+    token_lists = await _openai_inputs(state, body.input, limits)
     result = await embed(state, token_lists, check_dimensions(body.dimensions, limits), "input")
     data = [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
             for i, v in enumerate(result.vectors)]
@@ -78,7 +80,7 @@ async def _encode(body: EncodeRequest, state: GatewayState, route: str) -> JSONR
     if body.text is not None:
         is_batch, param = isinstance(body.text, list), "text"
         texts = body.text if isinstance(body.text, list) else [body.text]
-        token_lists = [state.require_tokenizer("input").encode(t, add_special_tokens=True) for t in texts]
+        token_lists = await encode_texts(state.require_tokenizer("input"), texts, "text", limits.context_len)
     else:
         is_batch, param = bool(body.input_ids) and isinstance(body.input_ids[0], list), "input_ids"
         token_lists = [list(ids) for ids in body.input_ids] if is_batch else [list(body.input_ids)]
@@ -141,12 +143,12 @@ async def _embed_piece(state: GatewayState, request_id: str, token_lists: list[l
         raise APIError.from_grpc(exc, worker.role, worker.address) from None
 
 
-def _openai_inputs(state: GatewayState, value: str | list, limits: ModelLimits) -> list[list[int]]:
+async def _openai_inputs(state: GatewayState, value: str | list, limits: ModelLimits) -> list[list[int]]:
     """OpenAI's four input forms -> one token list per input (texts get the model's special tokens)."""
     if isinstance(value, str):
         value = [value]
     if value and all(isinstance(v, str) for v in value):
-        token_lists = [state.require_tokenizer("text").encode(text, add_special_tokens=True) for text in value]
+        token_lists = await encode_texts(state.require_tokenizer("text"), value, "input", limits.context_len)
     else:
         token_lists = [list(value)] if value and isinstance(value[0], int) else [list(v) for v in value]
         for ids in token_lists:

@@ -37,8 +37,12 @@ HTTP_OF_GRPC: dict[grpc.StatusCode, ErrorKind] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: ErrorKind(504, "timeout_error", "timeout"),
     grpc.StatusCode.ABORTED: ErrorKind(503, "service_unavailable", "aborted"),
     grpc.StatusCode.CANCELLED: ErrorKind(503, "service_unavailable", "cancelled"),
+    # The model failed on this request alone (non-finite logits); the worker's message says so.
+    grpc.StatusCode.DATA_LOSS: ErrorKind(500, "internal_error", "internal_error"),
 }
 _INTERNAL = ErrorKind(500, "internal_error")
+# A worker that went away (a crash, a restart, a drain) is usually back, or replaced, within seconds.
+WORKER_RETRY_AFTER_S = 1
 
 # Codes whose details gRPC's client side may write ("failed to connect to all addresses; ... ipv4:...")
 # get a fixed line instead, as do the codes mapped to _INTERNAL (an exception the worker did not expect
@@ -117,6 +121,13 @@ class APIError(Exception):
         request_id = current_request_id()
         where = f" (request {request_id}; details in the gateway log)" if request_id != NO_REQUEST else ""
         return cls(kind.http_status, fixed.format(role=role) + where, kind.type, code=kind.code)
+
+
+def retryable(error: APIError) -> APIError:
+    """`error`, with a Retry-After header if it is a 503 without one (every 503 carries it)."""
+    if error.status == 503 and error.retry_after_s is None:
+        error.retry_after_s = WORKER_RETRY_AFTER_S
+    return error
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -23,13 +23,14 @@ from fastapi.responses import PlainTextResponse
 from google.protobuf.message import Message
 
 from gateway.errors import APIError, bad_request
+from gateway.json_route import JSONRoute
 from gateway.state import GatewayState, gateway_state
 from gateway.workers import Worker
 from tandem.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
 
-router = APIRouter()
+router = APIRouter(route_class=JSONRoute)
 
 _TIMEOUT_S = 10.0
 CSV_HEADER = "layer_id,expert_id,count"

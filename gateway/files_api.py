@@ -15,11 +15,13 @@ from fastapi.responses import FileResponse
 from gateway.batch_runner import BatchService, batch_service
 from gateway.batch_store import ConflictError, FileRecord, NotFoundError
 from gateway.errors import APIError, bad_request
+from gateway.json_route import JSONRoute
 
-router = APIRouter()
+router = APIRouter(route_class=JSONRoute)
 
 MAX_FILE_BYTES = 200 * 1024 * 1024   # OpenAI's limit for a batch input file
 MAX_LIST_LIMIT = 10_000
+MAX_UPLOAD_BODY_BYTES = MAX_FILE_BYTES + 1024 * 1024   # the file, the form's other fields and boundaries
 
 
 @router.post("/v1/files")

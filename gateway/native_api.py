@@ -7,23 +7,22 @@ from typing import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from gateway.disconnect import cancel_on_disconnect
 from gateway.errors import bad_request
 from gateway.generation import (Finish, GenerationRequest, GenerationResult, TextDelta, check_batch_size,
                                 gather_results, started_choices)
+from gateway.json_route import JSONRoute
 from gateway.native_logprobs import LogprobOptions, logprob_fields, logprob_options
 from gateway.sampling import SamplingFields, build_sampling, check_token_ids, output_constraint, stop_list
-from gateway.schemas import GenerateRequest
+from gateway.schemas import GenerateRequest, NativeSamplingParams
 from gateway.sse import sse_response
 from gateway.state import GatewayState, gateway_state
+from gateway.text_input import encode_texts
 
-router = APIRouter()
+router = APIRouter(route_class=JSONRoute)
 
-_SAMPLING_KEYS = {"n", "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
-                  "stop_token_ids", "ignore_eos", "skip_special_tokens", "seed", "sampling_seed", "presence_penalty",
-                  "frequency_penalty", "repetition_penalty", "json_schema", "regex", "ebnf",
-                  "spaces_between_special_tokens", "no_stop_trim"}
 
 
 @router.get("/health")
@@ -41,7 +40,7 @@ async def generate(body: GenerateRequest, http_request: Request, state: GatewayS
     arrived_at = time.perf_counter()
     state.require_generation()
     limits = state.pool.limits()
-    prompts, is_batch = _prompts(body, state, limits)
+    prompts, is_batch = await _prompts(body, state, limits)
     param_sets = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params] * len(prompts)
     if len(param_sets) != len(prompts):
         raise bad_request(f"{len(param_sets)} sampling_params for {len(prompts)} prompts", "sampling_params")
@@ -65,13 +64,13 @@ async def generate(body: GenerateRequest, http_request: Request, state: GatewayS
     return answers if is_batch or len(answers) > 1 else answers[0]
 
 
-def _prompts(body: GenerateRequest, state: GatewayState, limits) -> tuple[list[list[int]], bool]:
+async def _prompts(body: GenerateRequest, state: GatewayState, limits) -> tuple[list[list[int]], bool]:
     if (body.text is None) == (body.input_ids is None):
         raise bad_request("exactly one of `text` and `input_ids` is required", "text")
     if body.text is not None:
         texts = body.text if isinstance(body.text, list) else [body.text]
-        tokenizer = state.require_tokenizer("text")
-        return [tokenizer.encode(t) for t in texts], isinstance(body.text, list)
+        prompts = await encode_texts(state.require_tokenizer("text"), texts, "text", limits.context_len)
+        return prompts, isinstance(body.text, list)
     is_batch = bool(body.input_ids) and isinstance(body.input_ids[0], list)
     prompts = [list(ids) for ids in body.input_ids] if is_batch else [list(body.input_ids)]
     for ids in prompts:
@@ -81,29 +80,26 @@ def _prompts(body: GenerateRequest, state: GatewayState, limits) -> tuple[list[l
 
 def _requests_for(state: GatewayState, body: GenerateRequest, limits, prompt_ids: list[int], params: dict,
                   rid: str | None, logprobs: LogprobOptions, arrived_at: float) -> list[GenerationRequest]:
-    unknown = sorted(set(params) - _SAMPLING_KEYS)
-    if unknown:
-        raise bad_request(f"unsupported sampling_params: {', '.join(unknown)}", f"sampling_params.{unknown[0]}")
-    n = params.get("n", 1)
-    if not isinstance(n, int) or not (1 <= n <= 64):
+    p = _sampling_params(params)
+    n = p.n
+    if not (1 <= n <= 64):
         raise bad_request("sampling_params.n must be an integer between 1 and 64", "sampling_params.n")
     fields = SamplingFields(
-        temperature=params.get("temperature"), top_p=params.get("top_p"), top_k=params.get("top_k"),
-        min_p=params.get("min_p"), seed=params.get("seed", params.get("sampling_seed")),
-        max_new_tokens=params.get("max_new_tokens", state.config.default_max_new_tokens),
-        stop_token_ids=tuple(params.get("stop_token_ids") or ()), ignore_eos=bool(params.get("ignore_eos", False)),
-        min_new_tokens=params.get("min_new_tokens"), presence_penalty=params.get("presence_penalty"),
-        frequency_penalty=params.get("frequency_penalty"), repetition_penalty=params.get("repetition_penalty"),
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+        seed=p.seed if p.seed is not None else p.sampling_seed,
+        max_new_tokens=p.max_new_tokens if "max_new_tokens" in p.model_fields_set else state.config.default_max_new_tokens,
+        stop_token_ids=tuple(p.stop_token_ids or ()), ignore_eos=p.ignore_eos,
+        min_new_tokens=p.min_new_tokens, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
         top_logprobs_num=logprobs.top_num, token_ids_logprob=logprobs.token_ids,
-        constraint=output_constraint(params.get("json_schema"), params.get("regex"), params.get("ebnf"),
-                                     schema_param="sampling_params.json_schema"))
+        constraint=output_constraint(p.json_schema, p.regex, p.ebnf, schema_param="sampling_params.json_schema"))
     sampling = build_sampling(fields, len(prompt_ids), limits, state.config.sampling_defaults,
                               "sampling_params.max_new_tokens", "text" if body.text is not None else "input_ids")
-    stops = stop_list(params.get("stop"))
+    stops = stop_list(p.stop)
     if stops:
         state.require_tokenizer("sampling_params.stop")
-    text_options = {name: _flag(params, name, default) for name, default in
-                    (("skip_special_tokens", True), ("spaces_between_special_tokens", True), ("no_stop_trim", False))}
+    text_options = {"skip_special_tokens": p.skip_special_tokens,
+                    "spaces_between_special_tokens": p.spaces_between_special_tokens, "no_stop_trim": p.no_stop_trim}
     requests = []
     for i in range(n):
         ids = {"request_id": rid if n == 1 else f"{rid}-{i}"} if rid else {}
@@ -113,11 +109,17 @@ def _requests_for(state: GatewayState, body: GenerateRequest, limits, prompt_ids
     return requests
 
 
-def _flag(params: dict, name: str, default: bool) -> bool:
-    value = params.get(name, default)
-    if not isinstance(value, bool):
-        raise bad_request(f"sampling_params.{name} must be true or false", f"sampling_params.{name}")
-    return value
+def _sampling_params(params: dict) -> NativeSamplingParams:
+    """`params` typed; an unknown key or a wrong type is a 400 naming `sampling_params.<field>`."""
+    unknown = sorted(set(params) - set(NativeSamplingParams.model_fields))
+    if unknown:
+        raise bad_request(f"unsupported sampling_params: {', '.join(unknown)}", f"sampling_params.{unknown[0]}")
+    try:
+        return NativeSamplingParams.model_validate(params)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = "sampling_params." + ".".join(str(part) for part in first["loc"])
+        raise bad_request(f"{field}: {first['msg']}", field) from None
 
 
 async def _stream(state: GatewayState, body: GenerateRequest, requests: list[GenerationRequest],

@@ -12,18 +12,19 @@ from gateway.disconnect import cancel_on_disconnect
 from gateway.errors import bad_request
 from gateway.generation import (GenerationRequest, GenerationResult, TextDelta, check_batch_size, gather_results,
                                 started_choices)
+from gateway.json_route import JSONRoute
 from gateway.openai_format import (chat_logprobs, completion_logprobs, finish_name, join_completion_logprobs,
                                    matched_stop, prompt_completion_logprobs, usage)
 from gateway.sampling import (SamplingFields, build_sampling, check_token_ids, check_top_logprobs, output_constraint,
                               parse_logit_bias, stop_list)
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, ToolCall
 from gateway.sse import sse_response
 from gateway.state import GatewayState, gateway_state
+from gateway.text_input import encode_chat, encode_texts
 from gateway.reasoning import ReasoningSplitter, split_reasoning
-from gateway.tokenizer import TokenizerError
 from gateway.tool_calls import ToolPlan, parse_tool_calls, plan_tools, tools_system_prompt
 
-router = APIRouter()
+router = APIRouter(route_class=JSONRoute)
 
 MAX_N = 64
 
@@ -47,15 +48,11 @@ async def chat_completions(body: ChatCompletionRequest, http_request: Request,
     tokenizer = state.require_tokenizer("messages")
     plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     messages, template_kwargs = _chat_prompt(body, plan, tokenizer.template_uses("tools"))
-    if body.continue_final_message:
-        if body.messages[-1].role != "assistant":
-            raise bad_request("continue_final_message needs the last message to be the assistant's", "messages")
-        template_kwargs["continue_final_message"] = True
-    try:
-        prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=not body.continue_final_message,
-                                                   **template_kwargs)
-    except TokenizerError as exc:
-        raise bad_request(str(exc), "messages") from None
+    if body.continue_final_message and body.messages[-1].role != "assistant":
+        raise bad_request("continue_final_message needs the last message to be the assistant's", "messages")
+    prompt_ids = await encode_chat(tokenizer, messages, "messages", state.pool.limits().context_len,
+                                   add_generation_prompt=not body.continue_final_message,
+                                   template_kwargs=template_kwargs, continue_final_message=body.continue_final_message)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     num_top = body.top_logprobs or 0
@@ -92,16 +89,15 @@ def _chat_prompt(body: ChatCompletionRequest, plan: ToolPlan, template_takes_too
     messages = []
     for m in body.messages:
         message = {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-        extra = m.model_extra or {}
-        if extra.get("tool_call_id"):
-            message["tool_call_id"] = extra["tool_call_id"]
-        if extra.get("tool_calls"):
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
             if template_takes_tools:
-                message["tool_calls"] = extra["tool_calls"]
+                message["tool_calls"] = [c.model_dump(exclude_none=True) for c in m.tool_calls]
             else:   # show earlier calls in the same format we ask the model to use
                 message["content"] += "".join(
-                    f"<tool_call>{json.dumps({'name': c['function']['name'], 'arguments': _arguments(c)})}</tool_call>"
-                    for c in extra["tool_calls"])
+                    f"<tool_call>{json.dumps({'name': c.function.name, 'arguments': _arguments(c)})}</tool_call>"
+                    for c in m.tool_calls)
         messages.append(message)
     kwargs = dict(body.chat_template_kwargs or {})
     if plan.tools:
@@ -114,8 +110,8 @@ def _chat_prompt(body: ChatCompletionRequest, plan: ToolPlan, template_takes_too
     return messages, kwargs
 
 
-def _arguments(call: dict):
-    arguments = call.get("function", {}).get("arguments", "{}")
+def _arguments(call: ToolCall):
+    arguments = call.function.arguments
     try:
         return json.loads(arguments) if isinstance(arguments, str) else arguments
     except json.JSONDecodeError:
@@ -133,10 +129,12 @@ async def completions(body: CompletionRequest, http_request: Request, state: Gat
     best_of = body.best_of if body.best_of is not None else body.n
     if best_of < body.n:
         raise bad_request(f"best_of ({best_of}) must be >= n ({body.n})", "best_of")
+    if best_of > MAX_N:
+        raise bad_request(f"best_of must be between 1 and {MAX_N}, got {best_of}", "best_of")
     if best_of > body.n and body.stream:
         raise bad_request("best_of cannot be used with stream", "best_of")
     prompt_logprobs = body.echo and body.logprobs is not None
-    prompts = _completion_prompts(state, body.prompt)
+    prompts = await _completion_prompts(state, body.prompt)
     requests = [r for ids in prompts for r in _choice_requests(state, body, [ids], best_of, body.max_tokens,
                                                                  "max_tokens", num_top,
                                                                  prompt_logprob_start=0 if prompt_logprobs else None)]
@@ -172,19 +170,18 @@ async def completions(body: CompletionRequest, http_request: Request, state: Gat
             "usage": report}
 
 
-def _completion_prompts(state: GatewayState, prompt) -> list[list[int]]:
+async def _completion_prompts(state: GatewayState, prompt) -> list[list[int]]:
     """A string, a list of strings, token ids, or a list of token-id lists -> token-id lists."""
-    if isinstance(prompt, str):
-        prompts = [state.require_tokenizer("prompt").encode(prompt)]
+    limits = state.pool.limits()
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        prompts = await encode_texts(state.require_tokenizer("prompt"), texts, "prompt", limits.context_len)
     elif prompt and isinstance(prompt[0], int):
         prompts = [list(prompt)]
-    elif prompt and isinstance(prompt[0], str):
-        prompts = [state.require_tokenizer("prompt").encode(p) for p in prompt]
     else:
         prompts = [list(p) for p in prompt]
     if not prompts or any(not ids for ids in prompts):
         raise bad_request("prompt must not be empty", "prompt")
-    limits = state.pool.limits()
     for ids in prompts:
         check_token_ids(ids, limits, "prompt")
     return prompts

@@ -126,8 +126,9 @@ def parse_logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], 
 
 def output_constraint(json_schema: Any = None, regex: str | None = None, ebnf: str | None = None,
                       json_object: bool = False, schema_param: str = "json_schema") -> tuple[str, str] | None:
-    """At most one of the constraints; a JSON schema may come as a dict or as JSON text."""
-    given = [name for name, value in (("json_schema", json_schema), ("regex", regex), ("ebnf", ebnf),
+    """At most one of the constraints; a JSON schema may come as a dict or as JSON text (`false`,
+    `true` and schemas nested deeper than MAX_SCHEMA_DEPTH are refused)."""
+    given = [name for name, value in (("json_schema", json_schema is not None), ("regex", regex), ("ebnf", ebnf),
                                       ("json_object", json_object)) if value]
     if len(given) > 1:
         raise bad_request(f"only one output constraint may be given, got {', '.join(given)}", given[1])
@@ -139,12 +140,35 @@ def output_constraint(json_schema: Any = None, regex: str | None = None, ebnf: s
                 json_schema = json.loads(json_schema)
             except json.JSONDecodeError as exc:
                 raise bad_request(f"the JSON schema is not valid JSON: {exc}", schema_param) from None
+        if json_schema is False:
+            raise bad_request("the JSON schema `false` matches nothing: no output could satisfy it", schema_param)
+        if json_schema is True:
+            raise bad_request("the JSON schema `true` allows any JSON value: send a schema object, or ask for "
+                              "json_object", schema_param)
         if not isinstance(json_schema, dict):
             raise bad_request("the JSON schema must be a JSON object", schema_param)
+        if (depth := nesting_depth(json_schema)) > MAX_SCHEMA_DEPTH:
+            raise bad_request(f"the JSON schema is nested {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed",
+                              schema_param, "invalid_value")
         return "json_schema", json.dumps(json_schema)
     if given[0] == "json_object":
         return "json_object", ""
     return given[0], regex if given[0] == "regex" else ebnf
+
+
+MAX_SCHEMA_DEPTH = 64   # objects and arrays inside each other; compile time grows steeply with depth
+
+
+def nesting_depth(document: Any) -> int:
+    """How many objects and arrays deep `document` (parsed JSON) goes; iterative, so any depth is safe."""
+    deepest, pending = 0, [(document, 1)]
+    while pending:
+        value, depth = pending.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            pending += [(child, depth + 1) for child in children]
+    return deepest
 
 
 def stop_list(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -12,11 +12,27 @@ class TextPart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"   # JSON text, as OpenAI sends it (an object is taken too)
+
+
+class ToolCall(BaseModel):
+    """A call an earlier assistant message made (sent back in the conversation)."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -79,6 +95,35 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
+
+
+class NativeSamplingParams(BaseModel):
+    """One entry of /generate's `sampling_params` (SGLang's names), typed so that a wrong type is a
+    400 naming its field; validated by the route, which names unknown keys itself. Strict, so JSON's
+    types count as they are: `1` is not a flag and `"0.5"` not a number."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    n: int = 1
+    max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    seed: int | None = None
+    sampling_seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    json_schema: str | dict[str, Any] | bool | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class GenerateRequest(BaseModel):

@@ -24,9 +24,14 @@ logger = logging.getLogger(__name__)
 
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _GGUF_SUFFIX = ".gguf"
-# Keys the wrapper sets itself; letting callers override them would change the return type.
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"tokenize", "return_dict", "return_tensors", "add_generation_prompt", "conversation"}
+# Template arguments a request may not set: the names of Hugging Face's own apply_chat_template
+# parameters (a custom `chat_template`, tokenizing, padding; the wrapper sets the rest itself) and
+# the template's `messages`. Anything else (`enable_thinking`, `tools`, `documents`, ...) reaches
+# the template as a variable.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "conversation", "chat_template", "add_generation_prompt", "continue_final_message", "tokenize",
+     "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+     "return_assistant_tokens_mask", "tokenizer_kwargs"}
 )
 _EOT_PROBE_CONTENT = "tandem-end-of-turn-probe"
 _TEMPLATE_ERRORS = (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError)
@@ -74,7 +79,16 @@ class Tokenizer:
         """Tokenize ``text``; ``add_special_tokens`` adds the model's bos/eos decorations."""
         if not isinstance(text, str):
             raise TokenizerError(f"text to encode must be a str, got {type(text).__name__}")
-        return _as_id_list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+        try:
+            return _as_id_list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+        except TypeError:   # the Rust tokenizer takes only valid Unicode: a lone surrogate ends here
+            raise TokenizerError(f"text is not valid Unicode: {unicode_problem(text)}") from None
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """No token stands for more characters than this (its longest vocabulary string), so a text
+        of `n` characters has at least `n / max_token_chars` tokens: a bound to check before encoding."""
+        return max(1, max((len(token) for token in self._hf.get_vocab()), default=1))
 
     def template_uses(self, variable: str) -> bool:
         """Whether the chat template refers to `variable` (e.g. "tools")."""
@@ -85,25 +99,26 @@ class Tokenizer:
 
     def render_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-        **template_kwargs: Any,
+        template_kwargs: Mapping[str, Any] | None = None, *, continue_final_message: bool = False,
     ) -> str:
         """Render ``messages`` with the model's chat template to text.
 
-        Extra ``template_kwargs`` (``tools``, ``documents``, ...) are passed to the template.
-        Raises TokenizerError if the model has no template or the template fails to render.
+        ``template_kwargs`` (``tools``, ``documents``, ``enable_thinking``, ...) become template
+        variables; ``continue_final_message`` leaves the last (assistant) message open.
+        Raises TokenizerError if the model has no template, a key is reserved, or rendering fails.
         """
         if not self.has_chat_template:
             raise TokenizerError(
                 f"tokenizer {self.name_or_path!r} has no chat template; "
                 "send a raw prompt (completions API) instead of chat messages"
             )
-        reserved = _RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs)
+        reserved = RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs or {})
         if reserved:
-            raise TokenizerError(f"chat template arguments {sorted(reserved)} are reserved")
+            raise TokenizerError(f"chat template arguments {sorted(reserved)} are reserved (set by the server)")
         try:
             rendered = self._hf.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-                **template_kwargs,
+                continue_final_message=continue_final_message, **(template_kwargs or {}),
             )
         except _TEMPLATE_ERRORS as exc:
             raise TokenizerError(f"chat template failed to render: {exc}") from exc
@@ -113,7 +128,7 @@ class Tokenizer:
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-        **template_kwargs: Any,
+        template_kwargs: Mapping[str, Any] | None = None, *, continue_final_message: bool = False,
     ) -> list[int]:
         """Render ``messages`` with the chat template and return the prompt's token ids.
 
@@ -121,7 +136,8 @@ class Tokenizer:
         their own bos text (as Hugging Face does). Raises TokenizerError like
         :meth:`render_chat_template`.
         """
-        text = self.render_chat_template(messages, add_generation_prompt, **template_kwargs)
+        text = self.render_chat_template(messages, add_generation_prompt, template_kwargs,
+                                         continue_final_message=continue_final_message)
         return self.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True,
@@ -259,6 +275,15 @@ def _end_of_turn_id(hf_tokenizer: PreTrainedTokenizerBase) -> int | None:
     special_ids = set(hf_tokenizer.all_special_ids) | set(hf_tokenizer.get_added_vocab().values())
     if tail_ids and tail_ids[0] in special_ids:
         return tail_ids[0]
+    return None
+
+
+def unicode_problem(text: str) -> str | None:
+    """Where `text` stops being encodable as UTF-8 (a lone surrogate, as JSON's "\\ud800" gives), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start}"
     return None
 
 

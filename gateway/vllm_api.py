@@ -9,13 +9,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import tandem
 from gateway.errors import bad_request
+from gateway.json_route import JSONRoute
 from gateway.native_api import health
 from gateway.sampling import check_token_ids
 from gateway.schemas import ChatMessage
 from gateway.state import GatewayState, gateway_state
-from gateway.tokenizer import TokenizerError
+from gateway.text_input import encode_chat, encode_texts
 
-router = APIRouter()
+router = APIRouter(route_class=JSONRoute)
 
 
 class TokenizeRequest(BaseModel):
@@ -40,16 +41,15 @@ async def tokenize(body: TokenizeRequest, state: GatewayState = Depends(gateway_
         state.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("exactly one of `prompt` and `messages` is required", "prompt")
+    context_len = state.pool.limits().context_len
     if body.prompt is not None:
-        tokens = state.require_tokenizer("prompt").encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        [tokens] = await encode_texts(state.require_tokenizer("prompt"), [body.prompt], "prompt", context_len,
+                                      add_special_tokens=body.add_special_tokens)
     else:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            tokens = state.require_tokenizer("messages").apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt)
-        except TokenizerError as exc:
-            raise bad_request(str(exc), "messages") from None
-    reply: dict[str, Any] = {"count": len(tokens), "max_model_len": state.pool.limits().context_len, "tokens": tokens}
+        tokens = await encode_chat(state.require_tokenizer("messages"), messages, "messages", context_len,
+                                   add_generation_prompt=body.add_generation_prompt)
+    reply: dict[str, Any] = {"count": len(tokens), "max_model_len": context_len, "tokens": tokens}
     if body.return_token_strs:
         reply["token_strs"] = state.require_tokenizer("return_token_strs").convert_ids_to_tokens(tokens)
     return reply

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.admission import Admission
 from gateway.config import DEFAULT_MAX_QUEUE_WAIT_S, DEFAULT_MAX_QUEUED
 from gateway.discovery import REFRESH_INTERVAL_S, RoleDiscovery
-from gateway.errors import APIError
+from gateway.errors import WORKER_RETRY_AFTER_S, APIError
 from gateway.metrics import GatewayMetrics
 from tandem.internal_auth import InternalCredentials
 from tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, worker_pb2_grpc
@@ -172,7 +172,8 @@ class WorkerPool:
         """Round-robin over ready workers of `role`; 503 when none is ready."""
         ready = [w for w in self.workers[role] if w.is_ready]
         if not ready:
-            raise APIError(503, f"no {role} worker is ready", "service_unavailable", code="worker_unavailable")
+            raise APIError(503, f"no {role} worker is ready", "service_unavailable", code="worker_unavailable",
+                           retry_after_s=WORKER_RETRY_AFTER_S)
         return ready[next(self._turns[role]) % len(ready)]
 
     def pick_pair(self) -> tuple[Worker, Worker]:
@@ -183,7 +184,8 @@ class WorkerPool:
             for role in ("prefill", "decode"):
                 self.pick(role)   # 503 naming the role when it has no ready worker at all
             raise APIError(503, "no ready prefill and decode workers hold the same model weights (update "
-                                "them to the same checkpoint)", "service_unavailable", code="worker_unavailable")
+                                "them to the same checkpoint)", "service_unavailable", code="worker_unavailable",
+                           retry_after_s=WORKER_RETRY_AFTER_S)
         decode = decodes[next(self._turns["decode"]) % len(decodes)]
         prefills = [w for w in self.workers["prefill"] if w.is_ready and w.weights_id == decode.weights_id]
         return prefills[next(self._turns["prefill"]) % len(prefills)], decode

@@ -11,7 +11,7 @@ import re
 import sys
 from typing import TYPE_CHECKING
 
-from gateway.config import DEFAULT_MAX_QUEUE_WAIT_S, DEFAULT_MAX_QUEUED
+from gateway.config import DEFAULT_MAX_QUEUE_WAIT_S, DEFAULT_MAX_QUEUED, DEFAULT_MAX_REQUEST_BODY_BYTES
 from gateway.discovery import check_worker_spec
 from launcher.defaults import (BUNDLED_MODEL_SAMPLING, default_data_dir, default_dtype, default_model_path,
                                default_torch_threads, is_bundled_model, served_name_for)
@@ -91,6 +91,13 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights-dir", action="append", default=None,
                    help="directory /update_weights_from_disk may load from (repeatable; default: the served "
                         "model's directory); any other path is answered as not found")
+    p.add_argument("--grammar-compile-timeout", type=float, default=5.0,
+                   help="seconds a request's JSON schema, regex or EBNF grammar may take to compile; longer is "
+                        "a 400 (the compile finishes in the background, holding later compiles back)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM or Ctrl-C: seconds the worker keeps serving the requests in flight (health "
+                        "answers NOT_SERVING and new requests are refused meanwhile) before it exits; a second "
+                        "signal exits at once")
     p.add_argument("--kv-write-grace", type=float, default=30.0,
                    help="decode: seconds the pages of a reservation dropped before its KV arrived stay unused "
                         "(a write may still be in flight); keep it >= the prefill side's --transfer-timeout")
@@ -128,6 +135,9 @@ def _add_gateway_args(p: argparse.ArgumentParser) -> None:
                         "gateway per directory (default: $XDG_DATA_HOME/tandem, i.e. ~/.local/share/tandem)")
     p.add_argument("--max-batch-requests", type=int, default=256,
                    help="most generations one request may start (prompts x n); more get a 400")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="largest request body (JSON) the gateway reads; larger ones get a 413 unread "
+                        "(/v1/files uploads have their own limit, 200 MB per file)")
     p.add_argument("--batch-concurrency", type=int, default=8,
                    help="batch lines run at once; a new one starts only while no interactive request is in flight")
     p.add_argument("--expert-distribution-dir", default=None,
@@ -238,6 +248,7 @@ def _serve(args: argparse.Namespace) -> int:
                               "--data-dir", args.data_dir or default_data_dir(),
                               "--batch-concurrency", str(args.batch_concurrency),
                               "--max-batch-requests", str(args.max_batch_requests),
+                              "--max-request-body-bytes", str(args.max_request_body_bytes),
                               *(["--default-sampling", args.default_sampling] if args.default_sampling else []),
                               *(["--skip-tokenizer-init"] if args.skip_tokenizer_init else []),
                               *(["--expert-distribution-dir", args.expert_distribution_dir]
@@ -265,7 +276,8 @@ def _serve_worker_flags(args: argparse.Namespace, threads: int) -> list[str]:
              *(["--int8-activations"] if args.int8_activations else []),
              "--kv-transport", args.kv_transport, "--kv-protocol", args.kv_protocol,
              "--reservation-ttl", str(args.reservation_ttl), "--transfer-timeout", str(args.transfer_timeout),
-             "--kv-write-grace", str(args.kv_write_grace)]
+             "--kv-write-grace", str(args.kv_write_grace), "--drain-timeout", str(args.drain_timeout),
+             "--grammar-compile-timeout", str(args.grammar_compile_timeout)]
     if args.disable_prefix_cache:
         flags.append("--disable-prefix-cache")
     for flag, value in (("--max-total-tokens", args.max_total_tokens), ("--context-length", args.context_length),
@@ -304,6 +316,7 @@ def _gateway(args: argparse.Namespace) -> int:
                            max_queued_requests=args.max_queued_requests, max_queue_wait_s=args.max_queue_wait,
                            data_dir=os.path.abspath(args.data_dir or default_data_dir()),
                            batch_concurrency=args.batch_concurrency, max_batch_requests=args.max_batch_requests,
+                           max_request_body_bytes=args.max_request_body_bytes,
                            expert_distribution_dir=os.path.abspath(args.expert_distribution_dir or os.getcwd()),
                            internal=internal)
     serve_gateway(config)
@@ -328,7 +341,8 @@ def _worker(args: argparse.Namespace) -> int:
         reservation_ttl_s=args.reservation_ttl, transfer_timeout_s=args.transfer_timeout,
         write_grace_s=args.kv_write_grace, is_embedding=getattr(args, "is_embedding", False),
         metrics_port=_metrics_port(args.metrics_port, args.port), credentials=credentials,
-        weights_dirs=tuple(os.path.abspath(d) for d in args.weights_dir or ()))
+        weights_dirs=tuple(os.path.abspath(d) for d in args.weights_dir or ()),
+        grammar_compile_timeout_s=args.grammar_compile_timeout, drain_timeout_s=args.drain_timeout)
     add_servicer = add_prefill_servicer if args.command == "prefill" else add_decode_servicer
     asyncio.run(serve_worker(config, add_servicer))
     return 0

@@ -15,7 +15,7 @@ from kv_transfer import KVTransferError, RemotePages
 from prefill_server.embedding_servicer import EmbeddingServicer
 from server_runtime.convert import (check_layout_matches, prompt_logprobs_to_proto, sampling_from_proto,
                                     token_to_proto)
-from server_runtime.errors import abort_with
+from server_runtime.errors import RequestFailedError, abort_with
 from server_runtime.kv_grants import GrantChecker, GrantError, grant_key
 from server_runtime.embedding import EmbeddingContext
 from server_runtime.worker import WorkerContext
@@ -34,6 +34,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
                       ) -> prefill_pb2.PrefillResponse:
         bind_request_id(request.request_id)
+        if self.ctx.is_draining:   # a gateway that has not seen NOT_SERVING yet; it may retry elsewhere
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill worker is shutting down")
         grant = request.kv_target.grant
         try:   # first: a target without the decode server's grant for these pages gets no compute either
             self.grants.check(request.request_id, request.kv_target)
@@ -77,7 +79,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         received = time.perf_counter()
         sampling = sampling_from_proto(request.sampling_params)
         if sampling.grammar is not None:   # compile off the engine thread, so running requests never wait
-            await self.ctx.loop.prepare_grammar(sampling.grammar)
+            await self.ctx.loop.prepare_grammar(sampling.grammar, self.ctx.config.grammar_compile_timeout_s)
         req = Request(rid, list(request.token_ids), sampling, is_prefill_only=True,
                       prompt_logprob_start=(request.logprob_start_len if request.HasField("logprob_start_len")
                                             else None))
@@ -90,6 +92,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             computed = time.perf_counter()
             if output.finish_reason is FinishReason.ABORT:
                 raise RequestAbortedError(f"prefill aborted: {output.abort_message}")
+            if output.finish_reason is FinishReason.ERROR:
+                raise RequestFailedError(output.abort_message)
             if target.grant_expires_unix_ms <= time.time() * 1000:   # the decode side may have let the pages go
                 raise KVTransferError("the decode reservation expired before the prompt's KV was ready")
             src_pages = (await self.ctx.loop.call(lambda engine: engine.held_pages(rid)))[:num_pages]

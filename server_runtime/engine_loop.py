@@ -16,6 +16,7 @@ import time
 from typing import Any, Callable, TypeVar
 
 from engine.engine import Engine
+from engine.errors import InvalidRequestError
 from engine.grammar_spec import GrammarSpec
 from engine.request import FinishReason, Request, SamplingParams, StepOutput
 from server_runtime.metrics import WorkerMetrics
@@ -54,11 +55,27 @@ class EngineLoop:
         self._commands.put((fn, future))
         return await future
 
-    async def prepare_grammar(self, spec: GrammarSpec) -> None:
+    async def prepare_grammar(self, spec: GrammarSpec, timeout_s: float) -> None:
         """Compile a request's grammar on a worker thread, one at a time, so the engine thread never
-        stalls on it (the first one also loads the tokenizer's vocabulary)."""
-        async with self._grammar_lock:
-            await asyncio.to_thread(self.engine.grammar.prepare, spec)
+        stalls on it (the first one also loads the tokenizer's vocabulary, which is not timed).
+
+        A compile that takes over `timeout_s` raises InvalidRequestError. Its thread cannot be
+        stopped: it keeps the compile lock until it ends, so abandoned compiles never pile up.
+        """
+        await self._grammar_lock.acquire()
+        try:
+            await asyncio.to_thread(self.engine.grammar.load)
+            compiling = asyncio.ensure_future(asyncio.to_thread(self.engine.grammar.prepare, spec))
+        except BaseException:
+            self._grammar_lock.release()
+            raise
+        compiling.add_done_callback(lambda _: self._grammar_lock.release())
+        try:
+            await asyncio.wait_for(asyncio.shield(compiling), timeout_s)
+        except TimeoutError:
+            compiling.add_done_callback(_drop_result)
+            raise InvalidRequestError(f"the {spec.kind.value} is too complex: compiling it took over {timeout_s:g} s "
+                                      "(--grammar-compile-timeout)") from None
 
     async def submit(self, req: Request) -> asyncio.Queue:
         """Queue a prompt; its outputs arrive on the returned queue."""
@@ -172,6 +189,12 @@ class EngineLoop:
         if output.finish_reason is not None or self.engine.is_awaiting_release(output.request_id):
             del self._sinks[output.request_id]
         self._loop.call_soon_threadsafe(sink.put_nowait, output)
+
+
+def _drop_result(future: asyncio.Future) -> None:
+    """Collect an abandoned compile's outcome (its error was answered as a timeout already)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _set_result(future: asyncio.Future, result: Any) -> None:

@@ -7,6 +7,12 @@ import grpc
 from engine import errors as e
 from kv_transfer import KVTransferError, KVTransferTimeout
 
+
+class RequestFailedError(e.EngineError):
+    """The engine ended this request with FinishReason.ERROR (its own computation went wrong, e.g.
+    non-finite logits); the other requests were unaffected."""
+
+
 # Most specific first: the first matching class wins.
 STATUS_OF_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (e.ContextLengthExceededError, grpc.StatusCode.OUT_OF_RANGE),
@@ -17,6 +23,7 @@ STATUS_OF_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (KVTransferTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
     (KVTransferError, grpc.StatusCode.UNAVAILABLE),
     (e.EngineDeadError, grpc.StatusCode.INTERNAL),
+    (RequestFailedError, grpc.StatusCode.DATA_LOSS),
 )
 
 

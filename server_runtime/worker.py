@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.runner import FaultHooks
 from engine.weights import open_checkpoint
 from kv_transfer import KVTransport, TransportConfig, create_transport
 from server_runtime.common_rpcs import add_worker_servicer
@@ -30,6 +33,10 @@ from tandem.v1 import common_pb2
 logger = logging.getLogger(__name__)
 
 _MAX_MESSAGE_BYTES = 64 * 2**20
+# A test fault hook (tests/chaos), never for production: requests whose sampling seed is this integer
+# get NaN logits, so the engine's guard fails them alone.
+FAULT_NAN_LOGITS_SEED_ENV = "TANDEM_FAULT_NAN_LOGITS_SEED"
+_DRAIN_POLL_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +57,8 @@ class WorkerConfig:
     metrics_port: int = 0             # HTTP port serving Prometheus text; 0: no metrics endpoint
     credentials: InternalCredentials = InternalCredentials()   # the token (and TLS) every tandem.v1 call needs
     weights_dirs: tuple[str, ...] = ()   # UpdateWeights loads only from under these; (): the model's directory
+    grammar_compile_timeout_s: float = 5.0   # a request's grammar that takes longer to compile is refused
+    drain_timeout_s: float = 30.0     # on SIGTERM/SIGINT: longest wait for the requests in flight to finish
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -60,6 +69,10 @@ class WorkerConfig:
             raise ValueError(f"metrics_port must be 0 (off) or a port other than port, got {self.metrics_port}")
         if self.torch_threads < 1:
             raise ValueError("torch_threads must be >= 1")
+        if self.grammar_compile_timeout_s <= 0:
+            raise ValueError("grammar_compile_timeout_s must be positive")
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must be >= 0")
         if self.reservation_ttl_s <= 0 or self.transfer_timeout_s <= 0 or self.write_grace_s < 0:
             raise ValueError("reservation_ttl_s and transfer_timeout_s must be positive, write_grace_s >= 0")
         if self.is_embedding and self.role != "prefill":
@@ -79,6 +92,7 @@ class WorkerContext:
     loop: EngineLoop
     transport: KVTransport
     version: str
+    is_draining: bool = False   # shutting down: new requests (Reserve, Prefill) are refused, those in flight end
 
     @property
     def engine(self) -> Engine:
@@ -110,11 +124,47 @@ class WorkerContext:
         return await self.loop.call(read)
 
 
+async def _drain(config: WorkerConfig, context: WorkerContext | EmbeddingContext,
+                 health_servicer: health.aio.HealthServicer, stop: asyncio.Event) -> float:
+    """Stop taking requests and wait for those in flight, up to `config.drain_timeout_s` or until
+    `stop` is set again (a second signal). Returns the seconds left for the gRPC server's own grace.
+
+    From here on health checks answer NOT_SERVING, so gateways send nothing new, and Reserve and
+    Prefill refuse what still comes (UNAVAILABLE); health checks, aborts and the Generate streams of
+    reservations already made are served as before. An embedding worker has no engine to wait for:
+    the server's grace covers its Embed calls.
+    """
+    await health_servicer.enter_graceful_shutdown()
+    stop.clear()
+    deadline = time.monotonic() + config.drain_timeout_s
+    if isinstance(context, WorkerContext):
+        context.is_draining = True
+        logger.info("%s server draining: up to %g s for the requests in flight (--drain-timeout)", config.role,
+                    config.drain_timeout_s)
+        while not await context.loop.call(lambda engine: engine.is_idle):
+            if stop.is_set() or time.monotonic() >= deadline:
+                logger.warning("%s server stops with requests still in flight (%s)", config.role,
+                               "a second signal" if stop.is_set() else "the drain timeout")
+                return 0.0
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), _DRAIN_POLL_S)
+    return 0.0 if stop.is_set() else max(1.0, deadline - time.monotonic())   # the last answers still go out
+
+
 def build_engine(config: WorkerConfig) -> Engine:
     torch.set_num_threads(config.torch_threads)
     torch.set_flush_denormal(True)
     checkpoint = open_checkpoint(config.model_path)
-    return Engine(checkpoint, config.engine)
+    return Engine(checkpoint, config.engine, faults=fault_hooks_from_env())
+
+
+def fault_hooks_from_env() -> FaultHooks:
+    """The test fault hooks set in this process's environment (read here only, once); none when unset."""
+    seed = os.environ.get(FAULT_NAN_LOGITS_SEED_ENV)
+    if not seed:
+        return FaultHooks()
+    logger.warning("test fault hook on: requests with seed %s get NaN logits (%s)", seed, FAULT_NAN_LOGITS_SEED_ENV)
+    return FaultHooks(nan_logits_seed=int(seed))
 
 
 async def serve_worker(config: WorkerConfig,
@@ -178,9 +228,9 @@ async def serve_worker(config: WorkerConfig,
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
+    grace_s = await _drain(config, context, health_servicer, stop)
     logger.info("%s server shutting down", config.role)
-    await health_servicer.enter_graceful_shutdown()
-    await server.stop(grace=5)
+    await server.stop(grace=grace_s)
     if metrics_server is not None:
         metrics_server.shutdown()
         metrics_server.server_close()

@@ -15,7 +15,7 @@ import pytest
 
 from tests.e2e.stack import Services, start_services, wait_health
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.chaos_extended]
 
 STALL_TIMEOUT_S = 3.0
 CANARY = {"text": "The capital of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 8}}

@@ -38,7 +38,7 @@ def internal_details(body: str, sent: str = "") -> list[str]:
 def _string_values(sent: str) -> set[str]:
     try:
         document = json.loads(sent) if sent else None
-    except ValueError:
+    except (ValueError, RecursionError):   # not JSON, or nested past what Python parses
         return {sent} if len(sent) >= 4 else set()
     found: set[str] = set()
 

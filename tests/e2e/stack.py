@@ -153,8 +153,8 @@ def wait_health(url: str, status: int, timeout_s: float = 30) -> None:
 @dataclass
 class Services(WorkerPages):
     """Prefill, decode and gateway as three separate processes (`tandem prefill|decode|gateway`), unlike
-    `tandem serve`, which stops everything when one child dies: here the gateway or the decode worker can
-    be killed and started again on its own."""
+    `tandem serve`, which stops everything when one child dies: here the gateway or either worker can be
+    killed and started again on its own."""
 
     prefill: subprocess.Popen
     decode: subprocess.Popen
@@ -166,6 +166,9 @@ class Services(WorkerPages):
     num_gateway_starts: int = 0
     worker_flags: tuple[str, ...] = ()
     num_decode_starts: int = 1
+    num_prefill_starts: int = 1
+    prefill_env: dict[str, str] | None = None   # extra environment of the prefill worker (fault hooks)
+    decode_env: dict[str, str] | None = None
 
     @property
     def url(self) -> str:
@@ -205,7 +208,18 @@ class Services(WorkerPages):
         """Start a decode worker again, on the same ports and flags (it loads in the background)."""
         self.num_decode_starts += 1
         self.decode = _launch(_decode_args(self.decode_port, self.worker_flags),
-                              self.log_dir / f"decode-{self.num_decode_starts}.log")
+                              self.log_dir / f"decode-{self.num_decode_starts}.log", self.decode_env)
+
+    def kill_prefill(self) -> None:
+        """SIGKILL the prefill worker, as a crash would."""
+        self.prefill.kill()
+        self.prefill.wait()
+
+    def start_prefill(self) -> None:
+        """Start a prefill worker again, on the same ports and flags (it loads in the background)."""
+        self.num_prefill_starts += 1
+        self.prefill = _launch(_prefill_args(self.prefill_port, self.worker_flags),
+                               self.log_dir / f"prefill-{self.num_prefill_starts}.log", self.prefill_env)
 
     def stop(self) -> None:
         procs = [p for p in (self.gateway, self.prefill, self.decode) if p is not None]
@@ -223,23 +237,29 @@ class Services(WorkerPages):
         return "\n".join(f"--- {p.name}\n{p.read_text()[-num_chars:]}" for p in sorted(self.log_dir.glob("*.log")))
 
 
-def start_services(tmp_dir: Path, *worker_flags: str) -> Services:
-    """Start a prefill and a decode worker with `worker_flags`; call `start_gateway` next."""
+def start_services(tmp_dir: Path, *worker_flags: str, prefill_env: dict[str, str] | None = None,
+                   decode_env: dict[str, str] | None = None) -> Services:
+    """Start a prefill and a decode worker with `worker_flags` (and each with its extra environment, if
+    given: e.g. a TANDEM_FAULT_* hook); call `start_gateway` next."""
     port, prefill_port, decode_port = free_port(), free_port(), free_port()
-    prefill = _launch(["prefill", "--port", str(prefill_port), "--metrics-port", "0", *worker_flags],
-                      tmp_dir / "prefill.log")
-    decode = _launch(_decode_args(decode_port, worker_flags), tmp_dir / "decode.log")
-    return Services(prefill, decode, port, prefill_port, decode_port, tmp_dir, worker_flags=tuple(worker_flags))
+    prefill = _launch(_prefill_args(prefill_port, worker_flags), tmp_dir / "prefill.log", prefill_env)
+    decode = _launch(_decode_args(decode_port, worker_flags), tmp_dir / "decode.log", decode_env)
+    return Services(prefill, decode, port, prefill_port, decode_port, tmp_dir, worker_flags=tuple(worker_flags),
+                    prefill_env=prefill_env, decode_env=decode_env)
+
+
+def _prefill_args(port: int, worker_flags: tuple[str, ...]) -> list[str]:
+    return ["prefill", "--port", str(port), "--metrics-port", "0", *worker_flags]
 
 
 def _decode_args(port: int, worker_flags: tuple[str, ...]) -> list[str]:
     return ["decode", "--port", str(port), "--metrics-port", "0", *worker_flags]
 
 
-def _launch(args: list[str], log_path: Path) -> subprocess.Popen:
+def _launch(args: list[str], log_path: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     log = open(log_path, "w")
     return subprocess.Popen([sys.executable, "-m", "launcher", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, **_CHILD_ENV}, start_new_session=True,
+                            env={**os.environ, **_CHILD_ENV, **(extra_env or {})}, start_new_session=True,
                             preexec_fn=_die_with_parent)
 
 

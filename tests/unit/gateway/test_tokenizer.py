@@ -193,15 +193,27 @@ def test_template_raise_exception_is_a_tokenizer_error(tmp_path: Path) -> None:
 
 
 def test_reserved_template_kwargs_are_rejected(smollm2: Tokenizer) -> None:
-    with pytest.raises(TokenizerError, match="reserved"):
-        smollm2.apply_chat_template(FRANCE, tokenize=True)
+    for key in ("tokenize", "add_generation_prompt", "messages", "chat_template"):
+        with pytest.raises(TokenizerError, match="reserved"):
+            smollm2.apply_chat_template(FRANCE, template_kwargs={key: True})
+
+
+def test_a_lone_surrogate_is_a_tokenizer_error_saying_where(smollm2: Tokenizer) -> None:
+    with pytest.raises(TokenizerError, match="lone surrogate U\\+D800 at character 1"):
+        smollm2.encode("a\ud800b")
+
+
+def test_max_token_chars_bounds_every_token(smollm2: Tokenizer) -> None:
+    text = "#" * 500 + " =" * 300 + "hello world " * 50
+    assert len(text) / smollm2.max_token_chars <= len(smollm2.encode(text, add_special_tokens=False))
+    assert smollm2.max_token_chars == 81   # SmolLM2's longest token: a newline and 80 spaces
 
 
 def test_extra_template_kwargs_reach_the_template(tmp_path: Path) -> None:
     template = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     tokenizer = load_tokenizer(str(write_tiny_hf_tokenizer(tmp_path / "t", template)))
     messages = [{"role": "user", "content": " fox"}]
-    text = tokenizer.render_chat_template(messages, greeting="hello")
+    text = tokenizer.render_chat_template(messages, template_kwargs={"greeting": "hello"})
     assert text == "hello fox"
 
 

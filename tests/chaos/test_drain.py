@@ -1,0 +1,92 @@
+"""Graceful drain of the decode worker (reliability.md scenario 18): on SIGTERM it answers NOT_SERVING
+on its gRPC health service and refuses new reservations, the gateway stops routing to it (503 with
+Retry-After), the streams in flight finish normally, and the process exits 0 once they have, well
+before --drain-timeout. Started again, it serves the canary byte for byte."""
+
+from __future__ import annotations
+
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.v1 import decode_pb2, decode_pb2_grpc
+from tests.chaos.checks import assert_nothing_leaked, assert_still_serving, canary
+from tests.chaos.clients import Reply, completion, wait_until
+from tests.e2e.stack import WORKER_METADATA, Services, start_services, wait_health
+
+pytestmark = [pytest.mark.slow, pytest.mark.chaos_extended]
+
+DRAIN_TIMEOUT_S = 30
+NUM_STREAMS = 3
+MAX_TOKENS = 48
+
+
+@pytest.fixture
+def services(tmp_path: Path) -> Services:
+    services = start_services(tmp_path, "--dtype", "bfloat16", "--max-total-tokens", "4096", "--torch-threads", "1",
+                              "--drain-timeout", str(DRAIN_TIMEOUT_S))
+    try:
+        services.start_gateway("--data-dir", str(tmp_path / "data"), timeout_s=300)
+        yield services
+    finally:
+        services.stop()
+
+
+def _health(port: int) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def _reserve(port: int) -> grpc.StatusCode:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            decode_pb2_grpc.DecodeServiceStub(channel).Reserve(
+                decode_pb2.ReserveRequest(request_id="late-comer", prompt_len=8), timeout=5, metadata=WORKER_METADATA)
+        except grpc.RpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
+
+
+def test_a_draining_decode_worker_finishes_its_streams_refuses_new_ones_and_exits_0(services: Services) -> None:
+    baseline = canary(services.url)
+    streams = [Reply() for _ in range(NUM_STREAMS)]
+    with ThreadPoolExecutor(NUM_STREAMS) as pool:
+        futures = [pool.submit(completion, services.url, f"Tell me story number {i}.", MAX_TOKENS, True, reply)
+                   for i, reply in enumerate(streams)]
+        wait_until(lambda: all(len(s.events) >= 3 for s in streams), 120, "three tokens on every stream")
+        services.decode.send_signal(signal.SIGTERM)
+        signalled_at = time.monotonic()
+
+        wait_until(lambda: _health(services.decode_port) == health_pb2.HealthCheckResponse.NOT_SERVING, 2,
+                   "NOT_SERVING")
+        assert _reserve(services.decode_port) == grpc.StatusCode.UNAVAILABLE
+        wait_health(services.url, 503, timeout_s=3)   # the gateway's next probe (every second) sees it
+        refused = httpx.post(f"{services.url}/generate", json={"text": "Hello"}, timeout=30)
+        assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1, refused.text
+        assert refused.json()["error"]["code"] == "worker_unavailable"
+        seconds_to_refuse = time.monotonic() - signalled_at
+        assert not all(s.is_done for s in streams), "the streams ended before the drain could be seen"
+        for future in futures:
+            future.result()
+
+    assert services.decode.wait(DRAIN_TIMEOUT_S) == 0
+    seconds_to_exit = time.monotonic() - signalled_at
+    last_token_at = max(s.times[-1] for s in streams)
+    print(f"SIGTERM -> NOT_SERVING, /health 503 and a new request refused: {seconds_to_refuse:.2f} s; "
+          f"-> last stream done: {last_token_at - signalled_at:.2f} s; -> exit 0: {seconds_to_exit:.2f} s")
+    for stream in streams:
+        assert stream.status == 200 and stream.lines[-1] == "data: [DONE]"
+        assert not any("error" in e for e in stream.events), stream.lines[-3:]
+        finishes = [c["finish_reason"] for e in stream.events for c in e["choices"] if c["finish_reason"]]
+        assert finishes == ["length"], stream.lines[-3:]
+    assert seconds_to_exit < last_token_at - signalled_at + 3   # it exits once idle, not at the timeout
+
+    services.start_decode()
+    assert_still_serving(services.url, baseline, within_s=300)
+    assert_nothing_leaked(services)
