@@ -118,4 +118,7 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
 
 def serve_gateway(config: GatewayConfig) -> None:
     app = create_app(config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=5)
+    # On SIGTERM uvicorn closes the listening socket, lets the responses in flight finish (streams
+    # included) for up to the drain timeout, then runs the lifespan's shutdown.
+    uvicorn.run(app, host=config.host, port=config.port, log_level="info",
+                timeout_graceful_shutdown=config.drain_timeout_s)

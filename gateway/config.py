@@ -10,6 +10,7 @@ from tandem.internal_auth import InternalCredentials
 DEFAULT_MAX_QUEUED = 1024           # generations waiting for decode KV space (gateway/admission.py)
 DEFAULT_MAX_QUEUE_WAIT_S = 120.0
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024   # any JSON body; /v1/files uploads have their own limit
+DEFAULT_DRAIN_TIMEOUT_S = 30.0     # on SIGTERM, how long the gateway (and, from the CLI, each worker) drains
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,7 @@ class GatewayConfig:
     batch_concurrency: int = 8
     max_batch_requests: int = 256         # generations one HTTP request may start (prompts x n)
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES   # larger bodies get a 413 unread
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S   # on SIGTERM: longest wait for the responses in flight
     batch_yield_threshold: int = 1
     is_embedding: bool = False            # prefill workers serve an embedding model; no decode workers
     expert_distribution_dir: str = "."    # where /dump_expert_distribution_record writes its CSV files
@@ -65,6 +67,8 @@ class GatewayConfig:
         for name in ("batch_concurrency", "batch_yield_threshold", "max_batch_requests", "max_request_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         for name in ("reserve_timeout_s", "prefill_timeout_s", "request_timeout_s", "stall_timeout_s",

@@ -11,7 +11,8 @@ import re
 import sys
 from typing import TYPE_CHECKING
 
-from gateway.config import DEFAULT_MAX_QUEUE_WAIT_S, DEFAULT_MAX_QUEUED, DEFAULT_MAX_REQUEST_BODY_BYTES
+from gateway.config import (DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_QUEUE_WAIT_S, DEFAULT_MAX_QUEUED,
+                            DEFAULT_MAX_REQUEST_BODY_BYTES)
 from gateway.discovery import check_worker_spec
 from launcher.defaults import (BUNDLED_MODEL_SAMPLING, default_data_dir, default_dtype, default_model_path,
                                default_torch_threads, is_bundled_model, served_name_for)
@@ -94,10 +95,6 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grammar-compile-timeout", type=float, default=5.0,
                    help="seconds a request's JSON schema, regex or EBNF grammar may take to compile; longer is "
                         "a 400 (the compile finishes in the background, holding later compiles back)")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM or Ctrl-C: seconds the worker keeps serving the requests in flight (health "
-                        "answers NOT_SERVING and new requests are refused meanwhile) before it exits; a second "
-                        "signal exits at once")
     p.add_argument("--kv-write-grace", type=float, default=30.0,
                    help="decode: seconds the pages of a reservation dropped before its KV arrived stay unused "
                         "(a write may still be in flight); keep it >= the prefill side's --transfer-timeout")
@@ -145,6 +142,13 @@ def _add_gateway_args(p: argparse.ArgumentParser) -> None:
                         "(default: the gateway's working directory)")
 
 
+def _add_drain_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                   help="on SIGTERM or Ctrl-C: seconds a server keeps serving the requests in flight before it "
+                        "exits (a worker's health answers NOT_SERVING and it refuses new requests; the gateway "
+                        "stops accepting connections); a second signal exits at once")
+
+
 def _add_embedding_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--is-embedding", action="store_true",
                    help="serve an embedding model (/v1/embeddings, /encode): a BERT directory, or a Llama/Qwen2 "
@@ -160,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(serve)
     _add_worker_args(serve)
     _add_gateway_args(serve)
+    _add_drain_arg(serve)
     serve.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     serve.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT)
     serve.add_argument("--prefill-port", type=int, default=DEFAULT_PREFILL_PORT)
@@ -175,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway = sub.add_parser("gateway", help="the HTTP gateway alone")
     _add_model_args(gateway)
     _add_gateway_args(gateway)
+    _add_drain_arg(gateway)
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT)
     gateway.add_argument("--prefill", action="append", required=True, type=check_worker_spec,
@@ -190,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         worker = sub.add_parser(role, help=f"a {role} worker alone")
         _add_model_args(worker)
         _add_worker_args(worker)
+        _add_drain_arg(worker)
         worker.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
         worker.add_argument("--port", type=int, default=port)
         worker.add_argument("--metrics-port", type=int, default=None,
@@ -249,6 +256,7 @@ def _serve(args: argparse.Namespace) -> int:
                               "--batch-concurrency", str(args.batch_concurrency),
                               "--max-batch-requests", str(args.max_batch_requests),
                               "--max-request-body-bytes", str(args.max_request_body_bytes),
+                              "--drain-timeout", str(args.drain_timeout),
                               *(["--default-sampling", args.default_sampling] if args.default_sampling else []),
                               *(["--skip-tokenizer-init"] if args.skip_tokenizer_init else []),
                               *(["--expert-distribution-dir", args.expert_distribution_dir]
@@ -259,7 +267,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.admin_api_key:
         os.environ["TANDEM_ADMIN_API_KEY"] = args.admin_api_key
     url_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    supervisor = Supervisor(children, f"http://{url_host}:{args.port}/health", args.startup_timeout)
+    supervisor = Supervisor(children, f"http://{url_host}:{args.port}/health", args.startup_timeout,
+                            stop_grace_s=args.drain_timeout + 10)
     workers = (f"embedding prefill {prefill_addr}, no decode). Ctrl-C stops both." if args.is_embedding
                else f"prefill {prefill_addr}, decode {decode_addr}). Ctrl-C stops all three.")
     return supervisor.run(f"Tandem is ready: gateway on http://{url_host}:{args.port} (model {served_name!r}; {workers}")
@@ -316,7 +325,7 @@ def _gateway(args: argparse.Namespace) -> int:
                            max_queued_requests=args.max_queued_requests, max_queue_wait_s=args.max_queue_wait,
                            data_dir=os.path.abspath(args.data_dir or default_data_dir()),
                            batch_concurrency=args.batch_concurrency, max_batch_requests=args.max_batch_requests,
-                           max_request_body_bytes=args.max_request_body_bytes,
+                           max_request_body_bytes=args.max_request_body_bytes, drain_timeout_s=args.drain_timeout,
                            expert_distribution_dir=os.path.abspath(args.expert_distribution_dir or os.getcwd()),
                            internal=internal)
     serve_gateway(config)

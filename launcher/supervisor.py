@@ -35,8 +35,10 @@ def _die_with_parent() -> None:
 
 
 class Supervisor:
-    def __init__(self, children: list[ChildSpec], health_url: str, startup_timeout_s: float) -> None:
+    def __init__(self, children: list[ChildSpec], health_url: str, startup_timeout_s: float,
+                 stop_grace_s: float = 10.0) -> None:
         self.specs = children
+        self.stop_grace_s = stop_grace_s
         self.health_url = health_url
         self.startup_timeout_s = startup_timeout_s
         self.procs: dict[str, subprocess.Popen] = {}
@@ -88,14 +90,21 @@ class Supervisor:
         return next((name for name, p in self.procs.items() if p.poll() is not None), None)
 
     def _on_signal(self, signum: int, frame) -> None:
+        """The first signal stops the stack (the children drain); a second one is passed on as SIGINT,
+        which every child (uvicorn included) takes as "stop now"."""
+        if self._stopping:
+            self._signal_children(signal.SIGINT)
         self._stopping = True
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every child (gateway first), then SIGKILL whatever outlives the grace period."""
+    def _signal_children(self, signum: int) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
+                proc.send_signal(signum)
+
+    def stop(self) -> None:
+        """SIGTERM every child, then SIGKILL whatever outlives `stop_grace_s` (their drain and some)."""
+        self._signal_children(signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_grace_s
         for name, proc in self.procs.items():
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))

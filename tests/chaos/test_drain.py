@@ -1,7 +1,8 @@
 """Graceful drain of the decode worker (reliability.md scenario 18): on SIGTERM it answers NOT_SERVING
 on its gRPC health service and refuses new reservations, the gateway stops routing to it (503 with
 Retry-After), the streams in flight finish normally, and the process exits 0 once they have, well
-before --drain-timeout. Started again, it serves the canary byte for byte."""
+before --drain-timeout. Started again, it serves the canary byte for byte. The gateway drains too:
+it stops accepting connections at once and exits once its streams are done."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.chaos_extended]
 DRAIN_TIMEOUT_S = 30
 NUM_STREAMS = 3
 MAX_TOKENS = 48
+GATEWAY_MAX_TOKENS = 200   # streams that outlast the 5 s uvicorn gave them before --drain-timeout
 
 
 @pytest.fixture
@@ -90,3 +92,44 @@ def test_a_draining_decode_worker_finishes_its_streams_refuses_new_ones_and_exit
     services.start_decode()
     assert_still_serving(services.url, baseline, within_s=300)
     assert_nothing_leaked(services)
+
+
+def test_a_draining_gateway_finishes_its_streams_and_takes_no_new_connection(services: Services) -> None:
+    baseline = canary(services.url)
+    streams = [Reply() for _ in range(NUM_STREAMS)]
+    with ThreadPoolExecutor(NUM_STREAMS) as pool:
+        futures = [pool.submit(completion, services.url, f"Tell me story number {i}.", GATEWAY_MAX_TOKENS, True,
+                               reply) for i, reply in enumerate(streams)]
+        wait_until(lambda: all(len(s.events) >= 3 for s in streams), 120, "three tokens on every stream")
+        services.gateway.send_signal(signal.SIGTERM)
+        signalled_at = time.monotonic()
+        wait_until(lambda: _refuses_connections(services.url), 2, "the gateway to stop accepting connections")
+        seconds_to_refuse = time.monotonic() - signalled_at
+        assert not all(s.is_done for s in streams), "the streams ended before the drain could be seen"
+        for future in futures:
+            future.result()
+
+    # uvicorn re-raises the signal once it has shut down, so the process ends "killed by SIGTERM"
+    assert services.gateway.wait(DRAIN_TIMEOUT_S) == -signal.SIGTERM
+    seconds_to_exit = time.monotonic() - signalled_at
+    last_token_at = max(s.times[-1] for s in streams)
+    print(f"SIGTERM -> no new connection: {seconds_to_refuse:.2f} s; -> last stream done: "
+          f"{last_token_at - signalled_at:.2f} s; -> exit: {seconds_to_exit:.2f} s")
+    assert last_token_at - signalled_at > 5, "the streams were too short to show a drain longer than 5 s"
+    for stream in streams:
+        assert stream.status == 200 and stream.lines[-1] == "data: [DONE]"
+        finishes = [c["finish_reason"] for e in stream.events for c in e["choices"] if c["finish_reason"]]
+        assert finishes == ["length"], stream.lines[-3:]
+    assert seconds_to_exit < last_token_at - signalled_at + 5   # it exits once idle, not at the timeout
+
+    services.start_gateway("--data-dir", str(services.log_dir / "data"), timeout_s=120)
+    assert_still_serving(services.url, baseline, within_s=120)
+    assert_nothing_leaked(services)
+
+
+def _refuses_connections(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/health", timeout=1)
+    except httpx.ConnectError:
+        return True
+    return False

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from gateway.config import DEFAULT_DRAIN_TIMEOUT_S
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk is a test dependency (pip install '.[test]')")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -126,7 +127,8 @@ def test_every_container_has_probes_resources_and_a_drain(profile):
                 assert probe in c, (deploy["metadata"]["name"], probe)
             assert c["resources"].get("requests") and c["resources"].get("limits"), deploy["metadata"]["name"]
             sleep = int(c["lifecycle"]["preStop"]["exec"]["command"][-1])
-            assert 0 < sleep < pod["terminationGracePeriodSeconds"]
+            # the preStop sleep, then the drain (--drain-timeout, 30 s by default), fit in the grace period
+            assert 0 < sleep and sleep + DEFAULT_DRAIN_TIMEOUT_S < pod["terminationGracePeriodSeconds"]
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
         assert pod["securityContext"]["runAsNonRoot"] is True
 
