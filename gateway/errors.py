@@ -107,9 +107,10 @@ class APIError(Exception):
 
     @classmethod
     def from_grpc(cls, exc: grpc.aio.AioRpcError, role: str, address: str) -> "APIError":
-        """The HTTP error for a failed call to the `role` worker at `address`. The address and the
-        worker's full answer go to the log only."""
+        """The HTTP error for a failed call to the `role` worker at `address`; a 503 carries
+        Retry-After. The address and the worker's full answer go to the log only."""
         kind = HTTP_OF_GRPC.get(exc.code(), _INTERNAL)
+        retry_after_s = WORKER_RETRY_AFTER_S if kind.http_status == 503 else None
         detail = exc.details() or exc.code().name
         log = logger.warning if kind.http_status >= 500 else logger.info
         log("%s worker %s answered %s: %s", role, address, exc.code().name, detail)
@@ -117,17 +118,12 @@ class APIError(Exception):
             return cls(kind.http_status, public_message(detail), kind.type, code=kind.code)
         fixed = _INTERNAL_MESSAGE if kind is _INTERNAL else _FIXED_MESSAGE.get(exc.code())
         if fixed is None:             # capacity, aborted: the worker's own message says why
-            return cls(kind.http_status, f"the {role} worker: {public_message(detail)}", kind.type, code=kind.code)
+            return cls(kind.http_status, f"the {role} worker: {public_message(detail)}", kind.type, code=kind.code,
+                       retry_after_s=retry_after_s)
         request_id = current_request_id()
         where = f" (request {request_id}; details in the gateway log)" if request_id != NO_REQUEST else ""
-        return cls(kind.http_status, fixed.format(role=role) + where, kind.type, code=kind.code)
-
-
-def retryable(error: APIError) -> APIError:
-    """`error`, with a Retry-After header if it is a 503 without one (every 503 carries it)."""
-    if error.status == 503 and error.retry_after_s is None:
-        error.retry_after_s = WORKER_RETRY_AFTER_S
-    return error
+        return cls(kind.http_status, fixed.format(role=role) + where, kind.type, code=kind.code,
+                   retry_after_s=retry_after_s)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -17,7 +17,7 @@ from typing import AsyncIterator
 import grpc
 
 from gateway.config import GatewayConfig
-from gateway.errors import WORKER_RETRY_AFTER_S, APIError, retryable
+from gateway.errors import WORKER_RETRY_AFTER_S, APIError
 from gateway.workers import Worker, WorkerPool
 from tandem.request_log import bind_request_id
 from tandem.v1 import common_pb2, decode_pb2, prefill_pb2
@@ -188,12 +188,7 @@ async def _call(worker: Worker, call):
     try:
         return await call
     except grpc.aio.AioRpcError as exc:
-        raise _worker_error(exc, worker) from None
-
-
-def _worker_error(exc: grpc.aio.AioRpcError, worker: Worker) -> APIError:
-    """The HTTP error for a failed call to `worker`; its 503s carry Retry-After."""
-    return retryable(APIError.from_grpc(exc, worker.role, worker.address))
+        raise APIError.from_grpc(exc, worker.role, worker.address) from None
 
 
 class _PrefillAnswered(Exception):
@@ -213,7 +208,7 @@ async def _prefill(worker: Worker, call, stall_timeout_s: float):
     try:
         return await _unless_stalled(worker, call, stall_timeout_s)
     except grpc.aio.AioRpcError as exc:
-        error = _worker_error(exc, worker)
+        error = APIError.from_grpc(exc, worker.role, worker.address)
         if exc.code() in _UNSETTLED_CODES:
             raise error from None
         raise _PrefillAnswered(error) from None
@@ -225,7 +220,7 @@ async def _stream(worker: Worker, call: grpc.aio.UnaryStreamCall, stall_timeout_
         while (message := await _unless_stalled(worker, call.read(), stall_timeout_s)) is not grpc.aio.EOF:
             yield message
     except grpc.aio.AioRpcError as exc:
-        raise _worker_error(exc, worker) from None
+        raise APIError.from_grpc(exc, worker.role, worker.address) from None
 
 
 async def _unless_stalled(worker: Worker, awaitable, stall_timeout_s: float):

@@ -17,6 +17,7 @@ from engine.errors import (CapacityError, ContextLengthExceededError, InvalidReq
                            RequestNotFoundError)
 from engine.page_allocator import pages_needed
 from engine.request import FinishReason, Request, SamplingParams, StepOutput
+from engine.runner import FaultHooks
 from engine.weights import open_checkpoint
 from tests.tiny_models import save_tiny_llama
 
@@ -390,3 +391,21 @@ def test_a_touched_reservation_outlives_its_first_ttl(model_dir: Path) -> None:
     time.sleep(0.1)
     assert engine.expire_reservations(time.monotonic()) == [] and engine.holds("slow-grammar")
     engine.touch_reservation("unknown", ttl_s=30)   # nothing to keep: no error
+
+
+def test_non_finite_logits_fail_that_request_alone(model_dir: Path) -> None:
+    """A request whose logits come out NaN ends with FinishReason.ERROR and its pages freed; the
+    request batched with it decodes on, token for token as it would alone."""
+    alone = _tokens(_generate(_engine(model_dir), PROMPT_B, max_new_tokens=8, **GREEDY))
+    engine = Engine(open_checkpoint(str(model_dir)), EngineConfig(dtype="float32", page_size=PAGE_SIZE,
+                                                                  max_total_tokens=64),
+                    progress=False, faults=FaultHooks(nan_logits_seed=7))
+    engine.add_request(Request("bad", PROMPT_A, SamplingParams(max_new_tokens=8, seed=7, **GREEDY)))
+    engine.add_request(Request("good", PROMPT_B, SamplingParams(max_new_tokens=8, **GREEDY)))
+    outputs = _run(engine)
+    [failed] = outputs["bad"]
+    assert failed.finish_reason is FinishReason.ERROR and failed.token_id is None
+    assert "non-finite logits" in failed.abort_message
+    assert _tokens(outputs["good"]) == alone and outputs["good"][-1].finish_reason is FinishReason.LENGTH
+    _assert_idle(engine)
+    assert not engine.holds("bad")

@@ -61,6 +61,7 @@ def test_from_grpc_names_the_role_only_and_logs_the_address(caplog) -> None:
         error = APIError.from_grpc(_rpc_error(grpc.StatusCode.UNAVAILABLE, details), "decode", "127.0.0.1:31002")
     assert (error.status, error.code) == (503, "worker_unavailable")
     assert error.message == "the decode worker is unavailable"
+    assert error.headers == {"Retry-After": "1"}   # every 503 from a worker says when to try again
     assert "decode worker 127.0.0.1:31002" in caplog.text and "Connection refused" in caplog.text
 
 
@@ -70,7 +71,7 @@ def test_from_grpc_points_at_the_request_id_when_one_is_bound() -> None:
         return APIError.from_grpc(_rpc_error(grpc.StatusCode.UNKNOWN, "Unexpected <class 'KeyError'>: 'x'"),
                                   "prefill", "10.0.0.7:31001")
     error = contextvars.copy_context().run(inside_a_request)
-    assert error.status == 500 and error.type == "internal_error"
+    assert error.status == 500 and error.type == "internal_error" and error.headers is None
     assert error.message == "the prefill worker failed (request req-42; details in the gateway log)"
 
 
@@ -80,6 +81,7 @@ def test_from_grpc_keeps_the_workers_own_words_without_internals() -> None:
     full = APIError.from_grpc(_rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free pages on 127.0.0.1:31002"),
                               "decode", "127.0.0.1:31002")
     assert full.status == 503 and full.message == "the decode worker: no free pages on <address>"
+    assert full.retry_after_s == 1
     bad = APIError.from_grpc(_rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "cannot read /tmp/x/grammar.json"),
                              "prefill", "127.0.0.1:1")
     assert bad.status == 400 and bad.message == "cannot read <path>"
