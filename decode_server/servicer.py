@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
-        self.grants = IssuedGrants(grant_key(ctx.config.credentials.token))
+        self.grants = IssuedGrants(grant_key(ctx.config.kv_grant_secret))
 
     async def Reserve(self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
                       ) -> decode_pb2.ReserveResponse:

@@ -17,8 +17,9 @@ from gateway.discovery import check_worker_spec
 from launcher.defaults import (BUNDLED_MODEL_SAMPLING, default_data_dir, default_dtype, default_model_path,
                                default_torch_threads, is_bundled_model, served_name_for)
 from launcher.healthcheck import add_healthcheck_args, run_healthcheck
-from launcher.internal_plane import (add_internal_plane_args, add_internal_token_args, check_open_plane,
-                                     credentials_from_args, ensure_serve_token, run_internal_token)
+from launcher.internal_plane import (add_internal_plane_args, add_internal_token_args, add_kv_grant_args,
+                                     check_open_plane, credentials_from_args, ensure_serve_token,
+                                     kv_grant_secret_from_args, run_internal_token, serve_grant_env)
 from tandem.request_log import configure_logging
 
 if TYPE_CHECKING:   # the engine is imported only by the worker commands that run one
@@ -204,9 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
         if role == "prefill":
             _add_embedding_arg(worker)
         add_internal_plane_args(worker)
+        add_kv_grant_args(worker)
 
     add_healthcheck_args(sub.add_parser("healthcheck", help="probe a worker's gRPC health or the gateway's /health once"))
-    add_internal_token_args(sub.add_parser("internal-token", help="write a fresh internal token to a file (once)"))
+    add_internal_token_args(sub.add_parser("internal-token", help="write a fresh internal token (or KV grant "
+                                                                  "secret) to a file (once)"))
     return parser
 
 
@@ -230,6 +233,7 @@ def _serve(args: argparse.Namespace) -> int:
     served_name = args.served_model_name or served_name_for(args.model_path)
     threads = args.torch_threads or default_torch_threads(1 if args.is_embedding else 2)
     ensure_serve_token(args)   # the children's, by environment
+    grant_env = serve_grant_env()   # the workers' alone: the gateway child never sees it
     shared = ["--model-path", model_path, "--log-level", args.log_level,
               *(arg for flag in ("tls_cert", "tls_key", "tls_ca") if getattr(args, flag)
                 for arg in (f"--{flag.replace('_', '-')}", getattr(args, flag)))]
@@ -241,9 +245,9 @@ def _serve(args: argparse.Namespace) -> int:
     decode_metrics = ("--metrics-port", str(_metrics_port(args.decode_metrics_port, args.decode_port)))
     children = [
         ChildSpec("prefill", ("prefill", *worker_flags, *embedding_flags, "--port", str(args.prefill_port),
-                              *prefill_metrics)),
+                              *prefill_metrics), grant_env),
         *([] if args.is_embedding else [ChildSpec("decode", ("decode", *worker_flags, "--port", str(args.decode_port),
-                                                             *decode_metrics))]),
+                                                             *decode_metrics), grant_env)]),
         ChildSpec("gateway", ("gateway", *shared, "--served-model-name", served_name, "--host", args.host,
                               "--port", str(args.port), "--prefill", prefill_addr,
                               *(embedding_flags or ["--decode", decode_addr]),
@@ -340,6 +344,10 @@ def _worker(args: argparse.Namespace) -> int:
 
     credentials = credentials_from_args(args)
     check_open_plane(credentials, [args.host], args.insecure, f"{args.command} worker bind address")
+    if args.kv_host is not None:   # the token does not reach the KV ports: a closed plane is still required
+        check_open_plane(credentials, [args.kv_host], args.insecure, f"{args.command} worker KV address (--kv-host)")
+    is_embedding = getattr(args, "is_embedding", False)
+    grant_secret = None if is_embedding else kv_grant_secret_from_args(args, credentials)
     kv_host = args.kv_host or ("127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host)
     config = WorkerConfig(
         role=args.command, model_path=args.model_path or default_model_path(), host=args.host, port=args.port,
@@ -348,8 +356,9 @@ def _worker(args: argparse.Namespace) -> int:
                                   device_name=args.kv_device),
         torch_threads=args.torch_threads or default_torch_threads(2),
         reservation_ttl_s=args.reservation_ttl, transfer_timeout_s=args.transfer_timeout,
-        write_grace_s=args.kv_write_grace, is_embedding=getattr(args, "is_embedding", False),
+        write_grace_s=args.kv_write_grace, is_embedding=is_embedding,
         metrics_port=_metrics_port(args.metrics_port, args.port), credentials=credentials,
+        kv_grant_secret=grant_secret,
         weights_dirs=tuple(os.path.abspath(d) for d in args.weights_dir or ()),
         grammar_compile_timeout_s=args.grammar_compile_timeout, drain_timeout_s=args.drain_timeout)
     add_servicer = add_prefill_servicer if args.command == "prefill" else add_decode_servicer

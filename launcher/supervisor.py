@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -23,8 +25,12 @@ _PR_SET_PDEATHSIG = 1
 
 @dataclass(frozen=True, slots=True)
 class ChildSpec:
+    """One child: `python -m launcher <args>`, with this process's environment plus `env` (secrets
+    meant for this child alone, such as the workers' KV grant secret; kept out of reprs)."""
+
     name: str
     args: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict, repr=False)
 
 
 def _die_with_parent() -> None:
@@ -50,8 +56,8 @@ class Supervisor:
         try:
             for spec in self.specs:
                 self.procs[spec.name] = subprocess.Popen(
-                    [sys.executable, "-m", "launcher", *spec.args], start_new_session=True,
-                    preexec_fn=_die_with_parent)
+                    [sys.executable, "-m", "launcher", *spec.args], env={**os.environ, **spec.env},
+                    start_new_session=True, preexec_fn=_die_with_parent)
             if not self._wait_ready():
                 return 1
             print(ready_message, flush=True)

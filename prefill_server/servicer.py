@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
-        self.grants = GrantChecker(grant_key(ctx.config.credentials.token))
+        self.grants = GrantChecker(grant_key(ctx.config.kv_grant_secret))
         self._running: dict[str, asyncio.Event] = {}   # grant -> set once that Prefill's write is over
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext

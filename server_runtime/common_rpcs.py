@@ -37,7 +37,11 @@ def _not_found(path: str) -> str:
 
 
 def is_within(path: str, directory: str) -> bool:
-    """True when `path`, links resolved, is `directory` or lies under it."""
+    """True when `path`, links resolved, is `directory` or lies under it. A path with a `..` component
+    is never within: where `..` lands depends on links outside `directory` (`/bin/..` is `/usr`), so
+    answering it would tell the caller which outside names are links."""
+    if ".." in path.split(os.sep):
+        return False
     resolved, root = os.path.realpath(path), os.path.realpath(directory)
     return resolved == root or resolved.startswith(root.rstrip(os.sep) + os.sep)
 

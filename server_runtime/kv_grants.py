@@ -6,8 +6,11 @@ forwards it untouched; the prefill server writes only when the grant verifies fo
 and pages it was sent, once; the decode server admits Generate only with the grant it issued. A
 caller who never saw a grant cannot name pages, and one request's grant cannot aim at another's.
 
-The key comes from the internal token both workers share. Without a token (an open plane, loopback
-only) the key is public and grants only catch mistakes, not forgeries.
+The key comes from the KV grant secret the two workers share and the gateway never holds
+(--kv-grant-secret-file; `tandem serve` makes one for its workers). The internal token is no use
+for it: the gateway holds that, so a key derived from it would let a compromised gateway forge
+grants. Without a secret (an open plane, loopback only) the key is public and grants only catch
+mistakes, not forgeries.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ class GrantError(Exception):
     """A write or Generate whose grant does not hold; the message names no pages or addresses."""
 
 
-def grant_key(token: str | None) -> bytes:
-    return hmac.new((token or "").encode(), b"tandem kv write grant v1", hashlib.sha256).digest()
+def grant_key(secret: str | None) -> bytes:
+    """The HMAC key of grants, from the workers' KV grant secret (None: an open plane's public key)."""
+    return hmac.new((secret or "").encode(), b"tandem kv write grant v2", hashlib.sha256).digest()
 
 
 def _mac(key: bytes, request_id: str, target: common_pb2.KvTarget) -> str:
@@ -76,9 +80,11 @@ class GrantChecker:
         self._used = {g: expiry for g, expiry in self._used.items() if expiry > now_ms}
         expected = _mac(self.key, request_id, target)
         if not target.grant or not hmac.compare_digest(target.grant, expected):
-            logger.warning("refused a KV grant for %s: it does not cover the pages it names "
-                           "(forged, or another request's)", request_id)
-            raise GrantError("the KV target's grant is not valid for this request")
+            logger.warning("refused a KV grant for %s: it does not cover the pages it names (forged, another "
+                           "request's, or signed by a decode worker with another --kv-grant-secret-file)",
+                           request_id)
+            raise GrantError("the KV target's grant is not valid for this request (the prefill and decode "
+                             "workers must share one KV grant secret)")
         return now_ms
 
 

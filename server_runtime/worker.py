@@ -8,7 +8,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import grpc
@@ -56,6 +56,8 @@ class WorkerConfig:
     is_embedding: bool = False        # prefill: serve Embed from an embedding model; no engine, KV or decode
     metrics_port: int = 0             # HTTP port serving Prometheus text; 0: no metrics endpoint
     credentials: InternalCredentials = InternalCredentials()   # the token (and TLS) every tandem.v1 call needs
+    # Keys KV write grants (kv_grants.py); the workers' alone, never the gateway's. None: an open plane's public key.
+    kv_grant_secret: str | None = field(default=None, repr=False)
     weights_dirs: tuple[str, ...] = ()   # UpdateWeights loads only from under these; (): the model's directory
     grammar_compile_timeout_s: float = 5.0   # a request's grammar that takes longer to compile is refused
     drain_timeout_s: float = 30.0     # on SIGTERM/SIGINT: longest wait for the requests in flight to finish

@@ -100,6 +100,39 @@ before they existed), hence `default dict`. */}}
         path: internal-token
 {{- end -}}
 
+{{/* The KV grant secret: it keys the grants that let a prefill worker write a decode worker's pages.
+Worker pods only: the gateway holds the internal token, so were it to hold this too it could sign
+KV writes. Shaped as the internal token's helpers above. */}}
+{{- define "tandem.kvGrantSecret" -}}
+{{- default (printf "%s-kv-grant-secret" (include "tandem.fullname" .)) (default dict .Values.kvGrantSecret).existingSecret -}}
+{{- end -}}
+
+{{- define "tandem.kvGrantSecretKey" -}}
+{{- default "kv-grant-secret" (default dict .Values.kvGrantSecret).key -}}
+{{- end -}}
+
+{{- define "tandem.kvGrantSecretDir" -}}/run/tandem-grant{{- end -}}
+
+{{- define "tandem.kvGrantSecretArg" -}}
+--kv-grant-secret-file={{ include "tandem.kvGrantSecretDir" . }}/kv-grant-secret
+{{- end -}}
+
+{{- define "tandem.kvGrantSecretVolumeMount" -}}
+- name: kv-grant-secret
+  mountPath: {{ include "tandem.kvGrantSecretDir" . }}
+  readOnly: true
+{{- end -}}
+
+{{- define "tandem.kvGrantSecretVolume" -}}
+- name: kv-grant-secret
+  secret:
+    secretName: {{ include "tandem.kvGrantSecret" . }}
+    defaultMode: 0440
+    items:
+      - key: {{ include "tandem.kvGrantSecretKey" . }}
+        path: kv-grant-secret
+{{- end -}}
+
 {{/* "true" when the worker NetworkPolicies are rendered: networkPolicy.enabled, true when absent. */}}
 {{- define "tandem.networkPolicyEnabled" -}}
 {{- $policy := default dict .Values.networkPolicy -}}

@@ -35,11 +35,12 @@ def generate_token() -> str:
     return secrets.token_urlsafe(32)
 
 
-def read_token_file(path: str) -> str:
-    """The token a file holds (surrounding whitespace stripped); ValueError when it is empty."""
+def read_token_file(path: str, what: str = "internal token") -> str:
+    """The token (or other secret, named by `what`) a file holds, surrounding whitespace stripped;
+    ValueError when it is empty."""
     token = Path(path).read_text().strip()
     if not token:
-        raise ValueError(f"the internal token file {path} is empty")
+        raise ValueError(f"the {what} file {path} is empty")
     return token
 
 

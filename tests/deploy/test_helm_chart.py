@@ -86,6 +86,7 @@ def selects(selector: dict, labels: dict[str, str]) -> bool:
 
 
 TOKEN_SECRET = f"{RELEASE}-internal-token"
+GRANT_SECRET = f"{RELEASE}-kv-grant-secret"
 
 
 def token_file_arg(docs: list[dict], component: str) -> str:
@@ -101,6 +102,23 @@ def token_file_arg(docs: list[dict], component: str) -> str:
     return volume["secret"]["secretName"], item["key"]
 
 
+def grant_secret_file_arg(docs: list[dict], component: str) -> tuple[str, str] | None:
+    """Where `component`'s pod finds the KV grant secret (the chart's Secret, mounted read-only), or None
+    when its pod has no such volume, mount or flag."""
+    pod = deployment(docs, component)["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    volumes = [v for v in pod.get("volumes", ()) if v["name"] == "kv-grant-secret"]
+    mounts = [m for m in c.get("volumeMounts", ()) if m["name"] == "kv-grant-secret"]
+    args = [a for a in c["args"] if a.startswith("--kv-grant-secret-file=")]
+    if not (volumes or mounts or args):
+        return None
+    ((volume,), (mount,), (arg,)) = volumes, mounts, args
+    assert mount["readOnly"] is True
+    (item,) = volume["secret"]["items"]
+    assert arg == f"--kv-grant-secret-file={mount['mountPath']}/{item['path']}"
+    return volume["secret"]["secretName"], item["key"]
+
+
 def test_chart_lints_clean_with_each_values_file():
     for name, values in PROFILES.items():
         report = helm.lint(CHART, copy.deepcopy(values), strict=True, kube_version="v1.30.0")
@@ -112,7 +130,7 @@ def test_manifests_match_the_kubernetes_schemas(profile):
     name, _, docs = profile
     kinds = sorted(d["kind"] for d in docs)
     assert kinds.count("Deployment") == 3 and kinds.count("Service") == 3 and "ConfigMap" in kinds
-    assert kinds.count("Secret") == 1 and kinds.count("NetworkPolicy") == 2
+    assert kinds.count("Secret") == 2 and kinds.count("NetworkPolicy") == 2
     for version in KUBE_VERSIONS:
         for doc in docs:
             kubernetes_validate.validate(doc, version, strict=True)
@@ -320,9 +338,38 @@ def test_each_render_draws_a_new_token_when_there_is_no_previous_secret():
     assert len(tokens) == 3
 
 
+def test_the_kv_grant_secret_is_a_generated_secret_only_worker_pods_mount(profile):
+    """The gateway holds the internal token; were it to hold the grant secret too, it could sign KV writes."""
+    _, _, docs = profile
+    secrets = by_kind(docs, "Secret")
+    secret = secrets[GRANT_SECRET]
+    assert secret["type"] == "Opaque" and list(secret["data"]) == ["kv-grant-secret"]
+    value = base64.b64decode(secret["data"]["kv-grant-secret"]).decode()
+    assert re.fullmatch(r"[A-Za-z0-9]{48}", value)
+    assert value != base64.b64decode(secrets[TOKEN_SECRET]["data"]["internal-token"]).decode()
+    for component in WORKERS:
+        assert grant_secret_file_arg(docs, component) == (GRANT_SECRET, "kv-grant-secret")
+        assert value not in str(deployment(docs, component))
+    assert grant_secret_file_arg(docs, "gateway") is None
+    assert GRANT_SECRET not in str(deployment(docs, "gateway"))
+
+
+def test_each_render_draws_a_new_grant_secret_when_there_is_no_previous_one():
+    values = {by_kind(render(None), "Secret")[GRANT_SECRET]["data"]["kv-grant-secret"] for _ in range(3)}
+    assert len(values) == 3
+
+
+def test_an_existing_grant_secret_replaces_the_generated_one():
+    docs = render({"kvGrantSecret": {"existingSecret": "vault-grant", "key": "grant"}})
+    assert GRANT_SECRET not in by_kind(docs, "Secret")
+    for component in WORKERS:
+        assert grant_secret_file_arg(docs, component) == ("vault-grant", "grant")
+    assert grant_secret_file_arg(docs, "gateway") is None
+
+
 def test_an_existing_token_secret_replaces_the_generated_one():
     docs = render({"internalToken": {"existingSecret": "vault-synced", "key": "token"}})
-    assert by_kind(docs, "Secret") == {}
+    assert set(by_kind(docs, "Secret")) == {GRANT_SECRET}   # the grant secret is still the chart's own
     for component in ("gateway", *WORKERS):
         assert token_file_arg(docs, component) == ("vault-synced", "token")
 
@@ -385,8 +432,10 @@ def test_network_policies_can_be_narrowed_or_turned_off():
 def test_values_from_before_the_token_and_the_policies_still_render():
     # `helm upgrade --reuse-values` from a release made before these values existed passes none of them
     # (null removes a default, as the missing key would): the chart must still render its defaults.
-    docs = render({"internalToken": None, "networkPolicy": None})
-    assert TOKEN_SECRET in by_kind(docs, "Secret")
+    docs = render({"internalToken": None, "kvGrantSecret": None, "networkPolicy": None})
+    assert {TOKEN_SECRET, GRANT_SECRET} <= set(by_kind(docs, "Secret"))
+    for component in WORKERS:
+        assert grant_secret_file_arg(docs, component) == (GRANT_SECRET, "kv-grant-secret")
     assert set(by_kind(docs, "NetworkPolicy")) == {f"{RELEASE}-{role}" for role in WORKERS}
     for component in ("gateway", *WORKERS):
         assert token_file_arg(docs, component) == (TOKEN_SECRET, "internal-token")

@@ -3,6 +3,7 @@ services as separate processes (`start_services`), so that one can be killed and
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import secrets
@@ -13,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import grpc
 import httpx
@@ -25,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 INTERNAL_TOKEN = secrets.token_urlsafe(24)
 WORKER_METADATA = (("authorization", f"Bearer {INTERNAL_TOKEN}"),)
 _CHILD_ENV = {"PYTHONUNBUFFERED": "1", "TANDEM_INTERNAL_TOKEN": INTERNAL_TOKEN}
+# Workers started alone share a KV grant secret, as `tandem serve` hands its own to its workers; a gateway gets none.
+_WORKER_ENV = {"TANDEM_KV_GRANT_SECRET": secrets.token_urlsafe(24)}
 
 
 def free_port() -> int:
@@ -237,6 +241,20 @@ class Services(WorkerPages):
         return "\n".join(f"--- {p.name}\n{p.read_text()[-num_chars:]}" for p in sorted(self.log_dir.glob("*.log")))
 
 
+@contextlib.contextmanager
+def running_services(tmp_dir: Path, *worker_flags: str, gateway_flags: tuple[str, ...] = (),
+                     prefill_env: dict[str, str] | None = None,
+                     decode_env: dict[str, str] | None = None) -> Iterator[Services]:
+    """Workers started with `worker_flags`, and a gateway with `gateway_flags` (data in tmp_dir/data),
+    all ready; stopped on the way out."""
+    services = start_services(tmp_dir, *worker_flags, prefill_env=prefill_env, decode_env=decode_env)
+    try:
+        services.start_gateway("--data-dir", str(tmp_dir / "data"), *gateway_flags, timeout_s=300)
+        yield services
+    finally:
+        services.stop()
+
+
 def start_services(tmp_dir: Path, *worker_flags: str, prefill_env: dict[str, str] | None = None,
                    decode_env: dict[str, str] | None = None) -> Services:
     """Start a prefill and a decode worker with `worker_flags` (and each with its extra environment, if
@@ -259,7 +277,8 @@ def _decode_args(port: int, worker_flags: tuple[str, ...]) -> list[str]:
 def _launch(args: list[str], log_path: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     log = open(log_path, "w")
     return subprocess.Popen([sys.executable, "-m", "launcher", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, **_CHILD_ENV, **(extra_env or {})}, start_new_session=True,
+                            env={**os.environ, **_CHILD_ENV, **(_WORKER_ENV if args[0] != "gateway" else {}),
+                                 **(extra_env or {})}, start_new_session=True,
                             preexec_fn=_die_with_parent)
 
 

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from launcher.defaults import default_model_path
 from tests.e2e.conftest import CONTEXT_LEN, MODEL
 from tests.e2e.error_bodies import internal_details
 from tests.e2e.stack import Stack, child_pids, start_stack
@@ -89,8 +90,12 @@ def test_update_weights_with_other_shapes_fails_cleanly_and_old_weights_keep_ser
 
 
 def test_update_weights_outside_the_weights_dirs_is_answered_as_not_found(stack: Stack, tmp_path) -> None:
-    """/etc/passwd exists and /etc/no-such-file does not: the answers cannot tell them apart."""
-    for path in ("/etc/passwd", "/etc/no-such-file", f"{tmp_path}/../../../../../etc/passwd"):
+    """/etc/passwd exists and /etc/no-such-file does not: the answers cannot tell them apart. Nor can a `..`
+    tell a link from a directory: `/bin/..` leads elsewhere (/bin is a link on most systems) than
+    `/nonexistent/..`, and both are answered as any path outside --weights-dir."""
+    model = Path(default_model_path())
+    for path in ("/etc/passwd", "/etc/no-such-file", f"{tmp_path}/../../../../../etc/passwd",
+                 f"/bin/..{model}", f"/nonexistent/..{model}", f"{model.parent}/../{model.parent.name}/{model.name}"):
         reply = httpx.post(f"{stack.url}/update_weights_from_disk", json={"model_path": path}, timeout=60)
         assert reply.status_code == 400
         assert reply.json() == {"success": False,

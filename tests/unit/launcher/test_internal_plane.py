@@ -11,17 +11,19 @@ from pathlib import Path
 import pytest
 
 from launcher.cli import build_parser
-from launcher.internal_plane import TOKEN_ENV, TOKEN_FILE_ENV, check_open_plane, credentials_from_args, \
-    ensure_serve_token
+from launcher.internal_plane import GRANT_SECRET_ENV, GRANT_SECRET_FILE_ENV, TOKEN_ENV, TOKEN_FILE_ENV, \
+    check_open_plane, credentials_from_args, ensure_serve_token, kv_grant_secret_from_args, serve_grant_env
 from tandem.internal_auth import InternalCredentials
 
 ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "token-from-somewhere-0123456789"
+GRANT_SECRET = "grant-secret-of-the-workers-0123456789"
+_SECRET_ENVS = (TOKEN_ENV, TOKEN_FILE_ENV, GRANT_SECRET_ENV, GRANT_SECRET_FILE_ENV)
 
 
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for name in (TOKEN_ENV, TOKEN_FILE_ENV):   # setenv first, so that teardown restores what was there
+    for name in _SECRET_ENVS:   # setenv first, so that teardown restores what was there
         monkeypatch.setenv(name, "placeholder")
         monkeypatch.delenv(name)
     return monkeypatch
@@ -52,6 +54,42 @@ def test_serve_hands_its_children_a_token(clean_env: pytest.MonkeyPatch) -> None
     assert os.environ[TOKEN_ENV] == TOKEN
 
 
+def _grant_secret(*argv: str) -> str | None:
+    args = build_parser().parse_args(["decode", *argv])
+    return kv_grant_secret_from_args(args, credentials_from_args(args))
+
+
+def test_grant_secret_from_file_or_environment(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    assert _grant_secret() is None   # an open plane: the public key
+    (tmp_path / "grant").write_text(f"{GRANT_SECRET}\n")
+    assert _grant_secret("--kv-grant-secret-file", str(tmp_path / "grant")) == GRANT_SECRET
+    clean_env.setenv(GRANT_SECRET_FILE_ENV, str(tmp_path / "grant"))
+    assert _grant_secret("--internal-token", TOKEN) == GRANT_SECRET
+    clean_env.setenv(GRANT_SECRET_ENV, "grant-secret-from-the-environment")
+    assert _grant_secret("--internal-token", TOKEN) == "grant-secret-from-the-environment"
+    assert _grant_secret("--kv-grant-secret-file", str(tmp_path / "grant")) == GRANT_SECRET   # the flag first
+    for bad, reason in (("short", "at least 16"), (TOKEN, "differ from the internal token")):
+        clean_env.setenv(GRANT_SECRET_ENV, bad)
+        with pytest.raises(SystemExit, match=reason):
+            _grant_secret("--internal-token", TOKEN)
+
+
+def test_a_closed_plane_needs_a_grant_secret(clean_env: pytest.MonkeyPatch) -> None:
+    """A grant key the token gives would let every token holder, the gateway included, forge grants."""
+    with pytest.raises(SystemExit, match="--kv-grant-secret-file") as refused:
+        _grant_secret("--internal-token", TOKEN)
+    assert "the same secret to the prefill and the decode workers" in str(refused.value)
+
+
+def test_serve_hands_the_grant_secret_to_its_workers_only(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv(GRANT_SECRET_ENV, "inherited-by-every-child-0123456789")
+    clean_env.setenv(GRANT_SECRET_FILE_ENV, "/somewhere/grant")
+    env = serve_grant_env()
+    assert env.keys() == {GRANT_SECRET_ENV} and len(env[GRANT_SECRET_ENV]) >= 32
+    assert env[GRANT_SECRET_ENV] != serve_grant_env()[GRANT_SECRET_ENV]   # fresh for every stack
+    assert GRANT_SECRET_ENV not in os.environ and GRANT_SECRET_FILE_ENV not in os.environ   # the gateway inherits none
+
+
 def test_open_plane_only_on_loopback_unless_insecure(caplog: pytest.LogCaptureFixture) -> None:
     open_plane = InternalCredentials()
     check_open_plane(open_plane, ["127.0.0.1", "localhost"], False, "bind")
@@ -65,13 +103,24 @@ def test_open_plane_only_on_loopback_unless_insecure(caplog: pytest.LogCaptureFi
 
 
 @pytest.mark.parametrize("argv", [["prefill", "--host", "0.0.0.0"],
+                                  ["prefill", "--host", "127.0.0.1", "--kv-host", "10.0.0.7"],
+                                  ["decode", "--kv-host", "0.0.0.0"],
                                   ["gateway", "--prefill", "10.0.0.7:30001", "--decode", "10.0.0.7:30002"]])
 def test_the_commands_refuse_an_open_plane_beyond_loopback(argv: list[str]) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, TOKEN_FILE_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in _SECRET_ENVS}
     done = subprocess.run([sys.executable, "-m", "launcher", *argv], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode != 0
     assert "no internal token is set" in done.stderr and "--insecure" in done.stderr
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_worker_with_a_token_and_no_grant_secret_refuses_to_start(role: str) -> None:
+    env = {**{k: v for k, v in os.environ.items() if k not in _SECRET_ENVS}, TOKEN_ENV: TOKEN}
+    done = subprocess.run([sys.executable, "-m", "launcher", role], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0
+    assert "no KV grant secret is set" in done.stderr and "--kv-grant-secret-file" in done.stderr
 
 
 def test_internal_token_command_writes_once(tmp_path: Path) -> None:

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
-from server_runtime.kv_grants import GrantChecker, GrantError, IssuedGrants, grant_key
+from server_runtime.kv_grants import GrantChecker, GrantError, IssuedGrants, grant_key, sign
 from tandem.v1 import common_pb2
+
+
+SECRET = "the-workers-grant-secret-0123456789"
+TOKEN = "the-cluster-internal-token-0123456789"   # what the gateway holds too
 
 
 def _target(page_ids=(3, 4, 5)) -> common_pb2.KvTarget:
@@ -13,7 +19,7 @@ def _target(page_ids=(3, 4, 5)) -> common_pb2.KvTarget:
 
 
 def _issued(rid: str = "victim", ttl_s: float = 30) -> tuple[IssuedGrants, common_pb2.KvTarget]:
-    grants = IssuedGrants(grant_key("the-cluster-token-0123456789"))
+    grants = IssuedGrants(grant_key(SECRET))
     target = _target()
     grants.issue(rid, target, ttl_s)
     return grants, target
@@ -21,7 +27,7 @@ def _issued(rid: str = "victim", ttl_s: float = 30) -> tuple[IssuedGrants, commo
 
 def test_the_issued_grant_verifies_once() -> None:
     _, target = _issued()
-    checker = GrantChecker(grant_key("the-cluster-token-0123456789"))
+    checker = GrantChecker(grant_key(SECRET))
     checker.check("victim", target)
     with pytest.raises(GrantError, match="already used"):
         checker.check("victim", target)
@@ -40,21 +46,35 @@ def test_any_change_to_the_target_voids_the_grant(tamper) -> None:
     _, target = _issued()
     tamper(target)
     with pytest.raises(GrantError, match="not valid"):
-        GrantChecker(grant_key("the-cluster-token-0123456789")).check("victim", target)
+        GrantChecker(grant_key(SECRET)).check("victim", target)
 
 
 def test_a_grant_is_for_one_request_and_one_key() -> None:
     _, target = _issued("attacker")
     with pytest.raises(GrantError):   # the attacker's own grant, aimed as the victim
-        GrantChecker(grant_key("the-cluster-token-0123456789")).check("victim", target)
-    with pytest.raises(GrantError):   # a cluster with another token
-        GrantChecker(grant_key("another-cluster-token-98765")).check("attacker", target)
+        GrantChecker(grant_key(SECRET)).check("victim", target)
+    with pytest.raises(GrantError):   # a cluster with another grant secret
+        GrantChecker(grant_key("another-cluster-grant-secret-98765")).check("attacker", target)
+
+
+@pytest.mark.parametrize("forger_key", [grant_key(TOKEN), grant_key(None), grant_key("made-up-secret-0123456789")])
+def test_a_token_holder_cannot_mint_a_grant_for_the_victims_pages(forger_key: bytes,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """What a gateway (or anyone with the internal token) could sign is refused, and the refusal logged."""
+    _, genuine = _issued("victim")
+    forged = _target(genuine.page_ids)
+    sign(forger_key, "victim", forged, ttl_s=30)
+    with caplog.at_level(logging.WARNING, logger="server_runtime.kv_grants"):
+        with pytest.raises(GrantError, match="not valid"):
+            GrantChecker(grant_key(SECRET)).check("victim", forged)
+    assert "refused a KV grant for victim" in caplog.text
+    GrantChecker(grant_key(SECRET)).check("victim", genuine)   # the decode side's own grant still works
 
 
 def test_an_expired_grant_is_refused() -> None:
     _, target = _issued(ttl_s=-1)
     with pytest.raises(GrantError, match="expired"):
-        GrantChecker(grant_key("the-cluster-token-0123456789")).check("victim", target)
+        GrantChecker(grant_key(SECRET)).check("victim", target)
 
 
 def test_generate_needs_the_issued_grant_and_a_wrong_one_leaves_it() -> None:
@@ -70,7 +90,7 @@ def test_generate_needs_the_issued_grant_and_a_wrong_one_leaves_it() -> None:
 
 def test_a_revoked_grant_can_no_longer_start_a_write() -> None:
     _, target = _issued()
-    checker = GrantChecker(grant_key("the-cluster-token-0123456789"))
+    checker = GrantChecker(grant_key(SECRET))
     checker.revoke("victim", target)
     with pytest.raises(GrantError, match="already used"):
         checker.check("victim", target)
@@ -79,7 +99,7 @@ def test_a_revoked_grant_can_no_longer_start_a_write() -> None:
 
 def test_revoke_verifies_the_grant_first() -> None:
     _, target = _issued()
-    checker = GrantChecker(grant_key("the-cluster-token-0123456789"))
+    checker = GrantChecker(grant_key(SECRET))
     with pytest.raises(GrantError, match="not valid"):
         checker.revoke("someone-else", target)
     checker.check("victim", target)   # the failed revoke spent nothing
@@ -87,6 +107,6 @@ def test_revoke_verifies_the_grant_first() -> None:
 
 def test_an_expired_grant_is_accepted_by_revoke_and_not_remembered() -> None:
     _, target = _issued(ttl_s=-1)
-    checker = GrantChecker(grant_key("the-cluster-token-0123456789"))
+    checker = GrantChecker(grant_key(SECRET))
     checker.revoke("victim", target)
     assert not checker._used
