@@ -10,6 +10,7 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 import grpc
 import httpx
@@ -19,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.v1 import decode_pb2, decode_pb2_grpc
 from tests.chaos.checks import assert_nothing_leaked, assert_still_serving, canary
 from tests.chaos.clients import Reply, completion, wait_until
-from tests.e2e.stack import WORKER_METADATA, Services, start_services, wait_health
+from tests.e2e.stack import WORKER_METADATA, Services, running_services, wait_health
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos_extended]
 
@@ -30,14 +31,10 @@ GATEWAY_MAX_TOKENS = 200   # streams that outlast the 5 s uvicorn gave them befo
 
 
 @pytest.fixture
-def services(tmp_path: Path) -> Services:
-    services = start_services(tmp_path, "--dtype", "bfloat16", "--max-total-tokens", "4096", "--torch-threads", "1",
-                              "--drain-timeout", str(DRAIN_TIMEOUT_S))
-    try:
-        services.start_gateway("--data-dir", str(tmp_path / "data"), timeout_s=300)
+def services(tmp_path: Path) -> Iterator[Services]:
+    with running_services(tmp_path, "--dtype", "bfloat16", "--max-total-tokens", "4096", "--torch-threads", "1",
+                          "--drain-timeout", str(DRAIN_TIMEOUT_S)) as services:
         yield services
-    finally:
-        services.stop()
 
 
 def _health(port: int) -> int:

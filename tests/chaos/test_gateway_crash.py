@@ -7,12 +7,13 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import pytest
 
 from tests.chaos.checks import assert_nothing_leaked, assert_still_serving, canary, leaks, worker_load
-from tests.e2e.stack import Services, start_services
+from tests.e2e.stack import Services, running_services
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos_extended]
 
@@ -22,13 +23,10 @@ MAX_SECONDS_TO_DROP = 2.0
 
 
 @pytest.fixture
-def services(tmp_path: Path) -> Services:
-    services = start_services(tmp_path, "--dtype", "bfloat16", "--max-total-tokens", "8192", "--torch-threads", "1")
-    try:
-        services.start_gateway("--data-dir", str(tmp_path / "data"), timeout_s=300)
+def services(tmp_path: Path) -> Iterator[Services]:
+    with running_services(tmp_path, "--dtype", "bfloat16", "--max-total-tokens", "8192", "--torch-threads",
+                          "1") as services:
         yield services
-    finally:
-        services.stop()
 
 
 def _read_until_cut(url: str, i: int) -> int:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 from tests.chaos.checks import assert_nothing_leaked, assert_still_serving, canary
 from tests.chaos.clients import Reply, completion, wait_until
 from tests.e2e.error_bodies import internal_details
-from tests.e2e.stack import Services, start_services
+from tests.e2e.stack import Services, running_services
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos_extended]
 
@@ -27,14 +28,11 @@ VICTIMS = [f"Write a short poem about {topic}." for topic in ("the sea", "a cat"
 
 
 @pytest.fixture
-def services(tmp_path: Path) -> Services:
-    services = start_services(tmp_path, "--dtype", "bfloat16", "--max-total-tokens", "4096", "--torch-threads", "1",
-                              prefill_env={HOOK: str(PREFILL_NAN_SEED)}, decode_env={HOOK: str(DECODE_NAN_SEED)})
-    try:
-        services.start_gateway("--data-dir", str(tmp_path / "data"), timeout_s=300)
+def services(tmp_path: Path) -> Iterator[Services]:
+    with running_services(tmp_path, "--dtype", "bfloat16", "--max-total-tokens", "4096", "--torch-threads", "1",
+                          prefill_env={HOOK: str(PREFILL_NAN_SEED)},
+                          decode_env={HOOK: str(DECODE_NAN_SEED)}) as services:
         yield services
-    finally:
-        services.stop()
 
 
 def _text(reply: Reply) -> str:

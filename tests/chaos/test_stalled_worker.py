@@ -9,11 +9,12 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import pytest
 
-from tests.e2e.stack import Services, start_services, wait_health
+from tests.e2e.stack import Services, running_services, wait_health
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos_extended]
 
@@ -30,16 +31,14 @@ def _canary(services: Services) -> str:
 
 
 @pytest.fixture
-def services(tmp_path: Path) -> Services:
-    services = start_services(tmp_path, "--dtype", "bfloat16", "--max-total-tokens", "4096", "--torch-threads", "1")
-    try:
-        services.start_gateway("--data-dir", str(tmp_path / "data"), "--stall-timeout", str(STALL_TIMEOUT_S),
-                               timeout_s=300)
-        yield services
-    finally:
-        if services.decode.poll() is None:
-            os.kill(services.decode.pid, signal.SIGCONT)   # a stopped process would ignore SIGTERM
-        services.stop()
+def services(tmp_path: Path) -> Iterator[Services]:
+    with running_services(tmp_path, "--dtype", "bfloat16", "--max-total-tokens", "4096", "--torch-threads", "1",
+                          gateway_flags=("--stall-timeout", str(STALL_TIMEOUT_S))) as services:
+        try:
+            yield services
+        finally:
+            if services.decode.poll() is None:
+                os.kill(services.decode.pid, signal.SIGCONT)   # a stopped process would ignore SIGTERM
 
 
 def test_a_frozen_decode_worker_ends_open_streams_and_leaves_the_pool(services: Services) -> None:

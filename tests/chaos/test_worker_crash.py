@@ -13,6 +13,7 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import pytest
@@ -20,7 +21,7 @@ import pytest
 from tests.chaos.checks import assert_nothing_leaked, assert_still_serving, canary, worker_load
 from tests.chaos.clients import Reply, completion, wait_until
 from tests.e2e.error_bodies import internal_details
-from tests.e2e.stack import Services, start_services, wait_health
+from tests.e2e.stack import Services, running_services, wait_health
 
 pytestmark = pytest.mark.slow
 
@@ -38,13 +39,9 @@ MAX_SECONDS_TO_ERROR_EVENT = 3.0   # scenario 6
 
 
 @pytest.fixture
-def services(tmp_path: Path) -> Services:
-    services = start_services(tmp_path, *WORKER_FLAGS)
-    try:
-        services.start_gateway("--data-dir", str(tmp_path / "data"), timeout_s=300)
+def services(tmp_path: Path) -> Iterator[Services]:
+    with running_services(tmp_path, *WORKER_FLAGS) as services:
         yield services
-    finally:
-        services.stop()
 
 
 def _assert_retryable_503(reply: Reply) -> None:
