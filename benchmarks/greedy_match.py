@@ -22,7 +22,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
 from engine.weights import open_checkpoint  # noqa: E402
-from gateway.tokenizer import load_tokenizer  # noqa: E402
+from gateway.text.tokenizer import load_tokenizer  # noqa: E402
 from launcher.defaults import default_model_path  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "List 3 countries and their capitals.", "Write a haiku about the sea.",

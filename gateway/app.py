@@ -12,19 +12,25 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import (admin_api, batches_api, embeddings_api, expert_api, files_api, metrics, native_api,
-                     openai_api, vllm_api)
-from gateway.auth import AuthMiddleware, log_key_policy
-from gateway.body_limit import BodyLimitMiddleware, BodyTooLarge
-from gateway.batch_runner import run_batches
+from gateway.api import admin, embeddings, experts, metrics_routes, native, openai, vllm
+from gateway.api.auth import AuthMiddleware, log_key_policy
+from gateway.api.body_limit import BodyLimitMiddleware, BodyTooLarge
+from gateway.api.metrics_routes import MetricsMiddleware
+from gateway.batch import batches_routes, files_routes
+from gateway.batch.runner import run_batches
+from gateway.batch.traffic import InteractiveTraffic, TrafficMiddleware
+from gateway.cluster.admission import Admission
+from gateway.cluster.pool import WorkerPool
 from gateway.config import GatewayConfig
-from gateway.admission import Admission
 from gateway.errors import APIError
-from gateway.interactive_traffic import InteractiveTraffic, TrafficMiddleware
-from gateway.metrics import GatewayMetrics, MetricsMiddleware
+from gateway.metrics import GatewayMetrics
+from gateway.service.generation import GenerationService
 from gateway.state import GatewayState
-from gateway.tokenizer import load_tokenizer
-from gateway.workers import WorkerPool
+from gateway.text.tokenizer import load_tokenizer
+
+# Every router of the app, in the order they are mounted.
+ROUTERS = (openai.router, native.router, admin.router, vllm.router, files_routes.router, batches_routes.router,
+           embeddings.router, experts.router, metrics_routes.router)
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +42,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        pool = WorkerPool(config.prefill_addrs, config.decode_addrs, metrics=gateway_metrics,
-                          credentials=config.internal,
+        pool = WorkerPool(config.prefill_addrs, config.decode_addrs, credentials=config.internal,
                           admission=Admission(config.max_queued_requests, config.max_queue_wait_s, gateway_metrics))
-        app.state.gateway = GatewayState(config, tokenizer, pool)
+        gateway_metrics.watch_pool(pool.num_ready)
+        generation = GenerationService(pool, config, tokenizer, gateway_metrics)
+        app.state.gateway = GatewayState(config, tokenizer, pool, gateway_metrics, generation)
         await pool.probe_all()
         pool.start()
         async with run_batches(app, config.data_dir, traffic, config.batch_concurrency, lambda: pool.is_ready,
@@ -48,15 +55,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         await pool.close()
 
     app = FastAPI(title="Tandem gateway", lifespan=lifespan)
-    app.include_router(openai_api.router)
-    app.include_router(native_api.router)
-    app.include_router(admin_api.router)
-    app.include_router(vllm_api.router)
-    app.include_router(files_api.router)
-    app.include_router(batches_api.router)
-    app.include_router(embeddings_api.router)
-    app.include_router(expert_api.router)
-    app.include_router(metrics.router)
+    for router in ROUTERS:
+        app.include_router(router)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -65,7 +65,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_middleware(TrafficMiddleware, traffic=traffic)
     app.add_middleware(_JSONBodyMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes,
-                       route_limits={"/v1/files": files_api.MAX_UPLOAD_BODY_BYTES})
+                       route_limits={"/v1/files": files_routes.MAX_UPLOAD_BODY_BYTES})
     app.add_middleware(AuthMiddleware, api_key=config.api_key, admin_api_key=config.admin_api_key)  # outermost
     log_key_policy(config)
     return app

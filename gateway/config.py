@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from gateway.sampling_defaults import SamplingDefaults
 from tandem.internal_auth import InternalCredentials
 
-DEFAULT_MAX_QUEUED = 1024           # generations waiting for decode KV space (gateway/admission.py)
+DEFAULT_MAX_QUEUED = 1024           # generations waiting for decode KV space (gateway/cluster/admission.py)
 DEFAULT_MAX_QUEUE_WAIT_S = 120.0
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024   # any JSON body; /v1/files uploads have their own limit
 DEFAULT_DRAIN_TIMEOUT_S = 30.0     # on SIGTERM, how long the gateway (and, from the CLI, each worker) drains
@@ -36,10 +36,10 @@ class GatewayConfig:
     request_timeout_s: float = 3600.0
     max_queued_requests: int = DEFAULT_MAX_QUEUED      # generations waiting for decode KV space (admission)
     max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S   # ... and how long each may wait
-    stall_timeout_s: float = 20.0         # a worker silent this long on a call is health-checked (gateway/handoff.py)
+    stall_timeout_s: float = 20.0         # a worker silent this long on a call is health-checked (gateway/cluster/handoff.py)
     default_max_new_tokens: int = 128     # native /generate, as in SGLang
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
-    # Bearer keys (gateway/auth.py): `api_key` opens every route but the open probes; `admin_api_key`,
+    # Bearer keys (gateway/api/auth.py): `api_key` opens every route but the open probes; `admin_api_key`,
     # when set, alone opens the admin routes. Kept out of repr so that no log line prints them.
     api_key: str | None = field(default=None, repr=False)
     admin_api_key: str | None = field(default=None, repr=False)

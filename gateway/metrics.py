@@ -1,29 +1,24 @@
-"""The gateway's Prometheus metrics, served as text at `GET /metrics`.
+"""The gateway's Prometheus metrics, served as text at `GET /metrics` (`gateway/api/metrics_routes.py`).
 
 One `GatewayMetrics` per app, with its own registry (never prometheus_client's global one). Who
-writes what: `MetricsMiddleware` counts every HTTP request by route template, method and status and
-keeps the in-flight gauge; the handoff (through `WorkerPool.metrics`) records time to first token,
-inter-token latency, end-to-end latency, its per-phase timings and token counts; the pool records
-how many workers of each role are ready; admission, the queue's depth, waits and refusals. Everything runs on the event loop.
+writes what: `MetricsMiddleware` (`gateway/api/metrics_routes.py`) counts every HTTP request by route
+template, method and status and keeps the in-flight gauge; the handoff records time to first token,
+inter-token latency, end-to-end latency, its per-phase timings and token counts; admission, the
+queue's depth, waits and refusals. The number of ready workers per role is read from the pool at
+scrape time (`watch_pool`). Everything runs on the event loop.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Callable
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-if TYPE_CHECKING:
-    from gateway.handoff import HandoffTimings
-
-router = APIRouter()
+from gateway.records import HandoffTimings, Role
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                       10.0, 20.0, 40.0, 80.0)
 _PHASE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-_UNMATCHED_ROUTE = "unmatched"   # 404s and anything no route claimed: one label, whatever the path
 _PHASES = ("gateway_queue", "reserve", "prefill_queue", "prefill_compute", "kv_transfer")
 
 
@@ -65,7 +60,7 @@ class GatewayMetrics:
         self.workers_ready = Gauge("tandem_gateway_workers_ready", "Workers answering their health check, by role",
                                    ["role"], registry=r)
         self.queued_requests = Gauge("tandem_gateway_queued_requests",
-                                     "Generations waiting for decode KV space (gateway/admission.py)", registry=r)
+                                     "Generations waiting for decode KV space (gateway/cluster/admission.py)", registry=r)
         self.queue_wait = Histogram("tandem_gateway_queue_wait_seconds",
                                     "Time generations that had to queue spent waiting for decode KV space",
                                     buckets=_LATENCY_BUCKETS_S, registry=r)
@@ -97,42 +92,10 @@ class GatewayMetrics:
         if outcome != "error":
             self.e2e_latency.observe(seconds)
 
+    def watch_pool(self, num_ready: Callable[[Role], int]) -> None:
+        """Read the ready workers of each role through `num_ready` whenever /metrics is scraped."""
+        for role in Role:
+            self.workers_ready.labels(role.value).set_function(lambda role=role: num_ready(role))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class MetricsMiddleware:
-    """ASGI middleware: counts each HTTP request once its response ends, labelled with the route
-    template that matched (`/v1/files/{file_id}`, never the raw path) and the status sent (500 when
-    the app raised before answering). Must sit inside any middleware that copies the scope, so that
-    it sees the route the router recorded there."""
-
-    def __init__(self, app, metrics: GatewayMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status = 500
-
-        async def send_and_note(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        self.metrics.requests_in_flight.inc()
-        try:
-            await self.app(scope, receive, send_and_note)
-        finally:
-            self.metrics.requests_in_flight.dec()
-            route = getattr(scope.get("route"), "path", _UNMATCHED_ROUTE)
-            self.metrics.requests.labels(route, scope["method"], str(status)).inc()
-
-
-@router.get("/metrics")
-async def prometheus_text(request: Request) -> Response:
-    """Prometheus text of this gateway (each worker serves its own on its --metrics-port)."""
-    return Response(request.app.state.gateway.pool.metrics.render(), media_type=CONTENT_TYPE_LATEST)

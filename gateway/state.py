@@ -1,4 +1,5 @@
-"""What every route needs: config, tokenizer and the worker pool (held on `app.state.gateway`)."""
+"""What every route needs: config, tokenizer, the worker pool, the metrics and the generation service
+(held on `app.state.gateway`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from fastapi import Request
 
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
-from gateway.tokenizer import Tokenizer
-from gateway.workers import WorkerPool
+from gateway.metrics import GatewayMetrics
+from gateway.service.generation import GenerationService
+from gateway.text.tokenizer import Tokenizer
+from gateway.cluster.pool import WorkerPool
 
 
 @dataclass(slots=True)
@@ -17,13 +20,14 @@ class GatewayState:
     config: GatewayConfig
     tokenizer: Tokenizer | None       # None with --skip-tokenizer-init: token ids in, token ids out
     pool: WorkerPool
+    metrics: GatewayMetrics
+    generation: GenerationService
 
     def check_model(self, model: str) -> None:
         """404 unless `model` names the served model (its served name or its path)."""
         if model not in (self.config.served_model_name, self.config.model_path):
             raise APIError(404, f"The model `{model}` does not exist. Served: `{self.config.served_model_name}`.",
                            "not_found_error", param="model", code="model_not_found")
-
 
     def require_generation(self) -> None:
         """400 on generation routes when the served model is an embedding model."""

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from gateway.config import (DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_QUEUE_WAIT_S, DEFAULT_MAX_QUEUED,
                             DEFAULT_MAX_REQUEST_BODY_BYTES)
-from gateway.discovery import check_worker_spec
+from gateway.cluster.discovery import check_worker_spec
 from launcher.defaults import (BUNDLED_MODEL_SAMPLING, default_data_dir, default_dtype, default_model_path,
                                default_torch_threads, is_bundled_model, served_name_for)
 from launcher.healthcheck import add_healthcheck_args, run_healthcheck

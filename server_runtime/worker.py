@@ -207,7 +207,7 @@ async def serve_worker(config: WorkerConfig,
     server = grpc.aio.server(interceptors=[*config.credentials.server_interceptors(), metrics.interceptor()],
                              options=[("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                                       ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-                                      # the gateway pings every 10 s, with or without calls (gateway/workers.py)
+                                      # the gateway pings every 10 s, with or without calls (gateway/cluster/pool.py)
                                       ("grpc.keepalive_permit_without_calls", 1),
                                       ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000)])
     service_names = (add_servicer(server, context), add_worker_servicer(server, context))

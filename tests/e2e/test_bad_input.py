@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from gateway.config import DEFAULT_MAX_REQUEST_BODY_BYTES
-from gateway.sampling import MAX_SCHEMA_DEPTH
+from gateway.service.sampling import MAX_SCHEMA_DEPTH
 from tests.e2e.conftest import CONTEXT_LEN, MODEL
 from tests.e2e.stack import Stack
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.tokenizer import load_tokenizer
+from gateway.text.tokenizer import load_tokenizer
 from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.slow

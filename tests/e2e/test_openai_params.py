@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.tokenizer import load_tokenizer
+from gateway.text.tokenizer import load_tokenizer
 from tests.e2e.conftest import MODEL
 from tests.e2e.stack import Stack
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from gateway.tokenizer import load_tokenizer
+from gateway.text.tokenizer import load_tokenizer
 from tests.e2e.stack import WORKER_METADATA, Stack
 from tests.hf_oracle import hf_greedy, load_hf_smollm2
 

@@ -13,7 +13,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.config import EngineConfig
-from gateway.workers import WorkerPool
+from gateway.cluster.pool import WorkerPool
 from kv_transfer import TransportConfig
 from prefill_server.servicer import add_prefill_servicer
 from server_runtime.common_rpcs import add_worker_servicer

@@ -12,7 +12,7 @@ from engine.engine import Engine
 from engine.page_allocator import pages_needed
 from engine.request import Request, SamplingParams
 from engine.weights import open_checkpoint
-from gateway.tokenizer import load_tokenizer
+from gateway.text.tokenizer import load_tokenizer
 from tests.hf_oracle import hf_greedy, hf_last_logits, load_hf_dir, load_hf_smollm2
 from tests.tiny_models import save_tiny_llama, save_tiny_qwen2
 

@@ -13,7 +13,7 @@ from engine.errors import InvalidRequestError
 from engine.grammar_spec import GrammarKind, GrammarSpec
 from engine.request import Request, SamplingParams
 from engine.weights import open_checkpoint
-from gateway.tokenizer import load_tokenizer
+from gateway.text.tokenizer import load_tokenizer
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
           "required": ["city", "population"], "additionalProperties": False}

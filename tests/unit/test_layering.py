@@ -125,9 +125,78 @@ RULES: dict[str, Rule] = {
 }
 
 
+# The gateway's floors, bottom up: a module imports gateway modules of its own floor or below, never
+# above (`docs/structures.md` names each wing). The core is what every wing shares.
+GATEWAY_FLOORS = (
+    ("gateway.errors", "gateway.config", "gateway.sampling_defaults", "gateway.records", "gateway.metrics"),
+    ("gateway.text", "gateway.cluster"),
+    ("gateway.service",),
+    ("gateway.state",),
+    ("gateway.api",),
+    ("gateway.batch",),
+    ("gateway.app",),
+)
+
+
+def _gateway_floor(module: str) -> int | None:
+    for floor, prefixes in enumerate(GATEWAY_FLOORS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return floor
+    return None
+
+
+def _imports_up_the_gateway(imp: Import) -> bool:
+    own, imported = _gateway_floor(imp.importer), _gateway_floor(imp.module)
+    return own is not None and imported is not None and imported > own
+
+
+RULES["gateway modules never import a floor above their own"] = _imports_up_the_gateway
+
+
 def find_violations(root: Path) -> dict[str, list[str]]:
     imports = collect_imports(root)
     return {name: [str(imp) for imp in imports if rule(imp)] for name, rule in RULES.items()}
+
+
+def find_cycles(imports: list[Import]) -> list[list[str]]:
+    """The circles between in-repo modules (strongly connected components of more than one module,
+    or a module importing itself), each sorted; type-only and lazy imports count like any other."""
+    graph: dict[str, set[str]] = {}
+    for imp in imports:
+        if imp.top in IN_REPO:
+            graph.setdefault(imp.importer, set()).add(imp.module)
+            graph.setdefault(imp.module, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:   # Tarjan's algorithm; the graph is a few hundred modules deep at most
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1 or node in graph[node]:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(cycles)
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +207,11 @@ def violations() -> dict[str, list[str]]:
 @pytest.mark.parametrize("rule", list(RULES))
 def test_layering_rule(rule: str, violations: dict[str, list[str]]) -> None:
     assert violations[rule] == [], f"{rule}:\n" + "\n".join(violations[rule])
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    cycles = find_cycles(collect_imports(REPO_ROOT))
+    assert cycles == [], "import circles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
 def test_every_package_is_scanned() -> None:
@@ -170,6 +244,11 @@ def test_checker_reports_violations_with_file_and_line(tmp_path: Path) -> None:
     _write(tmp_path, "decode_server/servicer.py", "from prefill_server.servicer import x\n")
     _write(tmp_path, "server_runtime/worker.py", "from ..gateway import app\n")
     _write(tmp_path, "launcher/cli.py", "def main():\n    import mooncake.engine\n")
+    _write(tmp_path, "gateway/errors.py", "")
+    _write(tmp_path, "gateway/cluster/__init__.py", "")
+    _write(tmp_path, "gateway/cluster/pool.py", "from gateway.api import routes\nfrom gateway.errors import APIError\n")
+    _write(tmp_path, "gateway/api/__init__.py", "")
+    _write(tmp_path, "gateway/api/routes.py", "from gateway.cluster import pool\n")
 
     found = find_violations(tmp_path)
     assert found["kernels imports no in-repo package"] == [
@@ -188,3 +267,6 @@ def test_checker_reports_violations_with_file_and_line(tmp_path: Path) -> None:
     assert found["mooncake is imported only in kv_transfer/mooncake_backend.py"] == [
         "launcher/cli.py:2: launcher.cli imports mooncake.engine"]
     assert found["prefill_server does not import decode_server"] == []
+    assert found["gateway modules never import a floor above their own"] == [
+        "gateway/cluster/pool.py:1: gateway.cluster.pool imports gateway.api.routes"]
+    assert find_cycles(collect_imports(tmp_path)) == [["gateway.api.routes", "gateway.cluster.pool"]]

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from gateway.errors import APIError
-from gateway.sampling import SamplingFields, build_sampling
+from gateway.service.sampling import SamplingFields, build_sampling
 from gateway.sampling_defaults import SamplingDefaults, load_generation_config
-from gateway.workers import ModelLimits
+from gateway.cluster.pool import ModelLimits
 
 LIMITS = ModelLimits("m", "LlamaForCausalLM", context_len=100, vocab_size=50, eos_token_ids=(2,))
 

@@ -1,0 +1,143 @@
+"""SGLang's admin routes on the gateway: model and server info, health_generate, flush_cache,
+update_weights_from_disk."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+import grpc
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ConfigDict
+
+import tandem
+from gateway.errors import APIError, public_message
+from gateway.service.generation import GenerationRequest
+from gateway.api.json_route import JSONRoute
+from gateway.state import GatewayState, gateway_state
+from gateway.cluster.pool import Worker
+from tandem.v1 import common_pb2, prefill_pb2
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter(route_class=JSONRoute)
+
+_INFO_TIMEOUT_S = 5.0
+_UPDATE_TIMEOUT_S = 600.0
+
+
+@router.get("/get_model_info")
+async def get_model_info(state: GatewayState = Depends(gateway_state)) -> dict:
+    """Exactly the keys SGLang answers with (its notebook asserts the key set)."""
+    return {"model_path": state.config.model_path, "tokenizer_path": state.config.model_path,
+            "is_generation": not state.config.is_embedding}
+
+
+# Never in a response: the keys, and the internal plane's token and TLS file paths.
+_SECRET_CONFIG_FIELDS = frozenset({"api_key", "admin_api_key", "internal"})
+
+
+@router.get("/get_server_info")
+async def get_server_info(state: GatewayState = Depends(gateway_state)) -> dict:
+    """The gateway's arguments plus, per worker, its role, address, pool size and use, and version."""
+    gateway = {k: v for k, v in dataclasses.asdict(state.config).items() if k not in _SECRET_CONFIG_FIELDS}
+    workers = await asyncio.gather(*(_worker_info(w) for w in state.pool.all_workers()))
+    return {**gateway, "version": tandem.version(), "workers": list(workers)}
+
+
+async def _worker_info(worker: Worker) -> dict:
+    entry = {"role": worker.role, "address": worker.address, "ready": worker.is_ready}
+    info = worker.info
+    if info is not None:
+        entry.update(version=info.version, model_path=info.model_path, context_len=info.context_len,
+                     page_size=info.kv_layout.page_size, max_total_num_tokens=info.num_pages * info.kv_layout.page_size,
+                     kv_pool_bytes=info.num_pages * info.kv_layout.page_bytes, kv_dtype=info.kv_layout.dtype,
+                     weights_id=info.weights_id)
+    try:
+        load = await worker.control.GetLoad(common_pb2.GetLoadRequest(), timeout=_INFO_TIMEOUT_S)
+    except grpc.aio.AioRpcError as exc:
+        entry["error"] = exc.details() or exc.code().name
+        return entry
+    entry.update(num_running_reqs=load.num_running, num_waiting_reqs=load.num_waiting,
+                 num_free_pages=load.num_free_pages, num_cached_pages=load.num_cached_pages,
+                 num_total_pages=load.num_total_pages,
+                 kv_pool_usage=round(1 - (load.num_free_pages + load.num_cached_pages) / max(1, load.num_total_pages), 4))
+    return entry
+
+
+@router.get("/health_generate")
+async def health_generate(state: GatewayState = Depends(gateway_state)):
+    """200 only if one token makes it through prefill -> KV transfer -> decode."""
+    if state.config.is_embedding:
+        return await _health_embed(state)
+    try:
+        limits = state.pool.limits()
+        prompt = [limits.eos_token_ids[0] if limits.eos_token_ids else 0]
+        sampling = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+        result = await state.generation.generate(GenerationRequest(prompt, sampling))
+    except APIError as exc:
+        return JSONResponse(exc.body(), status_code=503)
+    if not result.output_ids or result.finish is None or result.finish.reason == "abort":
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def _health_embed(state: GatewayState) -> JSONResponse:
+    """For embedding servers: one tiny embedding through a prefill worker."""
+    try:
+        worker = state.pool.pick("prefill")
+        await worker.stub.Embed(prefill_pb2.EmbedRequest(request_id="health", inputs=[
+            prefill_pb2.EmbedInput(token_ids=[0])]), timeout=_INFO_TIMEOUT_S)
+    except (APIError, grpc.aio.AioRpcError):
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+_FLUSH_NOTE = ("Please check backend logs for more details. (When there are running or waiting requests, "
+               "the operation will not be performed.)")
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(state: GatewayState = Depends(gateway_state)):
+    """Flush every worker's prefix cache; refused (400) while any worker has requests in flight."""
+    async def flush(worker: Worker) -> common_pb2.FlushCacheResponse:
+        try:
+            return await worker.control.FlushCache(common_pb2.FlushCacheRequest(), timeout=_INFO_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:   # an embedding worker keeps no cache
+                return common_pb2.FlushCacheResponse(success=True, message="no cache")
+            return common_pb2.FlushCacheResponse(
+                success=False, message=APIError.from_grpc(exc, worker.role, worker.address).message)
+    replies = await asyncio.gather(*(flush(w) for w in state.pool.all_workers()))
+    if all(r.success for r in replies):
+        return PlainTextResponse(f"Cache flushed.\n{_FLUSH_NOTE}\n")
+    reasons = public_message("; ".join(r.message for r in replies if not r.success))
+    return PlainTextResponse(f"Cache not flushed: {reasons}.\n{_FLUSH_NOTE}\n", status_code=400)
+
+
+class UpdateWeightsBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model_path: str
+    load_format: str | None = None
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(body: UpdateWeightsBody, state: GatewayState = Depends(gateway_state)):
+    """Every worker reloads its weights from `model_path` in place. Requests in flight are aborted
+    (they fail cleanly, never mixing weights); answers SGLang's {"success", "message"}."""
+    async def update(worker: Worker) -> common_pb2.UpdateWeightsResponse:
+        try:
+            return await worker.control.UpdateWeights(common_pb2.UpdateWeightsRequest(model_path=body.model_path),
+                                                   timeout=_UPDATE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            return common_pb2.UpdateWeightsResponse(
+                success=False, message=APIError.from_grpc(exc, worker.role, worker.address).message)
+    replies = await asyncio.gather(*(update(w) for w in state.pool.all_workers()))
+    failed = [r for r in replies if not r.success]
+    if failed:
+        logger.warning("update_weights_from_disk failed: %s", "; ".join(r.message for r in failed))
+        message = public_message(failed[0].message, keep=(body.model_path,))   # the client's own path may stay
+        return JSONResponse({"success": False, "message": message}, status_code=400)
+    return {"success": True, "message": "Succeeded to update model weights."}

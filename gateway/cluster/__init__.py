@@ -1,0 +1,1 @@
+"""The workers: pool, discovery, admission, the handoff and the worker client."""

@@ -1,0 +1,66 @@
+"""The gateway's own records of a generation, shared by the cluster wing that fills them from the
+workers' messages and the services and routes that read them. Plain values: no proto, no HTTP."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(enum.StrEnum):
+    """Why a generation ended, as the workers report it (mapped from the proto's enum in
+    `gateway/cluster/client.py`); the value is the word the HTTP APIs answer."""
+
+    STOP = "stop"        # an eos or stop token, or a stop string the gateway matched
+    LENGTH = "length"    # max_new_tokens or the context
+    ABORT = "abort"      # aborted by the worker (the message says why)
+
+
+class Role(enum.StrEnum):
+    """A worker's part in a generation; the value is the word used in flags, logs and metrics."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffTimings:
+    """Per-phase timings of one request, in milliseconds. `first_token_ms` counts from the trip's
+    start; `gateway_queue_ms` is the time before it (from the HTTP request's arrival), and
+    `decode_queue_ms` arrives with the decode server's first message (None until then)."""
+
+    reserve_ms: float
+    prefill_queue_ms: float
+    prefill_compute_ms: float
+    transfer_ms: float
+    kv_bytes: int
+    first_token_ms: float
+    cached_tokens: int
+    gateway_queue_ms: float = 0.0
+    decode_queue_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GeneratedToken:
+    """One token with its logprob, plus top / requested (token_id, logprob) pairs when asked for."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    requested: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """Tokens from the workers; the last event of a trip has `finish_reason` set."""
+
+    tokens: list[GeneratedToken]
+    finish_reason: FinishReason | None = None
+    matched_token_id: int | None = None
+    message: str = ""
+    timings: HandoffTimings | None = field(default=None)   # on the first event, again once decode_queue_ms is known
+    prompt_logprobs: list[GeneratedToken] = field(default_factory=list)   # first event, when asked for
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t.token_id for t in self.tokens]

@@ -1,0 +1,1 @@
+"""The generation logic the OpenAI, native and gRPC fronts share, below all of them."""

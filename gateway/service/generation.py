@@ -1,0 +1,219 @@
+"""Text generation on top of the handoff: incremental detokenization and stop strings.
+
+Routes build a `GenerationRequest` and consume `TextDelta`s; when a stop string matches, the
+handoff is closed early (which frees the decode server's pages at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from gateway.config import GatewayConfig
+from gateway.text.detokenizer import IncrementalDetokenizer
+from gateway.errors import bad_request
+from gateway.cluster.handoff import run_handoff
+from gateway.metrics import GatewayMetrics
+from gateway.records import FinishReason, GeneratedToken, HandoffTimings, TokenEvent
+from gateway.text.stop_strings import StopStringMatcher
+from gateway.text.tokenizer import Tokenizer
+from gateway.cluster.pool import WorkerPool
+from tandem.v1 import common_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One generation. Text options: `skip_special_tokens`, `spaces_between_special_tokens` (False
+    joins special tokens to their neighbours without the spaces some tokenizers put around them),
+    and `no_stop_trim` (keep the matched stop string, or the text of the matched stop token, at the
+    end of the text; by default both are trimmed, as in SGLang). `prompt_logprob_start` asks for
+    the prompt's logprobs from that position; `arrived_at` is when the HTTP request arrived."""
+
+    prompt_ids: list[int]
+    sampling: common_pb2.SamplingParams
+    stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    prompt_logprob_start: int | None = None
+    arrived_at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    reason: FinishReason
+    matched: str | int | None = None  # the stop string or stop token id
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+    tokens: list[GeneratedToken]
+    finish: Finish | None = None
+    timings: HandoffTimings | None = None
+    prompt_logprobs: list[GeneratedToken] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t.token_id for t in self.tokens]
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """A whole generation, gathered from its deltas."""
+
+    text: str = ""
+    tokens: list[GeneratedToken] = field(default_factory=list)
+    finish: Finish | None = None
+    timings: HandoffTimings | None = None
+    prompt_logprobs: list[GeneratedToken] = field(default_factory=list)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return [t.token_id for t in self.tokens]
+
+    def add(self, delta: TextDelta) -> None:
+        self.text += delta.text
+        self.tokens.extend(delta.tokens)
+        self.finish = delta.finish or self.finish
+        self.timings = delta.timings or self.timings
+        self.prompt_logprobs = delta.prompt_logprobs or self.prompt_logprobs
+
+
+class GenerationService:
+    """The generation logic every front shares (the OpenAI and native routes, the admin routes, and
+    the gRPC API next): one per app, holding what a generation needs. Event loop only."""
+
+    def __init__(self, pool: WorkerPool, config: GatewayConfig, tokenizer: Tokenizer | None,
+                 metrics: GatewayMetrics) -> None:
+        self.pool = pool
+        self.config = config
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[TextDelta]:
+        """Stream text deltas; the last one carries `finish`. Without a tokenizer the text stays empty."""
+        detokenizer = (IncrementalDetokenizer(self.tokenizer, request.skip_special_tokens, request.prompt_ids,
+                                              request.spaces_between_special_tokens)
+                       if self.tokenizer is not None else None)
+        stops = StopStringMatcher(request.stop)
+        trim = _StopTokenTrim(request, self.pool)
+        events = run_handoff(self.pool, self.config, self.metrics, request.request_id, request.prompt_ids,
+                             request.sampling, request.prompt_logprob_start, request.arrived_at)
+        async with contextlib.aclosing(events):
+            async for event in events:
+                ids = trim.text_ids(event)
+                text = detokenizer.add(ids) if detokenizer else ""
+                if event.finish_reason is not None and detokenizer:
+                    text += detokenizer.flush()
+                result = stops.feed(text)
+                if result.matched is not None:
+                    kept = result.text + result.matched if request.no_stop_trim else result.text
+                    yield TextDelta(kept, event.tokens, Finish(FinishReason.STOP, result.matched), event.timings,
+                                    event.prompt_logprobs)
+                    return
+                if event.finish_reason is None:
+                    yield TextDelta(result.text, event.tokens, None, event.timings, event.prompt_logprobs)
+                    continue
+                yield TextDelta(result.text + stops.flush(), event.tokens,
+                                Finish(event.finish_reason, event.matched_token_id, event.message), event.timings,
+                                event.prompt_logprobs)
+                return
+
+
+    def check_batch_size(self, requests: list[GenerationRequest], param: str) -> None:
+        """400 for a request that would start more generations (prompts x n) than the gateway allows."""
+        if len(requests) > self.config.max_batch_requests:
+            raise bad_request(f"this request asks for {len(requests)} generations (prompts x n); at most "
+                              f"{self.config.max_batch_requests} are allowed per request", param)
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        result = GenerationResult()
+        async for delta in self.stream(request):
+            result.add(delta)
+        return result
+
+    async def gather(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Every request's whole result (`choices`, gathered)."""
+        results = [GenerationResult() for _ in requests]
+        async for index, delta in self.choices(requests):
+            results[index].add(delta)
+        return results
+
+    async def started_choices(self, requests: list[GenerationRequest]) -> AsyncIterator[tuple[int, TextDelta]]:
+        """`choices`, once its first delta has arrived. By then a generation was admitted, reserved and
+        prefilled, so a streaming route that awaits this before it answers turns a refusal
+        (no KV space, a full queue, a failed prefill) into a real status code, not an error event
+        after a 200."""
+        choices = self.choices(requests)
+        first = await anext(choices)
+        return _chained(first, choices)
+
+    async def choices(self, requests: list[GenerationRequest]) -> AsyncIterator[tuple[int, TextDelta]]:
+        """Run several generations concurrently (n choices, several prompts) and merge their deltas as
+        (index, delta). If the consumer stops early, every unfinished generation is cancelled, which
+        releases its pages on the workers."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, request: GenerationRequest) -> None:
+            try:
+                async for delta in self.stream(request):
+                    await queue.put((index, delta))
+            except Exception as exc:  # handed to the consumer, which re-raises it
+                await queue.put((index, exc))
+            finally:
+                await queue.put((index, None))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _chained(first: tuple[int, TextDelta], rest: AsyncIterator[tuple[int, TextDelta]]
+                   ) -> AsyncIterator[tuple[int, TextDelta]]:
+    async with contextlib.aclosing(rest):
+        yield first
+        async for item in rest:
+            yield item
+
+
+class _StopTokenTrim:
+    """Which generated ids reach the text: all of them but the eos / stop token id that ended
+    generation (unless `no_stop_trim`). A token that may be that id is held back until the next
+    event says whether it ended generation (it always does, unless eos is ignored, so holding it
+    never delays real text)."""
+
+    def __init__(self, request: GenerationRequest, pool: WorkerPool) -> None:
+        self._enabled = not request.no_stop_trim
+        eos = () if request.sampling.ignore_eos else pool.limits().eos_token_ids
+        self._stop_ids = frozenset(request.sampling.stop_token_ids) | frozenset(eos)
+        self._held: list[int] = []
+
+    def text_ids(self, event: TokenEvent) -> list[int]:
+        ids, self._held = self._held + event.token_ids, []
+        if not self._enabled or not ids:
+            return ids
+        if event.finish_reason == FinishReason.STOP and event.matched_token_id == ids[-1]:
+            return ids[:-1]
+        if event.finish_reason is None and ids[-1] in self._stop_ids:
+            self._held = ids[-1:]
+            return ids[:-1]
+        return ids

@@ -1,0 +1,191 @@
+"""Turn HTTP sampling fields into a tandem.v1 SamplingParams, naming the offending param on error."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+from dataclasses import dataclass
+
+from gateway.errors import APIError, bad_request, context_length_exceeded
+from gateway.sampling_defaults import SamplingDefaults
+from gateway.cluster.pool import ModelLimits
+from tandem.v1 import common_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingFields:
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    max_new_tokens: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_new_tokens: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    top_logprobs_num: int = 0
+    token_ids_logprob: tuple[int, ...] = ()
+    constraint: tuple[str, str] | None = None    # (json_schema | json_object | regex | ebnf, text)
+
+
+def build_sampling(fields: SamplingFields, prompt_len: int, limits: ModelLimits, defaults: SamplingDefaults,
+                   max_tokens_param: str = "max_tokens", prompt_param: str = "prompt") -> common_pb2.SamplingParams:
+    """Validate values and the context budget; unset max_new_tokens fills the rest of the context,
+    unset temperature / top_p / top_k / min_p take the server's `defaults` (if any)."""
+    _check_range("temperature", fields.temperature, lambda v: math.isfinite(v) and 0 <= v <= 2,
+                 "must be between 0 and 2")
+    _check_range("top_p", fields.top_p, lambda v: 0 < v <= 1, "must be in (0, 1]")
+    _check_range("top_k", fields.top_k, lambda v: v >= -1, "must be -1 (disabled) or a positive integer")
+    _check_range("min_p", fields.min_p, lambda v: 0 <= v <= 1, "must be in [0, 1]")
+    _check_range(max_tokens_param, fields.max_new_tokens, lambda v: v >= 1, "must be >= 1")
+    _check_range("seed", fields.seed, lambda v: 0 <= v < 2**63, "must be in [0, 2^63)")
+    _check_range("presence_penalty", fields.presence_penalty, lambda v: -2 <= v <= 2, "must be in [-2, 2]")
+    _check_range("frequency_penalty", fields.frequency_penalty, lambda v: -2 <= v <= 2, "must be in [-2, 2]")
+    _check_range("repetition_penalty", fields.repetition_penalty, lambda v: 0 < v <= 10, "must be in (0, 10]")
+    _check_range("min_tokens", fields.min_new_tokens, lambda v: v >= 0, "must be >= 0")
+    if fields.min_new_tokens and fields.max_new_tokens is not None and fields.min_new_tokens > fields.max_new_tokens:
+        raise bad_request(f"min_tokens ({fields.min_new_tokens}) must not exceed the maximum number of tokens "
+                          f"({fields.max_new_tokens})", "min_tokens")
+    for token_id, bias in fields.logit_bias:
+        if not (0 <= token_id < limits.vocab_size):
+            raise bad_request(f"logit_bias: token id {token_id} is outside the vocabulary", "logit_bias")
+        if not (-100 <= bias <= 100):
+            raise bad_request(f"logit_bias: bias {bias} for token {token_id} is outside [-100, 100]", "logit_bias")
+    check_token_ids(list(fields.token_ids_logprob), limits, "token_ids_logprob")
+    bad_id = next((t for t in fields.stop_token_ids if not (0 <= t < limits.vocab_size)), None)
+    if bad_id is not None:
+        raise bad_request(f"stop_token_ids: {bad_id} is outside the vocabulary", "stop_token_ids")
+    if prompt_len == 0:
+        raise bad_request("the prompt is empty", "prompt")
+    room = limits.context_len - prompt_len
+    if room < 1:
+        raise context_length_exceeded(limits.context_len, prompt_len, None, prompt_param)
+    if fields.max_new_tokens is not None and fields.max_new_tokens > room:
+        raise context_length_exceeded(limits.context_len, prompt_len, fields.max_new_tokens, max_tokens_param)
+    params = common_pb2.SamplingParams(max_new_tokens=fields.max_new_tokens or room,
+                                       stop_token_ids=list(fields.stop_token_ids), ignore_eos=fields.ignore_eos,
+                                       logit_bias=dict(fields.logit_bias),
+                                       token_ids_logprob=list(fields.token_ids_logprob))
+    for name in ("min_new_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if getattr(fields, name) is not None:
+            setattr(params, name, getattr(fields, name))
+    if fields.top_logprobs_num:
+        params.top_logprobs_num = fields.top_logprobs_num
+    if fields.constraint is not None:
+        kind, text = fields.constraint
+        if kind == "json_object":
+            params.json_object = True
+        else:
+            setattr(params, kind, text)
+    temperature = _first_set(fields.temperature, defaults.temperature)
+    top_p = _first_set(fields.top_p, defaults.top_p)
+    top_k = _first_set(fields.top_k, defaults.top_k)
+    min_p = _first_set(fields.min_p, defaults.min_p)
+    if temperature is not None:
+        params.temperature = temperature
+    if top_p is not None:
+        params.top_p = top_p
+    if top_k is not None and top_k > 0:
+        params.top_k = top_k
+    if min_p is not None:
+        params.min_p = min_p
+    if fields.seed is not None:
+        params.seed = fields.seed
+    return params
+
+
+def check_token_ids(token_ids: list[int], limits: ModelLimits, param: str) -> None:
+    bad = next((t for t in token_ids if not (0 <= t < limits.vocab_size)), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})", param)
+
+
+MAX_TOP_LOGPROBS = 20
+
+
+def check_top_logprobs(num_top: int, param: str) -> None:
+    """400 naming `param` unless 0 <= num_top <= MAX_TOP_LOGPROBS (the engine's own limit too)."""
+    if not (0 <= num_top <= MAX_TOP_LOGPROBS):
+        raise bad_request(f"{param} must be between 0 and {MAX_TOP_LOGPROBS}, got {num_top}", param)
+
+
+def parse_logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if not bias:
+        return ()
+    try:
+        return tuple((int(token), float(value)) for token, value in bias.items())
+    except (TypeError, ValueError):
+        raise bad_request("logit_bias keys must be token ids and values numbers", "logit_bias") from None
+
+
+def output_constraint(json_schema: Any = None, regex: str | None = None, ebnf: str | None = None,
+                      json_object: bool = False, schema_param: str = "json_schema") -> tuple[str, str] | None:
+    """At most one of the constraints; a JSON schema may come as a dict or as JSON text (`false`,
+    `true` and schemas nested deeper than MAX_SCHEMA_DEPTH are refused)."""
+    given = [name for name, value in (("json_schema", json_schema is not None), ("regex", regex), ("ebnf", ebnf),
+                                      ("json_object", json_object)) if value]
+    if len(given) > 1:
+        raise bad_request(f"only one output constraint may be given, got {', '.join(given)}", given[1])
+    if not given:
+        return None
+    if given[0] == "json_schema":
+        if isinstance(json_schema, str):
+            try:
+                json_schema = json.loads(json_schema)
+            except json.JSONDecodeError as exc:
+                raise bad_request(f"the JSON schema is not valid JSON: {exc}", schema_param) from None
+        if json_schema is False:
+            raise bad_request("the JSON schema `false` matches nothing: no output could satisfy it", schema_param)
+        if json_schema is True:
+            raise bad_request("the JSON schema `true` allows any JSON value: send a schema object, or ask for "
+                              "json_object", schema_param)
+        if not isinstance(json_schema, dict):
+            raise bad_request("the JSON schema must be a JSON object", schema_param)
+        if (depth := nesting_depth(json_schema)) > MAX_SCHEMA_DEPTH:
+            raise bad_request(f"the JSON schema is nested {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed",
+                              schema_param, "invalid_value")
+        return "json_schema", json.dumps(json_schema)
+    if given[0] == "json_object":
+        return "json_object", ""
+    return given[0], regex if given[0] == "regex" else ebnf
+
+
+MAX_SCHEMA_DEPTH = 64   # objects and arrays inside each other; compile time grows steeply with depth
+
+
+def nesting_depth(document: Any) -> int:
+    """How many objects and arrays deep `document` (parsed JSON) goes; iterative, so any depth is safe."""
+    deepest, pending = 0, [(document, 1)]
+    while pending:
+        value, depth = pending.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            pending += [(child, depth + 1) for child in children]
+    return deepest
+
+
+def stop_list(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    if any(not s for s in stops):
+        raise bad_request("stop strings must be non-empty", "stop")
+    if len(stops) > 16:
+        raise bad_request("at most 16 stop strings are allowed", "stop")
+    return stops
+
+
+def _first_set(value, default):
+    return value if value is not None else default
+
+
+def _check_range(param: str, value, is_valid, rule: str) -> None:
+    if value is not None and not is_valid(value):
+        raise APIError(400, f"{param} {rule}, got {value}", param=param)

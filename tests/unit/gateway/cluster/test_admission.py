@@ -1,0 +1,81 @@
+"""Admission: what does not fit waits in arrival order; only a full queue or an expired wait is
+refused, with Retry-After; other errors pass through at once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.cluster.admission import Admission
+from gateway.errors import APIError
+from gateway.metrics import GatewayMetrics
+
+
+class _Pool:
+    """Decode pages as a counter: `reserve` takes one or fails as a full worker would."""
+
+    def __init__(self, free: int) -> None:
+        self.free = free
+        self.calls = 0
+
+    async def reserve(self, name: str, order: list[str]) -> str:
+        self.calls += 1
+        if self.free == 0:
+            raise APIError(503, "need 1 KV pages, 0 free", "server_overloaded", code="capacity_exceeded")
+        self.free -= 1
+        order.append(name)
+        return name
+
+
+def test_waiters_are_admitted_in_arrival_order_as_pages_come_back() -> None:
+    async def main() -> None:
+        admission, pool, order = Admission(8, 30.0, GatewayMetrics()), _Pool(free=1), []
+        first = await admission.admit(lambda: pool.reserve("first", order))
+        waiters = []
+        for name in ("a", "b", "c"):
+            waiters.append(asyncio.create_task(admission.admit(lambda n=name: pool.reserve(n, order))))
+            await asyncio.sleep(0.01)
+        assert admission.num_queued == 3 and order == ["first"]
+        late = asyncio.create_task(admission.admit(lambda: pool.reserve("late", order)))   # must not jump the queue
+        for _ in range(4):
+            pool.free += 1
+            admission.released()
+            await asyncio.sleep(0.05)
+        assert first == "first" and order == ["first", "a", "b", "c", "late"]
+        assert [await w for w in waiters] == ["a", "b", "c"] and await late == "late"
+        assert admission.num_queued == 0
+
+    asyncio.run(main())
+
+
+def test_a_full_queue_and_an_expired_wait_are_503s_with_retry_after() -> None:
+    async def main() -> None:
+        metrics = GatewayMetrics()
+        admission, pool, order = Admission(1, 0.3, metrics), _Pool(free=0), []
+        waiting = asyncio.create_task(admission.admit(lambda: pool.reserve("w", order)))
+        await asyncio.sleep(0.01)
+        with pytest.raises(APIError) as full:
+            await admission.admit(lambda: pool.reserve("x", order))
+        assert (full.value.status, full.value.code, full.value.headers) == (503, "queue_full", {"Retry-After": "1"})
+        with pytest.raises(APIError) as expired:
+            await waiting
+        assert expired.value.status == 503 and expired.value.code == "queue_timeout"
+        assert int(expired.value.headers["Retry-After"]) >= 1
+        assert pool.calls >= 3   # the head retried on the interval, with no release seen
+        assert admission.num_queued == 0 and order == []
+
+    asyncio.run(main())
+
+
+def test_other_errors_are_not_queued() -> None:
+    async def main() -> None:
+        admission = Admission(8, 30.0, GatewayMetrics())
+
+        async def refused() -> None:
+            raise APIError(400, "prompt too long", code="context_length_exceeded")
+        with pytest.raises(APIError) as error:
+            await admission.admit(refused)
+        assert error.value.status == 400 and admission.num_queued == 0
+
+    asyncio.run(main())
