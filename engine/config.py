@@ -18,6 +18,12 @@ class ConfigError(ValueError):
     """A configuration value is missing or invalid."""
 
 
+# the ModelConfig fields on which some weight's shape depends (checked before new weights load in place)
+_SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "o_proj_bias", "num_experts",
+                 "moe_intermediate_size", "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers")
+
+
 class Architecture(enum.Enum):
     LLAMA = "LlamaForCausalLM"
     QWEN2 = "Qwen2ForCausalLM"
@@ -106,6 +112,12 @@ class ModelConfig:
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
+
+    def shape_changes(self, other: ModelConfig) -> list[str]:
+        """`field: ours -> other's` for each field that fixes a weight's shape and differs in
+        `other`; empty when weights made for `other` load into a model built from this config."""
+        return [f"{name}: {getattr(self, name)} -> {getattr(other, name)}" for name in _SHAPE_FIELDS
+                if getattr(self, name) != getattr(other, name)]
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> "ModelConfig":

@@ -31,13 +31,13 @@ from engine.bert import ARCHITECTURE as BERT_ARCHITECTURE, BertModel
 from engine.config import EngineConfig
 from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.model import CausalLM
+from engine.model_setup import attention_backend, load_causal_lm, materialize, rotary_embedding, torch_dtype
+from engine.page_allocator import pages_needed
 from engine.pooling import PoolingConfig, PoolingMode, pool, read_pooling_config, truncate
+from engine.step_inputs import paged_step_inputs
 from engine.weights import open_checkpoint
 from engine.weights.bert_checkpoint import is_bert_dir, open_bert_checkpoint, read_hf_config
-from kernels.attention import AttentionMetadata, create_attention_backend
-from kernels.layers import RotaryEmbedding
 
-_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 _SCRATCH_PAGE_SIZE = 16
 
 
@@ -103,26 +103,20 @@ class ScratchDecoder:
         self.dtype = dtype
         self.apply_head = apply_head   # return each token's head output (a classifier's scores) instead
         self.device = torch.device(engine_config.device)
-        self.rotary = RotaryEmbedding(mc.head_dim, context_len, mc.rope_theta, dict(mc.rope_scaling), dtype,
-                                      self.device)
-        self.attention = create_attention_backend(engine_config.attention_backend, num_heads=mc.num_heads,
-                                                  num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                                                  page_size=_SCRATCH_PAGE_SIZE, dtype=dtype, device=self.device)
+        self.rotary = rotary_embedding(mc, context_len, dtype, self.device)
+        self.attention = attention_backend(engine_config.attention_backend, mc, _SCRATCH_PAGE_SIZE, dtype, self.device)
 
     def hidden_states(self, token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
         mc, size = self.model.config, _SCRATCH_PAGE_SIZE
-        lens = [len(t) for t in token_lists]
-        num_pages = [-(-n // size) for n in lens]
-        first = list(accumulate(num_pages[:-1], initial=0))
-        pages = [list(range(f, f + p)) for f, p in zip(first, num_pages)]
-        positions = torch.tensor([p for n in lens for p in range(n)], dtype=torch.int64, device=self.device)
-        meta_host = AttentionMetadata.build(pages, lens, lens, size)
-        self.attention.plan(meta_host)
+        num_pages = [pages_needed(len(tokens), size) for tokens in token_lists]
+        first = accumulate(num_pages[:-1], initial=0)
+        pages = [range(f, f + n) for f, n in zip(first, num_pages)]   # each sequence's own run of scratch pages
+        host = paged_step_inputs(token_lists, [0] * len(token_lists), pages, size)
+        self.attention.plan(host.meta)
+        inputs = host.to(self.device)
         scratch = torch.empty(sum(num_pages), mc.num_layers, 2, size, mc.num_kv_heads, mc.head_dim, dtype=self.dtype,
                               device=self.device)
-        input_ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.int64,
-                                 device=self.device)
-        hidden = self.model(input_ids, positions, self.rotary, self.attention, scratch, meta_host.to(self.device))
+        hidden = self.model(inputs.input_ids, inputs.positions, self.rotary, self.attention, scratch, inputs.meta)
         return self.model.compute_logits(hidden) if self.apply_head else hidden
 
 
@@ -183,13 +177,11 @@ def load_embedder(model_path: str, config: EngineConfig, progress: bool = True) 
 
     `config.max_prefill_tokens` bounds one forward pass; `config.context_len` may shrink the model's.
     """
-    dtype = _TORCH_DTYPES[config.dtype]
+    dtype = torch_dtype(config.dtype)
     is_classifier = False
     if is_bert_dir(model_path):
         checkpoint = open_bert_checkpoint(model_path)
-        with torch.device("meta"):
-            bert = BertModel(checkpoint.config)
-        bert = bert.to(dtype).to_empty(device=config.device).eval()
+        bert = materialize(lambda: BertModel(checkpoint.config), dtype, config.device).eval()
         bert.load_weights(checkpoint.tensors(progress=progress))
         encoder: Encoder = PaddedBert(bert)
         mc_max, vocab, hidden, arch = (checkpoint.config.max_position_embeddings, checkpoint.config.vocab_size,
@@ -198,12 +190,7 @@ def load_embedder(model_path: str, config: EngineConfig, progress: bool = True) 
     else:
         decoder_checkpoint = open_checkpoint(model_path)
         mc = decoder_checkpoint.config
-        with torch.device("meta"):
-            model = CausalLM(mc)
-        model = model.to(dtype).to_empty(device=config.device).eval()
-        if mc.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-        model.load_weights(decoder_checkpoint.tensors(progress=progress))
+        model = load_causal_lm(decoder_checkpoint, dtype, config.device, progress=progress)
         is_classifier = mc.architecture.is_classifier
         mc_max, vocab, arch = mc.max_position_embeddings, mc.vocab_size, mc.architecture.value
         hidden = mc.num_labels if is_classifier else mc.hidden_size

@@ -5,53 +5,33 @@ runtime's engine loop). Three ways in:
 - `add_request`: a prompt to prefill (and decode, unless `is_prefill_only`);
 - `reserve` + `admit`: a decode server takes a request whose prompt KV another process wrote
   into the reserved pages;
-- `abort` / `release` / `expire_reservations`: end requests and return their pages.
+- `abort` / `release` / `expire_reservations`: end requests and return their pages (a dropped
+  reservation's after a write grace: engine/reservations.py).
 
-Pages of a reservation dropped before `admit` (aborted or expired) may still be the target of a
-KV write in flight from a prefill server, so they sit out `grace_s` seconds before reuse.
+Pages come and go through one `PagePool`, with or without a prefix cache (engine/page_pool.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 from engine.config import ConfigError, EngineConfig
 from engine.errors import (CapacityError, ContextLengthExceededError, InvalidRequestError, RequestAbortedError,
                            RequestNotFoundError)
 from engine.grammar import GrammarBackend, accept_token
 from engine.page_allocator import PageAllocator, pages_needed
+from engine.page_pool import NoPrefixCache
 from engine.prefix_cache import PrefixCache
 from engine.request import FinishReason, Request, SamplingParams, StepOutput, join_prompt_logprobs
-from engine.runner import FaultHooks, ModelRunner
+from engine.reservations import Reservation, Reservations
+from engine.runner import FaultHooks, ModelRunner, SampledToken
 from engine.scheduler import Scheduler
 from engine.weights import Checkpoint
 
 logger = logging.getLogger(__name__)
 
 NON_FINITE_LOGITS_MESSAGE = "the model produced non-finite logits (NaN or inf) for this request"
-
-_SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                 "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "o_proj_bias", "num_experts",
-                 "moe_intermediate_size", "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers")
-
-
-@dataclass(frozen=True, slots=True)
-class _Token:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-    requested: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass(slots=True)
-class _Reservation:
-    page_ids: list[int]
-    prompt_len: int
-    expires_at: float
-    grace_s: float
-
 
 class Engine:
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig, progress: bool = True,
@@ -67,14 +47,13 @@ class Engine:
         self.grammar = GrammarBackend(checkpoint.path, mc.vocab_size)
         self.runner = ModelRunner(checkpoint, config, self.context_len, progress=progress, faults=faults)
         self.allocator = PageAllocator(self.runner.kv_pool.num_pages)
-        self.prefix_cache = PrefixCache(self.allocator, config.page_size) if config.enable_prefix_cache else None
-        self.scheduler = Scheduler(self.allocator, config.page_size, config.max_running_requests,
-                                   config.max_prefill_tokens, self.prefix_cache, config.chunked_prefill_size)
+        self.pages = (PrefixCache if config.enable_prefix_cache else NoPrefixCache)(self.allocator, config.page_size)
+        self.scheduler = Scheduler(self.pages, config.max_running_requests, config.max_prefill_tokens,
+                                   config.chunked_prefill_size)
         self._requests: dict[str, Request] = {}
         self._held: dict[str, Request] = {}
         self.weights_id = checkpoint.identity   # names the weights; prefill and decode must agree on it
-        self._reservations: dict[str, _Reservation] = {}
-        self._quarantine: list[tuple[float, list[int]]] = []   # (reusable at, pages)
+        self._reservations = Reservations(self.pages)
 
     # ---- ways in -------------------------------------------------------------------------
 
@@ -106,21 +85,19 @@ class Engine:
             raise ContextLengthExceededError(
                 f"prompt has {prompt_len} tokens; the context length is {self.context_len}")
         needed = pages_needed(prompt_len, self.config.page_size)
-        if needed > self.allocator.num_pages:   # no wait would help: not a capacity error
+        if needed > self.pages.num_pages:   # no wait would help: not a capacity error
             raise InvalidRequestError(f"prompt needs {needed} KV pages but the decode pool has "
-                                      f"{self.allocator.num_pages} in all")
+                                      f"{self.pages.num_pages} in all")
         if self.scheduler.has_resuming:
             raise CapacityError("requests paused for lack of KV pages are resumed before new ones are reserved")
         page_ids = self.scheduler.reserve(prompt_len)
-        self._reservations[request_id] = _Reservation(page_ids, prompt_len, time.monotonic() + ttl_s, grace_s)
+        self._reservations.add(request_id, Reservation(page_ids, prompt_len, time.monotonic() + ttl_s, grace_s))
         return page_ids
 
     def touch_reservation(self, request_id: str, ttl_s: float) -> None:
         """Keep a reservation at least `ttl_s` more seconds: its Generate has arrived and is getting
         ready (compiling a grammar), so the prefill's KV is already in its pages."""
-        reservation = self._reservations.get(request_id)
-        if reservation is not None:
-            reservation.expires_at = max(reservation.expires_at, time.monotonic() + ttl_s)
+        self._reservations.touch(request_id, time.monotonic() + ttl_s)
 
     def admit(self, request_id: str, prompt_ids: list[int], first_token: int, first_logprob: float,
               sampling: SamplingParams, weights_id: str | None = None) -> StepOutput | None:
@@ -142,12 +119,12 @@ class Engine:
         if sampling.grammar is not None:   # replay prefill's first token into our own matcher
             matcher = self.grammar.new_matcher(sampling.grammar)
             accept_token(matcher, first_token)
-        del self._reservations[request_id]
+        self._reservations.take(request_id)
         req = Request(request_id, list(prompt_ids), sampling, page_ids=reservation.page_ids,
                       num_computed=len(prompt_ids), grammar_matcher=matcher)
         self._requests[request_id] = req
         self.scheduler.add_running(req)
-        return self._append_token(req, _Token(first_token, first_logprob), emit_token=False)
+        return self._append_token(req, SampledToken(first_token, first_logprob), emit_token=False)
 
     def abort(self, request_id: str, message: str = "aborted", write_settled: bool = False) -> StepOutput | None:
         """End a request or drop a reservation, freeing its pages. None if nothing was held.
@@ -155,11 +132,7 @@ class Engine:
         A dropped reservation's pages sit out the write grace unless `write_settled` says no KV
         write into them can still be in flight.
         """
-        if (reservation := self._reservations.pop(request_id, None)) is not None:
-            if write_settled:
-                self.allocator.free(reservation.page_ids)
-            else:
-                self._drop_reservation(reservation, time.monotonic())
+        if self._reservations.drop(request_id, time.monotonic(), write_settled):
             return None
         if (held := self._held.pop(request_id, None)) is not None:
             self.scheduler.release_pages(held)
@@ -174,12 +147,9 @@ class Engine:
         """Load new weights in place: shapes must match exactly (checked before any byte is copied).
         Every waiting or running request is aborted first, so none mixes two sets of weights; the
         prefix cache is flushed and `weights_id` names the new weights. Returns the abort outputs."""
-        mismatch = [name for name in _SHAPE_FIELDS
-                    if getattr(checkpoint.config, name) != getattr(self.model_config, name)]
-        if mismatch:
-            details = ", ".join(f"{n}: {getattr(self.model_config, n)} -> {getattr(checkpoint.config, n)}"
-                                for n in mismatch)
-            raise InvalidRequestError(f"the new weights do not match the served model's shapes ({details})")
+        changes = self.model_config.shape_changes(checkpoint.config)
+        if changes:
+            raise InvalidRequestError(f"the new weights do not match the served model's shapes ({', '.join(changes)})")
         outputs = [self.abort(rid, "aborted: the model weights are being updated") for rid in list(self._requests)]
         self.runner.load_weights(checkpoint)
         self.flush_prefix_cache()
@@ -210,35 +180,20 @@ class Engine:
 
     def expire_reservations(self, now: float) -> list[str]:
         """Drop reservations past their TTL and return quarantined pages whose grace is over."""
-        expired = [rid for rid, r in self._reservations.items() if r.expires_at <= now]
-        for rid in expired:
-            self._drop_reservation(self._reservations.pop(rid), now)
-            logger.warning("reservation for %s expired unused; its pages are released", rid)
-        ready = [pages for until, pages in self._quarantine if until <= now]
-        if ready:
-            self._quarantine = [(until, pages) for until, pages in self._quarantine if until > now]
-            for pages in ready:
-                self.allocator.free(pages)
-        return expired
+        return self._reservations.expire(now)
 
     @property
     def num_cached_pages(self) -> int:
         """Pages kept only by the prefix cache (reusable; evicted when the pool runs short)."""
-        return self.prefix_cache.num_evictable_pages if self.prefix_cache is not None else 0
+        return self.pages.num_evictable_pages
 
     def flush_prefix_cache(self) -> int:
         """Drop every cached page no request is using; returns how many pages were freed."""
-        return self.prefix_cache.flush() if self.prefix_cache is not None else 0
+        return self.pages.flush()
 
     @property
     def num_quarantined_pages(self) -> int:
-        return sum(len(pages) for _, pages in self._quarantine)
-
-    def _drop_reservation(self, reservation: _Reservation, now: float) -> None:
-        if reservation.grace_s > 0:
-            self._quarantine.append((now + reservation.grace_s, reservation.page_ids))
-        else:
-            self.allocator.free(reservation.page_ids)
+        return self._reservations.num_quarantined_pages
 
     # ---- the step ------------------------------------------------------------------------
 
@@ -269,9 +224,7 @@ class Engine:
                     req.prompt_logprobs = join_prompt_logprobs(req.prompt_logprobs, sampled.prompt[row])
                 if not self.scheduler.after_prefill(req):
                     continue   # a non-final chunk: the token sampled from its last row means nothing
-            token = _Token(sampled.token_ids[row], sampled.logprobs[row],
-                           sampled.extras.top[row] if sampled.extras else (),
-                           sampled.extras.requested[row] if sampled.extras else ())
+            token = sampled.token(row)
             if req.is_prefill_only:
                 outputs.append(self._finish_prefill_only(req, token))
             else:
@@ -287,7 +240,7 @@ class Engine:
         del self._requests[req.request_id]
         return StepOutput(req.request_id, None, None, FinishReason.ERROR, abort_message=message)
 
-    def _finish_prefill_only(self, req: Request, token: "_Token") -> StepOutput:
+    def _finish_prefill_only(self, req: Request, token: SampledToken) -> StepOutput:
         req.output_ids.append(token.token_id)
         req.output_logprobs.append(token.logprob)
         self.scheduler.finish(req, None, keep_pages=True)
@@ -297,7 +250,7 @@ class Engine:
                           weights_id=self.weights_id, prompt_logprobs=req.prompt_logprobs,
                           prefill_started_at=req.prefill_started_at)
 
-    def _append_token(self, req: Request, token: "_Token", emit_token: bool) -> StepOutput | None:
+    def _append_token(self, req: Request, token: SampledToken, emit_token: bool) -> StepOutput | None:
         if emit_token and req.grammar_matcher is not None:
             accept_token(req.grammar_matcher, token.token_id)
         req.output_ids.append(token.token_id)

@@ -34,6 +34,10 @@ class PageAllocator:
     def can_allocate(self, num: int) -> bool:
         return num <= len(self._free)
 
+    def is_allocated(self, page_id: int) -> bool:
+        """Whether some holder owns `page_id` (False for a free page)."""
+        return self._is_used[page_id]
+
     def allocate(self, num: int) -> list[int]:
         """Take `num` pages; raises CapacityError (taking none) when fewer are free."""
         if num > len(self._free):
@@ -54,3 +58,9 @@ class PageAllocator:
         for page_id in ids:
             self._is_used[page_id] = False
             self._free.append(page_id)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the free list and the in-use flags disagree (for tests)."""
+        assert len(set(self._free)) == len(self._free), "a page is free twice"
+        assert all(not self._is_used[page_id] for page_id in self._free), "a free page is marked in use"
+        assert self._is_used.count(False) == len(self._free), "a page is neither free nor in use"

@@ -4,16 +4,23 @@ A node is one KV page holding `page_size` tokens; its key is (parent page, those
 match is exact (no hash collisions) and a page is reused only under the same prefix. Nodes count
 the requests using them; unused nodes stay cached until the allocator needs their pages, then
 leaves go first, least recently used first, so a cached child never outlives its parent.
+
+Eviction candidates (unused leaves) are kept in a heap as they appear, so an eviction costs
+O(log nodes), not a scan of the tree. Entries are not removed when a leaf stops being a
+candidate (a match uses it, or it is evicted); `_pop_evictable` skips such stale entries, and
+the heap is rebuilt when stale ones outnumber the nodes.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engine.errors import CapacityError
 from engine.page_allocator import PageAllocator
+from engine.page_pool import PagePool
 
 _ROOT = -1
 
@@ -27,17 +34,23 @@ class _Node:
     ref_count: int = 1
     last_access: int = 0
 
+    @property
+    def is_evictable(self) -> bool:
+        return self.ref_count == 0 and self.num_children == 0
 
-class PrefixCache:
-    """Owns the pages of cached nodes; the allocator owns the rest. Single-threaded, like the engine."""
+
+class PrefixCache(PagePool):
+    """Owns the pages of cached nodes; the allocator owns the free ones. Single-threaded, like the engine."""
 
     def __init__(self, allocator: PageAllocator, page_size: int) -> None:
-        self.allocator = allocator
-        self.page_size = page_size
+        super().__init__(allocator, page_size)
         self._by_key: dict[tuple[int, tuple[int, ...]], int] = {}
         self._nodes: dict[int, _Node] = {}
         self._num_unused = 0          # nodes with ref_count 0, kept current on every transition
         self._clock = itertools.count(1)
+        # (last_access, page_id) of every unused leaf, plus stale entries: those whose node is gone,
+        # was touched since (its last_access moved on), or is no longer an unused leaf
+        self._evictable: list[tuple[int, int]] = []
 
     @property
     def num_cached_pages(self) -> int:
@@ -99,10 +112,8 @@ class PrefixCache:
                 node.ref_count -= 1
                 if node.ref_count == 0:
                     self._num_unused += 1
+                    self._push_if_evictable(node)
         self.allocator.free(private)
-
-    def can_allocate(self, num: int) -> bool:
-        return self.allocator.num_free + self.num_evictable_pages >= num
 
     def allocate(self, num: int) -> list[int]:
         """Pages from the allocator, evicting unused cached leaves when it runs short. Raises
@@ -115,30 +126,56 @@ class PrefixCache:
         return self.allocator.allocate(num)
 
     def evict(self, num: int) -> int:
-        """Free up to `num` pages of unused leaves (LRU first); returns how many were freed."""
-        leaves = [(n.last_access, n.page_id) for n in self._nodes.values() if n.ref_count == 0 and n.num_children == 0]
-        heapq.heapify(leaves)
+        """Free up to `num` pages of unused leaves (LRU first); returns how many were freed. A
+        parent whose last child goes becomes a leaf and a candidate in the same call."""
         freed = 0
-        while leaves and freed < num:
-            _, page_id = heapq.heappop(leaves)
-            node = self._nodes.pop(page_id)
-            self._num_unused -= 1
+        while freed < num and (node := self._pop_evictable()) is not None:
+            del self._nodes[node.page_id]
             del self._by_key[node.key]
-            self.allocator.free([page_id])
+            self._num_unused -= 1
+            self.allocator.free([node.page_id])
             freed += 1
             if node.parent != _ROOT:
                 parent = self._nodes[node.parent]
                 parent.num_children -= 1
-                if parent.num_children == 0 and parent.ref_count == 0:
-                    heapq.heappush(leaves, (parent.last_access, parent.page_id))
+                self._push_if_evictable(parent)
         return freed
 
     def flush(self) -> int:
         """Drop every unused node; returns the pages freed. Nodes in use are kept."""
         return self.evict(len(self._nodes))
 
+    def cached_page_refs(self) -> Mapping[int, int]:
+        return {page_id: node.ref_count for page_id, node in self._nodes.items()}
+
+    def _push_if_evictable(self, node: _Node) -> None:
+        if not node.is_evictable:
+            return
+        heapq.heappush(self._evictable, (node.last_access, node.page_id))
+        if len(self._evictable) > 2 * len(self._nodes) + 16:   # mostly stale: keep memory O(nodes)
+            self._evictable = [entry for entry in self._evictable if self._is_live(entry)]
+            heapq.heapify(self._evictable)
+
+    def _pop_evictable(self) -> _Node | None:
+        """The least recently used unused leaf, taken off the heap; None when there is none."""
+        while self._evictable:
+            entry = heapq.heappop(self._evictable)
+            if self._is_live(entry):
+                return self._nodes[entry[1]]
+        return None
+
+    def _is_live(self, entry: tuple[int, int]) -> bool:
+        """Whether a heap entry still names an unused leaf as it is now. `last_access` only grows,
+        so an entry pushed before the node was last touched (or before its page was re-cached)
+        never matches again."""
+        last_access, page_id = entry
+        node = self._nodes.get(page_id)
+        return node is not None and node.last_access == last_access and node.is_evictable
+
     def check_integrity(self) -> None:
-        """Raise AssertionError if the tree's bookkeeping is inconsistent (for tests)."""
+        """Raise AssertionError if the tree's bookkeeping is inconsistent (for tests): keys, child
+        counts, the unused count, and that the heap's live entries are exactly the unused leaves."""
+        super().check_integrity()
         children: dict[int, int] = {}
         for page_id, node in self._nodes.items():
             assert self._by_key[node.key] == page_id and node.ref_count >= 0
@@ -148,3 +185,8 @@ class PrefixCache:
             assert node.num_children == children.get(page_id, 0), f"child count of page {page_id}"
         assert len(self._by_key) == len(self._nodes)
         assert self._num_unused == sum(1 for n in self._nodes.values() if n.ref_count == 0), "unused count"
+        live = {entry for entry in self._evictable if self._is_live(entry)}
+        leaves = {(n.last_access, n.page_id) for n in self._nodes.values() if n.is_evictable}
+        assert live == leaves, f"eviction heap {sorted(live)} does not hold the unused leaves {sorted(leaves)}"
+        heap = self._evictable
+        assert all(heap[(i - 1) // 2] <= heap[i] for i in range(1, len(heap))), "eviction heap order"

@@ -20,19 +20,25 @@ from engine.config import EngineConfig, ModelConfig
 from engine.grammar import GrammarBackend
 from engine.kv_pool import KVLayout, KVPool
 from engine.logits import LogprobExtras, adjust_logits, logprob_extras, score_prompt
-from engine.model import CausalLM
+from engine.model_setup import attention_backend, load_causal_lm, load_causal_lm_weights, rotary_embedding, torch_dtype
 from engine.moe import ExpertRecorder
 from engine.request import PromptLogprobs, Request
 from engine.step_inputs import StepInputs, build_step_inputs
 from engine.weights import Checkpoint
-from kernels.attention import create_attention_backend, resolve_attention_backend
-from kernels.layers import RotaryEmbedding
+from kernels.attention import resolve_attention_backend
 from kernels.quant import QuantizedEmbedding, QuantizedLinear
 from kernels.sampling import SamplingBatch, create_sampler, resolve_sampler
 
 logger = logging.getLogger(__name__)
 
-_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    """One request's token from a step: its logprob, and its top / requested logprobs when asked."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    requested: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +54,12 @@ class SampledTokens:
     prompt: list[PromptLogprobs | None] | None = None
     non_finite_rows: tuple[int, ...] = ()
 
+    def token(self, row: int) -> SampledToken:
+        """The token of the request in batch row `row`."""
+        extras = self.extras
+        return SampledToken(self.token_ids[row], self.logprobs[row], extras.top[row] if extras else (),
+                            extras.requested[row] if extras else ())
+
 
 @dataclass(frozen=True, slots=True)
 class FaultHooks:
@@ -62,30 +74,21 @@ class ModelRunner:
                  progress: bool = True, faults: FaultHooks = FaultHooks()) -> None:
         self.model_config: ModelConfig = checkpoint.config
         self.faults = faults
-        self.dtype = _TORCH_DTYPES[config.dtype]
+        self.dtype = torch_dtype(config.dtype)
         self.device = torch.device(config.device)
         self.page_size = config.page_size
         self._pin = self.device.type == "cuda"   # pinned host inputs: asynchronous copies to the GPU
         mc = self.model_config
-        with torch.device("meta"):
-            model = CausalLM(mc)
-        # cast while still on meta, so the device never holds the weights in two dtypes at once
-        self.model = model.to(self.dtype).to_empty(device=self.device)
-        if mc.tie_word_embeddings:
-            self.model.lm_head.weight = self.model.model.embed_tokens.weight
         self.quantization, self.int8_activations = config.quantization, config.int8_activations
-        self.load_weights(checkpoint, progress)
-        self.model.eval()
+        self.model = load_causal_lm(checkpoint, self.dtype, self.device, self.quantization, self.int8_activations,
+                                    progress)
         self.expert_recorder = ExpertRecorder(mc, self.device)   # counts tokens per expert while recording
         self.layout = KVLayout.for_model(mc, config.page_size, self.dtype)
         num_pages = self._num_pages(config)
         self.kv_pool = KVPool(self.layout, num_pages, self.device)
-        self.rotary = RotaryEmbedding(mc.head_dim, context_len, mc.rope_theta, dict(mc.rope_scaling), self.dtype,
-                                      self.device)
+        self.rotary = rotary_embedding(mc, context_len, self.dtype, self.device)
         attention = resolve_attention_backend(config.attention_backend, self.device, self.dtype)
-        self.attention = create_attention_backend(
-            attention, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-            page_size=config.page_size, dtype=self.dtype, device=self.device)
+        self.attention = attention_backend(attention, mc, config.page_size, self.dtype, self.device)
         sampler = resolve_sampler(config.sampling_backend, self.device)
         self.sampler = create_sampler(sampler, self.device)
         logger.info("model on %s: dtype %s, quantization %s%s (%.1f MiB of weights), attention %s, sampling %s",
@@ -97,8 +100,7 @@ class ModelRunner:
 
     def load_weights(self, checkpoint: Checkpoint, progress: bool = False) -> None:
         """(Re)load the model's weights in the configured quantization (shapes checked per tensor)."""
-        tensors = checkpoint.tensors(progress=progress, keep_quantized=self.quantization != "none")
-        self.model.load_weights(tensors, self.quantization, self.int8_activations)
+        load_causal_lm_weights(self.model, checkpoint, self.quantization, self.int8_activations, progress)
 
     def _num_pages(self, config: EngineConfig) -> int:
         if config.max_total_tokens is not None:

@@ -21,8 +21,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.errors import CapacityError
-from engine.page_allocator import PageAllocator, pages_needed
-from engine.prefix_cache import PrefixCache
+from engine.page_allocator import pages_needed
+from engine.page_pool import PagePool
 from engine.request import FinishReason, Request, RequestStatus
 
 
@@ -33,12 +33,13 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, page_size: int, max_running_requests: int,
-                 max_prefill_tokens: int, prefix_cache: PrefixCache | None = None,
+    """Owns `waiting` and `running`; takes and returns every request page through `pages`, which
+    may or may not cache prefixes (the scheduler never needs to know)."""
+
+    def __init__(self, pages: PagePool, max_running_requests: int, max_prefill_tokens: int,
                  chunked_prefill_size: int | None = None) -> None:
-        self.allocator = allocator
-        self.prefix_cache = prefix_cache
-        self.page_size = page_size
+        self.pages = pages
+        self.page_size = pages.page_size
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.chunked_prefill_size = chunked_prefill_size or None   # 0, like None, means no chunking
@@ -91,12 +92,12 @@ class Scheduler:
             # a preempted request comes back only with a page of room for each running one, or the
             # next decode step would preempt again at once
             headroom = len(self.running) if req.is_resuming and not is_continuing else 0
-            if not self._can_allocate(needed + headroom):
+            if not self.pages.can_allocate(needed + headroom):
                 if matched:   # give the matched pages back; the request retries the match later
                     self.release_pages(req)
                     req.num_computed = req.num_cached_tokens = 0
                 break
-            req.page_ids.extend(self._allocate(needed))
+            req.page_ids.extend(self.pages.allocate(needed))
             num_left = req.prefill_len - req.num_computed
             is_split = self.chunked_prefill_size is not None and num_tokens + num_left > budget
             req.num_new_tokens = budget - num_tokens if is_split else num_left
@@ -120,18 +121,19 @@ class Scheduler:
         that could not fit even alone in the whole pool is aborted instead. Returns the aborted."""
         aborted: list[Request] = []
         for req in list(self.running):
-            if req not in self.running or pages_needed(req.seq_len, self.page_size) <= len(req.page_ids):
+            needed = pages_needed(req.seq_len, self.page_size)
+            if req not in self.running or needed <= len(req.page_ids):
                 continue
-            if pages_needed(req.seq_len, self.page_size) > self.allocator.num_pages:
+            if needed > self.pages.num_pages:
                 self.finish(req, FinishReason.ABORT,
-                            message=f"KV cache exhausted: the request needs {pages_needed(req.seq_len, self.page_size)} "
-                                    f"KV pages for {req.seq_len} tokens, more than the pool's {self.allocator.num_pages}")
+                            message=f"KV cache exhausted: the request needs {needed} KV pages for {req.seq_len} "
+                                    f"tokens, more than the pool's {self.pages.num_pages}")
                 aborted.append(req)
                 continue
-            while not self._can_allocate(1) and req in self.running:
+            while not self.pages.can_allocate(1) and req in self.running:
                 self.preempt(self.running[-1])
             if req in self.running:
-                req.page_ids.extend(self._allocate(1))
+                req.page_ids.extend(self.pages.allocate(1))
         return aborted
 
     def preempt(self, req: Request) -> None:
@@ -160,8 +162,7 @@ class Scheduler:
         if req.num_computed < req.prefill_len:
             return False
         req.is_resuming = False
-        if self.prefix_cache is not None:
-            self.prefix_cache.insert(req.prompt_ids, req.page_ids, req.num_cached_tokens // self.page_size)
+        self.pages.insert(req.prompt_ids, req.page_ids, req.num_cached_tokens // self.page_size)
         if not req.is_prefill_only:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -181,42 +182,30 @@ class Scheduler:
             self.release_pages(req)
 
     def release_pages(self, req: Request) -> None:
+        """Give back every page `req` holds (cached ones lose its reference)."""
         if req.page_ids:
-            if self.prefix_cache is not None:
-                self.prefix_cache.release(req.page_ids)
-            else:
-                self.allocator.free(req.page_ids)
+            self.pages.release(req.page_ids)
             req.page_ids = []
 
     def reserve(self, num_tokens: int) -> list[int]:
         """Pages for `num_tokens` tokens arriving from elsewhere; raises CapacityError if they don't fit."""
-        return self._allocate(pages_needed(num_tokens, self.page_size))
+        return self.pages.allocate(pages_needed(num_tokens, self.page_size))
 
     def _match_prefix(self, req: Request) -> list[int]:
         """On a request's first scheduling, take the cached pages of its longest cached prefix.
         A request scoring its prompt from `prompt_logprob_start` needs the hidden state of position
         start - 1, so only the tokens before that may come from the cache."""
-        if self.prefix_cache is None or req.page_ids or req.num_computed:
+        if req.page_ids or req.num_computed:
             return []
         start = req.prompt_logprob_start
         tokens = req.prompt_ids if start is None else req.prompt_ids[:start]
-        matched = self.prefix_cache.match(tokens)
+        matched = self.pages.match(tokens)
         req.page_ids = list(matched)
         req.num_computed = req.num_cached_tokens = len(matched) * self.page_size
         return matched
 
-    def _can_allocate(self, num: int) -> bool:
-        if self.prefix_cache is not None:
-            return self.prefix_cache.can_allocate(num)
-        return self.allocator.can_allocate(num)
-
-    def _allocate(self, num: int) -> list[int]:
-        if self.prefix_cache is not None:
-            return self.prefix_cache.allocate(num)
-        return self.allocator.allocate(num)
-
     def check_capacity(self, num_tokens: int) -> None:
         """Raise CapacityError when a prompt could never fit in the whole pool."""
         needed = pages_needed(num_tokens, self.page_size)
-        if needed > self.allocator.num_pages:
-            raise CapacityError(f"prompt needs {needed} KV pages but the pool has {self.allocator.num_pages}")
+        if needed > self.pages.num_pages:
+            raise CapacityError(f"prompt needs {needed} KV pages but the pool has {self.pages.num_pages}")

@@ -7,6 +7,7 @@ with the device copy.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -50,9 +51,8 @@ def build_step_inputs(requests: list[Request], is_decode: bool, page_size: int, 
 
     Prefill computes `num_new_tokens` tokens of `req.prefill_ids` from `num_computed` on (the rest
     when 0); decode feeds only the newest token."""
-    ids: list[int] = []
-    pos: list[int] = []
-    query_lens, seq_lens = [], []
+    new_token_ids: list[list[int]] = []
+    starts: list[int] = []
     for req in requests:
         if is_decode:   # only the newest token is fed; copying the whole sequence would be O(length)
             start = req.seq_len - 1
@@ -61,11 +61,21 @@ def build_step_inputs(requests: list[Request], is_decode: bool, page_size: int, 
             start = req.num_computed
             end = start + req.num_new_tokens if req.num_new_tokens else req.prefill_len
             new = req.prefill_ids[start:end]
-        ids.extend(new)
-        pos.extend(range(start, start + len(new)))
-        query_lens.append(len(new))
-        seq_lens.append(start + len(new))
-    meta = AttentionMetadata.build([r.page_ids for r in requests], query_lens, seq_lens, page_size, pin=pin)
+        new_token_ids.append(new)
+        starts.append(start)
+    return paged_step_inputs(new_token_ids, starts, [r.page_ids for r in requests], page_size, pin)
+
+
+def paged_step_inputs(new_token_ids: Sequence[Sequence[int]], starts: Sequence[int],
+                      page_ids: Sequence[Sequence[int]], page_size: int, pin: bool = False) -> StepInputs:
+    """Host tensors (pinned when `pin`) for one forward pass over paged sequences: sequence i feeds
+    `new_token_ids[i]` at positions `starts[i]` on, after `starts[i]` tokens whose KV is already in
+    its pages `page_ids[i]`, which must have room for the new tokens too (their KV is written there)."""
+    query_lens = [len(new) for new in new_token_ids]
+    seq_lens = [start + num_new for start, num_new in zip(starts, query_lens)]
+    ids = [token_id for new in new_token_ids for token_id in new]
+    pos = [p for start, seq_len in zip(starts, seq_lens) for p in range(start, seq_len)]
+    meta = AttentionMetadata.build(page_ids, query_lens, seq_lens, page_size, pin=pin)
     logit_rows = [end - 1 for end in accumulate(query_lens)]
     int64 = torch.int64
     return StepInputs(host_tensor(ids, int64, pin), host_tensor(pos, int64, pin), host_tensor(logit_rows, int64, pin),

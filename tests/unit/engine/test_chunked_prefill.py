@@ -195,8 +195,7 @@ def test_abort_in_the_middle_of_chunking_returns_every_page(model_dir: Path, ena
     assert out == StepOutput("r", None, None, FinishReason.ABORT, abort_message="client went away")
     _assert_idle(engine)
     assert not engine.holds("r") and engine.step() == []
-    if engine.prefix_cache is not None:
-        engine.prefix_cache.check_integrity()
+    engine.pages.check_integrity()
     # The engine serves the next prompt as if nothing had happened.
     after = _run(engine, [Request("next", PROMPTS["long"], SamplingParams(max_new_tokens=4, **GREEDY))])
     fresh = _run(_engine(model_dir), [Request("next", PROMPTS["long"], SamplingParams(max_new_tokens=4, **GREEDY))])

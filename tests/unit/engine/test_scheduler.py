@@ -13,6 +13,7 @@ import pytest
 
 from engine.errors import CapacityError
 from engine.page_allocator import PageAllocator
+from engine.page_pool import NoPrefixCache
 from engine.prefix_cache import PrefixCache
 from engine.request import FinishReason, Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler
@@ -23,9 +24,8 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 
 def _scheduler(num_pages: int = 16, max_running_requests: int = 8, max_prefill_tokens: int = 1000,
                chunked_prefill_size: int | None = None, prefix_cache: bool = False) -> Scheduler:
-    allocator = PageAllocator(num_pages)
-    cache = PrefixCache(allocator, PAGE_SIZE) if prefix_cache else None
-    return Scheduler(allocator, PAGE_SIZE, max_running_requests, max_prefill_tokens, cache, chunked_prefill_size)
+    pages = (PrefixCache if prefix_cache else NoPrefixCache)(PageAllocator(num_pages), PAGE_SIZE)
+    return Scheduler(pages, max_running_requests, max_prefill_tokens, chunked_prefill_size)
 
 
 def _request(request_id: str, prompt_len: int, is_prefill_only: bool = False) -> Request:
@@ -49,7 +49,8 @@ def _owned_pages(*reqs: Request) -> list[int]:
 
 
 def test_scheduler_modules_do_not_import_torch() -> None:
-    code = ("import sys, engine.page_allocator, engine.request, engine.scheduler; "
+    code = ("import sys, engine.page_allocator, engine.page_pool, engine.prefix_cache, engine.request, "
+            "engine.reservations, engine.scheduler; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=60)
@@ -93,7 +94,7 @@ def test_prefill_allocates_prompt_pages_and_stops_when_they_do_not_fit() -> None
     scheduler.add_waiting(r1)
     batch, _ = scheduler.schedule()
     assert batch is not None and batch.requests == [r0]
-    assert len(r0.page_ids) == 2 and scheduler.allocator.num_free == 1
+    assert len(r0.page_ids) == 2 and scheduler.pages.allocator.num_free == 1
     assert list(scheduler.waiting) == [r1] and r1.page_ids == []  # needs 2 pages, 1 free
 
 
@@ -136,7 +137,7 @@ def test_decode_grows_pages_only_at_page_boundaries() -> None:
     req.output_ids.append(0)        # seq_len 9
     scheduler.schedule()
     assert len(req.page_ids) == 3
-    assert len(set(req.page_ids)) == 3 and scheduler.allocator.num_used == 3
+    assert len(set(req.page_ids)) == 3 and scheduler.pages.allocator.num_used == 3
 
 
 def test_newest_request_is_preempted_when_pages_run_out_and_comes_back_by_recompute() -> None:
@@ -144,7 +145,7 @@ def test_newest_request_is_preempted_when_pages_run_out_and_comes_back_by_recomp
     r0, r1 = _request("r0", 8), _request("r1", 8)
     _prefill(scheduler, r0, r1)     # 4 pages used; both now need a third page
     r1.output_ids.append(7)         # r1 has generated two tokens so far
-    scheduler.allocator.allocate(1)   # someone else holds the last page
+    scheduler.pages.allocator.allocate(1)   # someone else holds the last page
     batch, aborted = scheduler.schedule()
     assert aborted == [] and not r1.is_finished and r1.is_resuming
     assert r1.status is RequestStatus.WAITING and r1.page_ids == [] and r1.num_computed == 0
@@ -164,12 +165,12 @@ def test_a_preempted_request_waits_for_headroom_before_it_comes_back() -> None:
     scheduler = _scheduler(num_pages=6)
     r0, r1 = _request("r0", 8), _request("r1", 8)
     _prefill(scheduler, r0, r1)     # 4 used, 2 free
-    held = scheduler.allocator.allocate(2)
+    held = scheduler.pages.allocator.allocate(2)
     scheduler.schedule()            # r1 preempted so that r0 grows
-    scheduler.allocator.free(held[:1])   # 2 free again: r1 needs 3 pages, plus one of room for r0
+    scheduler.pages.allocator.free(held[:1])   # 2 free again: r1 needs 3 pages, plus one of room for r0
     batch, _ = scheduler.schedule()
     assert batch.is_decode and batch.requests == [r0] and r1.is_resuming
-    scheduler.allocator.free(held[1:])
+    scheduler.pages.allocator.free(held[1:])
     r0.output_ids.extend([0] * 4)   # r0 filled its third page: it needs a fourth now
     batch, _ = scheduler.schedule()
     assert batch.is_decode and batch.requests == [r0] and len(r0.page_ids) == 4   # still no room for r1
@@ -182,7 +183,7 @@ def test_a_request_that_could_never_fit_is_aborted_saying_why() -> None:
     batch, aborted = scheduler.schedule()
     assert batch is None and aborted == [req]
     assert req.finish_reason is FinishReason.ABORT and "more than the pool's 2" in req.abort_message
-    assert scheduler.allocator.num_free == 2 and not scheduler.has_work
+    assert scheduler.pages.allocator.num_free == 2 and not scheduler.has_work
 
 
 def test_last_free_page_goes_to_the_oldest_request() -> None:
@@ -193,7 +194,7 @@ def test_last_free_page_goes_to_the_oldest_request() -> None:
     r1.output_ids.append(0)
     batch, aborted = scheduler.schedule()
     assert aborted == [] and r1.is_resuming and batch is not None and batch.requests == [r0]
-    assert scheduler.allocator.num_used == 3
+    assert scheduler.pages.allocator.num_used == 3
 
 
 def test_prefill_only_request_does_not_join_decode() -> None:
@@ -214,15 +215,15 @@ def test_finish_releases_pages_unless_kept() -> None:
     _prefill(scheduler, r0, r1)
     scheduler.finish(r0, FinishReason.STOP)
     assert r0.is_finished and r0.finish_reason is FinishReason.STOP
-    assert r0.page_ids == [] and scheduler.allocator.num_used == 2
+    assert r0.page_ids == [] and scheduler.pages.allocator.num_used == 2
     kept = list(r1.page_ids)
     scheduler.finish(r1, None, keep_pages=True)
-    assert r1.is_finished and r1.page_ids == kept and scheduler.allocator.num_used == 2
+    assert r1.is_finished and r1.page_ids == kept and scheduler.pages.allocator.num_used == 2
     assert scheduler.running == []
     scheduler.release_pages(r1)
-    assert r1.page_ids == [] and scheduler.allocator.num_free == 8
+    assert r1.page_ids == [] and scheduler.pages.allocator.num_free == 8
     scheduler.release_pages(r1)     # nothing left: a no-op, not a double free
-    assert scheduler.allocator.num_free == 8
+    assert scheduler.pages.allocator.num_free == 8
 
 
 def test_finish_removes_a_waiting_request() -> None:
@@ -253,12 +254,12 @@ def test_reserve_takes_pages_or_raises_taking_none() -> None:
     assert len(scheduler.reserve(5)) == 2
     with pytest.raises(CapacityError):
         scheduler.reserve(9)        # needs 3, 2 free
-    assert scheduler.allocator.num_free == 2
+    assert scheduler.pages.allocator.num_free == 2
 
 
 def test_check_capacity_against_whole_pool() -> None:
     scheduler = _scheduler(num_pages=4)
-    scheduler.allocator.allocate(4)
+    scheduler.pages.allocator.allocate(4)
     scheduler.check_capacity(16)    # would fit an empty pool: accepted even though none are free
     with pytest.raises(CapacityError):
         scheduler.check_capacity(17)
@@ -286,11 +287,11 @@ def test_long_prompt_is_prefilled_in_chunks_holding_all_its_pages_from_the_first
     req = _request("long", 13)
     scheduler.add_waiting(req)
     assert _chunks(scheduler) == [("long", 5, False)]
-    assert len(req.page_ids) == 4 and scheduler.allocator.num_used == 4   # the whole prompt's pages
+    assert len(req.page_ids) == 4 and scheduler.pages.allocator.num_used == 4   # the whole prompt's pages
     assert req.num_computed == 5 and req.status is RequestStatus.WAITING
     assert list(scheduler.waiting) == [req] and scheduler.running == [] and scheduler.has_work
     assert _chunks(scheduler) == [("long", 5, False)]
-    assert req.num_computed == 10 and scheduler.allocator.num_used == 4
+    assert req.num_computed == 10 and scheduler.pages.allocator.num_used == 4
     assert _chunks(scheduler) == [("long", 3, True)]
     assert req.num_computed == 13 and req.status is RequestStatus.RUNNING
     assert scheduler.running == [req] and not scheduler.waiting
@@ -370,10 +371,10 @@ def test_abort_in_the_middle_of_chunking_frees_every_page() -> None:
     req = _request("r", 14)
     scheduler.add_waiting(req)
     _chunks(scheduler)
-    assert scheduler.allocator.num_used == 4
+    assert scheduler.pages.allocator.num_used == 4
     scheduler.finish(req, FinishReason.ABORT, message="client went away")
     assert req.is_finished and req.page_ids == []
-    assert scheduler.allocator.num_free == 16 and not scheduler.waiting and not scheduler.has_work
+    assert scheduler.pages.allocator.num_free == 16 and not scheduler.waiting and not scheduler.has_work
     assert scheduler.schedule() == (None, [])
 
 
@@ -384,7 +385,7 @@ def test_chunked_prompt_matches_the_prefix_cache_once_and_caches_its_pages_when_
     while scheduler.waiting:
         _chunks(scheduler)
     assert first.num_cached_tokens == 0
-    assert scheduler.prefix_cache.num_cached_pages == 2   # its full pages, once the prompt is done
+    assert scheduler.pages.num_cached_pages == 2   # its full pages, once the prompt is done
     scheduler.finish(first, FinishReason.STOP)
 
     second = _request("second", 11)   # the same first 10 tokens
@@ -397,7 +398,7 @@ def test_chunked_prompt_matches_the_prefix_cache_once_and_caches_its_pages_when_
     assert third.num_cached_tokens == 8 and third.num_computed == 11
     assert _chunks(scheduler) == [("third", 2, True)]
     assert third.num_cached_tokens == 8                   # no second match on later chunks
-    scheduler.prefix_cache.check_integrity()
+    scheduler.pages.check_integrity()
 
 
 def test_abort_mid_chunk_returns_the_cache_its_matched_pages() -> None:
@@ -412,6 +413,6 @@ def test_abort_mid_chunk_returns_the_cache_its_matched_pages() -> None:
     assert _chunks(scheduler) == [("r", 4, False)]
     assert req.num_cached_tokens == 8 and len(req.page_ids) == 5
     scheduler.finish(req, FinishReason.ABORT)
-    scheduler.prefix_cache.check_integrity()
-    assert scheduler.prefix_cache.num_evictable_pages == 2
-    assert scheduler.allocator.num_free + scheduler.prefix_cache.num_evictable_pages == 8
+    scheduler.pages.check_integrity()
+    assert scheduler.pages.num_evictable_pages == 2
+    assert scheduler.pages.allocator.num_free + scheduler.pages.num_evictable_pages == 8
