@@ -10,10 +10,12 @@ import grpc
 
 from engine.errors import EngineError
 from engine.request import FinishReason, StepOutput
+from server_runtime.common_rpcs import add_worker_servicer
+from server_runtime.context import WorkerContext
 from server_runtime.convert import finish_to_proto, layout_to_proto, sampling_from_proto, token_to_proto
 from server_runtime.errors import RequestFailedError, abort_with
 from server_runtime.kv_grants import GrantError, IssuedGrants, grant_key
-from server_runtime.worker import WorkerContext
+from server_runtime.worker import WorkerKind, start_engine_worker
 from tandem.request_log import bind_request_id
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
@@ -39,10 +41,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         except asyncio.CancelledError:   # the caller went away; its reservation, if made, was never granted
             await asyncio.shield(self.ctx.loop.abort(request.request_id, "the caller went away", write_settled=True))
             raise
-        engine = self.ctx.engine
-        target = common_pb2.KvTarget(session_id=self.ctx.transport.session_id,
-                                     base_addr=engine.runner.kv_pool.base_addr,
-                                     layout=layout_to_proto(engine.runner.layout), page_ids=page_ids)
+        facts = self.ctx.facts
+        target = common_pb2.KvTarget(session_id=self.ctx.transport.session_id, base_addr=facts.pool_base_addr,
+                                     layout=layout_to_proto(facts.layout), page_ids=page_ids)
         self.grants.issue(request.request_id, target, ttl_s)
         return decode_pb2.ReserveResponse(request_id=request.request_id, kv_target=target, ttl_ms=int(ttl_s * 1000))
 
@@ -99,5 +100,9 @@ def _response(rid: str, outputs: list[StepOutput]) -> decode_pb2.GenerateRespons
 
 
 def add_decode_servicer(server: grpc.aio.Server, ctx: WorkerContext) -> str:
+    """Register DecodeService; returns the service's full name."""
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(ctx), server)
     return decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
+
+
+DECODE = WorkerKind("decode", start_engine_worker, (add_decode_servicer, add_worker_servicer))

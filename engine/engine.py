@@ -15,10 +15,16 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Literal, overload
 
 from engine.config import ConfigError, EngineConfig
-from engine.errors import (CapacityError, ContextLengthExceededError, InvalidRequestError, RequestAbortedError,
-                           RequestNotFoundError)
+from engine.errors import (
+    CapacityError,
+    ContextLengthExceededError,
+    InvalidRequestError,
+    RequestAbortedError,
+    RequestNotFoundError,
+)
 from engine.grammar import GrammarBackend, accept_token
 from engine.page_allocator import PageAllocator, pages_needed
 from engine.page_pool import NoPrefixCache
@@ -27,19 +33,24 @@ from engine.request import FinishReason, Request, SamplingParams, StepOutput, jo
 from engine.reservations import Reservation, Reservations
 from engine.runner import FaultHooks, ModelRunner, SampledToken
 from engine.scheduler import Scheduler
+from engine.stats import EngineStats
 from engine.weights import Checkpoint
 
 logger = logging.getLogger(__name__)
 
 NON_FINITE_LOGITS_MESSAGE = "the model produced non-finite logits (NaN or inf) for this request"
 
+
 class Engine:
-    def __init__(self, checkpoint: Checkpoint, config: EngineConfig, progress: bool = True,
-                 faults: FaultHooks = FaultHooks()) -> None:
+    def __init__(
+        self, checkpoint: Checkpoint, config: EngineConfig, progress: bool = True, faults: FaultHooks = FaultHooks()
+    ) -> None:
         mc = checkpoint.config
         if mc.architecture.is_classifier:
-            raise ConfigError(f"{mc.architecture.value} is a classification (reward) model, not a generation "
-                              "model: serve it with --is-embedding (/classify)")
+            raise ConfigError(
+                f"{mc.architecture.value} is a classification (reward) model, not a generation "
+                "model: serve it with --is-embedding (/classify)"
+            )
         self.model_config = mc
         self.config = config
         self.context_len = min(config.context_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -48,11 +59,12 @@ class Engine:
         self.runner = ModelRunner(checkpoint, config, self.context_len, progress=progress, faults=faults)
         self.allocator = PageAllocator(self.runner.kv_pool.num_pages)
         self.pages = (PrefixCache if config.enable_prefix_cache else NoPrefixCache)(self.allocator, config.page_size)
-        self.scheduler = Scheduler(self.pages, config.max_running_requests, config.max_prefill_tokens,
-                                   config.chunked_prefill_size)
+        self.scheduler = Scheduler(
+            self.pages, config.max_running_requests, config.max_prefill_tokens, config.chunked_prefill_size
+        )
         self._requests: dict[str, Request] = {}
         self._held: dict[str, Request] = {}
-        self.weights_id = checkpoint.identity   # names the weights; prefill and decode must agree on it
+        self.weights_id = checkpoint.identity  # names the weights; prefill and decode must agree on it
         self._reservations = Reservations(self.pages)
 
     # ---- ways in -------------------------------------------------------------------------
@@ -64,8 +76,9 @@ class Engine:
         self._validate(req.request_id, req.prompt_ids)
         start = req.prompt_logprob_start
         if start is not None and not (0 <= start < req.prompt_len):
-            raise InvalidRequestError(f"logprob_start_len must be in [0, {req.prompt_len}) for a "
-                                      f"{req.prompt_len}-token prompt, got {start}")
+            raise InvalidRequestError(
+                f"logprob_start_len must be in [0, {req.prompt_len}) for a {req.prompt_len}-token prompt, got {start}"
+            )
         self.scheduler.check_capacity(req.prompt_len)
         if req.sampling.grammar is not None:
             req.grammar_matcher = self.grammar.new_matcher(req.sampling.grammar)
@@ -83,11 +96,13 @@ class Engine:
             raise InvalidRequestError("prompt_len must be >= 1")
         if prompt_len >= self.context_len:
             raise ContextLengthExceededError(
-                f"prompt has {prompt_len} tokens; the context length is {self.context_len}")
+                f"prompt has {prompt_len} tokens; the context length is {self.context_len}"
+            )
         needed = pages_needed(prompt_len, self.config.page_size)
-        if needed > self.pages.num_pages:   # no wait would help: not a capacity error
-            raise InvalidRequestError(f"prompt needs {needed} KV pages but the decode pool has "
-                                      f"{self.pages.num_pages} in all")
+        if needed > self.pages.num_pages:  # no wait would help: not a capacity error
+            raise InvalidRequestError(
+                f"prompt needs {needed} KV pages but the decode pool has {self.pages.num_pages} in all"
+            )
         if self.scheduler.has_resuming:
             raise CapacityError("requests paused for lack of KV pages are resumed before new ones are reserved")
         page_ids = self.scheduler.reserve(prompt_len)
@@ -99,8 +114,15 @@ class Engine:
         ready (compiling a grammar), so the prefill's KV is already in its pages."""
         self._reservations.touch(request_id, time.monotonic() + ttl_s)
 
-    def admit(self, request_id: str, prompt_ids: list[int], first_token: int, first_logprob: float,
-              sampling: SamplingParams, weights_id: str | None = None) -> StepOutput | None:
+    def admit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        first_token: int,
+        first_logprob: float,
+        sampling: SamplingParams,
+        weights_id: str | None = None,
+    ) -> StepOutput | None:
         """Start decoding a reserved request from its first token. Returns a finish output if the
         first token already ends it (its pages are then freed). The prompt's KV must have been
         computed with the same weights as ours: `weights_id` is the prefill engine's (None: not checked)."""
@@ -108,20 +130,27 @@ class Engine:
         if reservation is None:
             raise RequestNotFoundError(f"no reservation for request {request_id!r} (expired or never made)")
         if weights_id is not None and weights_id != self.weights_id:
-            raise RequestAbortedError(f"the prefill and decode workers hold different model weights "
-                                      f"(prefill {weights_id or 'unnamed'}, decode {self.weights_id}); "
-                                      "they were updated apart or started from different checkpoints")
+            raise RequestAbortedError(
+                f"the prefill and decode workers hold different model weights "
+                f"(prefill {weights_id or 'unnamed'}, decode {self.weights_id}); "
+                "they were updated apart or started from different checkpoints"
+            )
         if len(prompt_ids) != reservation.prompt_len:
-            raise InvalidRequestError(
-                f"prompt has {len(prompt_ids)} tokens but {reservation.prompt_len} were reserved")
+            raise InvalidRequestError(f"prompt has {len(prompt_ids)} tokens but {reservation.prompt_len} were reserved")
         self._validate(request_id, prompt_ids + [first_token], allow_full_context=True)
         matcher = None
-        if sampling.grammar is not None:   # replay prefill's first token into our own matcher
+        if sampling.grammar is not None:  # replay prefill's first token into our own matcher
             matcher = self.grammar.new_matcher(sampling.grammar)
             accept_token(matcher, first_token)
         self._reservations.take(request_id)
-        req = Request(request_id, list(prompt_ids), sampling, page_ids=reservation.page_ids,
-                      num_computed=len(prompt_ids), grammar_matcher=matcher)
+        req = Request(
+            request_id,
+            list(prompt_ids),
+            sampling,
+            page_ids=reservation.page_ids,
+            num_computed=len(prompt_ids),
+            grammar_matcher=matcher,
+        )
         self._requests[request_id] = req
         self.scheduler.add_running(req)
         return self._append_token(req, SampledToken(first_token, first_logprob), emit_token=False)
@@ -195,6 +224,17 @@ class Engine:
     def num_quarantined_pages(self) -> int:
         return self._reservations.num_quarantined_pages
 
+    def stats(self) -> EngineStats:
+        """The queues and the page pool now, as a value other threads may read."""
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_pages=self.allocator.num_free,
+            num_total_pages=self.allocator.num_pages,
+            num_cached_pages=self.num_cached_pages,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
     # ---- the step ------------------------------------------------------------------------
 
     @property
@@ -212,18 +252,18 @@ class Engine:
         if not batch.is_decode:
             started = time.perf_counter()
             for req in batch.requests:
-                if req.prefill_started_at is None:   # a later chunk keeps the first chunk's start
+                if req.prefill_started_at is None:  # a later chunk keeps the first chunk's start
                     req.prefill_started_at = started
         sampled = self.runner.run(batch.requests, batch.is_decode, self.grammar)
         for row, req in enumerate(batch.requests):
-            if row in sampled.non_finite_rows:   # this request alone fails; the rest of the batch goes on
+            if row in sampled.non_finite_rows:  # this request alone fails; the rest of the batch goes on
                 outputs.append(self._fail(req, NON_FINITE_LOGITS_MESSAGE))
                 continue
             if not batch.is_decode:
-                if sampled.prompt is not None:   # the piece this chunk scored joins those before it
+                if sampled.prompt is not None:  # the piece this chunk scored joins those before it
                     req.prompt_logprobs = join_prompt_logprobs(req.prompt_logprobs, sampled.prompt[row])
                 if not self.scheduler.after_prefill(req):
-                    continue   # a non-final chunk: the token sampled from its last row means nothing
+                    continue  # a non-final chunk: the token sampled from its last row means nothing
             token = sampled.token(row)
             if req.is_prefill_only:
                 outputs.append(self._finish_prefill_only(req, token))
@@ -245,12 +285,27 @@ class Engine:
         req.output_logprobs.append(token.logprob)
         self.scheduler.finish(req, None, keep_pages=True)
         self._held[req.request_id] = self._requests.pop(req.request_id)
-        return StepOutput(req.request_id, token.token_id, token.logprob, top_logprobs=token.top,
-                          token_ids_logprobs=token.requested, cached_tokens=req.num_cached_tokens,
-                          weights_id=self.weights_id, prompt_logprobs=req.prompt_logprobs,
-                          prefill_started_at=req.prefill_started_at)
+        return StepOutput(
+            req.request_id,
+            token.token_id,
+            token.logprob,
+            top_logprobs=token.top,
+            token_ids_logprobs=token.requested,
+            cached_tokens=req.num_cached_tokens,
+            weights_id=self.weights_id,
+            prompt_logprobs=req.prompt_logprobs,
+            prefill_started_at=req.prefill_started_at,
+        )
+
+    @overload
+    def _append_token(self, req: Request, token: SampledToken, emit_token: Literal[True]) -> StepOutput: ...
+    @overload
+    def _append_token(self, req: Request, token: SampledToken, emit_token: bool) -> StepOutput | None: ...
 
     def _append_token(self, req: Request, token: SampledToken, emit_token: bool) -> StepOutput | None:
+        """Record `token` as `req`'s next output, finishing `req` when it ends it. With `emit_token`
+        (a sampled token) an output always comes back; without (the first token `admit` is given,
+        sampled by the prefill worker) one comes back only when the token finished it."""
         if emit_token and req.grammar_matcher is not None:
             accept_token(req.grammar_matcher, token.token_id)
         req.output_ids.append(token.token_id)
@@ -265,12 +320,18 @@ class Engine:
                 return None
             return StepOutput(req.request_id, None, None, reason, matched_token_id=req.matched_token_id)
         is_first = len(req.output_ids) == 1
-        return StepOutput(req.request_id, token.token_id, token.logprob, reason,
-                          matched_token_id=req.matched_token_id, top_logprobs=token.top,
-                          token_ids_logprobs=token.requested,
-                          cached_tokens=req.num_cached_tokens if is_first else 0,
-                          prompt_logprobs=req.prompt_logprobs if is_first else None,
-                          prefill_started_at=req.prefill_started_at if is_first else None)
+        return StepOutput(
+            req.request_id,
+            token.token_id,
+            token.logprob,
+            reason,
+            matched_token_id=req.matched_token_id,
+            top_logprobs=token.top,
+            token_ids_logprobs=token.requested,
+            cached_tokens=req.num_cached_tokens if is_first else 0,
+            prompt_logprobs=req.prompt_logprobs if is_first else None,
+            prefill_started_at=req.prefill_started_at if is_first else None,
+        )
 
     def _finish_reason(self, req: Request, token_id: int) -> FinishReason | None:
         params = req.sampling
@@ -295,4 +356,5 @@ class Engine:
         limit = self.context_len if allow_full_context else self.context_len - 1
         if len(token_ids) > limit:
             raise ContextLengthExceededError(
-                f"prompt has {len(token_ids)} tokens; the context length is {self.context_len}")
+                f"prompt has {len(token_ids)} tokens; the context length is {self.context_len}"
+            )

@@ -20,16 +20,17 @@ from engine.grammar_spec import GrammarKind, GrammarSpec
 
 logger = logging.getLogger(__name__)
 
-CACHE_SIZE = 256   # compiled grammars kept: a flood of distinct schemas cannot grow memory without bound
+CACHE_SIZE = 256  # compiled grammars kept: a flood of distinct schemas cannot grow memory without bound
 
 
 class GrammarBackend:
     """Compiles specs into per-request matchers and masks logits with them.
 
-    `load` and `prepare` may run off the engine thread, one call at a time (the server runtime does
-    so before submitting a request, so loading the tokenizer or compiling a large schema never stalls
-    running requests); `new_matcher` and `mask_logits` run on the engine thread and then only hit
-    the cache.
+    Engine thread only: `lookup`, `store`, `prepare`, `new_matcher`, `mask_logits` (the cache of
+    compiled grammars is touched there alone). `load` and `compile` may run on another thread, one
+    call at a time, and never touch the cache: the server runtime compiles a request's grammar
+    there and hands the result to the engine thread with `store` before submitting the request, so
+    loading the tokenizer or compiling a large schema never stalls running requests.
     """
 
     def __init__(self, tokenizer_path: str, vocab_size: int) -> None:
@@ -42,28 +43,55 @@ class GrammarBackend:
         """Load the tokenizer's vocabulary and the compiler (once; the first constrained request)."""
         self._ensure_compiler()
 
-    def prepare(self, spec: GrammarSpec) -> Any:
-        """The compiled `spec`, from the cache or compiled into it; an invalid schema, regex or grammar
-        raises InvalidRequestError."""
+    def compile(self, spec: GrammarSpec) -> Any:
+        """`spec` compiled (loading the compiler first if need be), never cached; an invalid schema,
+        regex or grammar raises InvalidRequestError."""
+        compiler = self._ensure_compiler()
+        try:
+            if spec.kind is GrammarKind.JSON_SCHEMA:
+                return compiler.compile_json_schema(spec.text)
+            if spec.kind is GrammarKind.JSON_OBJECT:  # OpenAI's json_object: an object, not any JSON value
+                return compiler.compile_json_schema('{"type": "object"}')
+            if spec.kind is GrammarKind.REGEX:
+                return compiler.compile_regex(spec.text)
+            return compiler.compile_grammar(spec.text)
+        except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses with the parse error
+            raise InvalidRequestError(f"invalid {spec.kind.value}: {exc}") from None
+
+    def lookup(self, spec: GrammarSpec) -> Any | None:
+        """The cached compile of `spec` (now the most recently used), or None."""
         compiled = self._compiled.get(spec)
-        if compiled is None:
-            compiled = self._compile(spec)
-            self._compiled[spec] = compiled
-            while len(self._compiled) > CACHE_SIZE:
-                self._compiled.popitem(last=False)
-        else:
+        if compiled is not None:
             self._compiled.move_to_end(spec)
+        return compiled
+
+    def store(self, spec: GrammarSpec, compiled: Any) -> None:
+        """Cache `compiled` (from `compile(spec)`) as the most recently used; the least recently used
+        beyond `CACHE_SIZE` are dropped."""
+        self._compiled[spec] = compiled
+        self._compiled.move_to_end(spec)
+        while len(self._compiled) > CACHE_SIZE:
+            self._compiled.popitem(last=False)
+
+    def prepare(self, spec: GrammarSpec) -> Any:
+        """The compiled `spec`, from the cache or compiled into it here."""
+        compiled = self.lookup(spec)
+        if compiled is None:
+            compiled = self.compile(spec)
+            self.store(spec, compiled)
         return compiled
 
     def new_matcher(self, spec: GrammarSpec) -> Any:
         """A fresh matcher for `spec` (compiled here if `prepare` was not called first)."""
         import xgrammar
+
         return xgrammar.GrammarMatcher(self.prepare(spec))
 
     def mask_logits(self, logits: torch.Tensor, matchers: list[Any]) -> torch.Tensor:
         """Return `logits` ([B, V] fp32, any device) with each constrained row limited to its grammar's
         next tokens. The matchers fill a host bitmask, which is applied on the logits' device."""
         import xgrammar
+
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return logits
@@ -76,24 +104,13 @@ class GrammarBackend:
         logits[rows] = constrained
         return logits
 
-    def _compile(self, spec: GrammarSpec) -> Any:
-        compiler = self._ensure_compiler()
-        try:
-            if spec.kind is GrammarKind.JSON_SCHEMA:
-                return compiler.compile_json_schema(spec.text)
-            if spec.kind is GrammarKind.JSON_OBJECT:   # OpenAI's json_object: an object, not any JSON value
-                return compiler.compile_json_schema('{"type": "object"}')
-            if spec.kind is GrammarKind.REGEX:
-                return compiler.compile_regex(spec.text)
-            return compiler.compile_grammar(spec.text)
-        except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses with the parse error
-            raise InvalidRequestError(f"invalid {spec.kind.value}: {exc}") from None
-
     def _ensure_compiler(self) -> Any:
         if self._compiler is None:
             import xgrammar
-            info = xgrammar.TokenizerInfo.from_huggingface(_load_hf_tokenizer(self._tokenizer_path),
-                                                          vocab_size=self._vocab_size)
+
+            info = xgrammar.TokenizerInfo.from_huggingface(
+                _load_hf_tokenizer(self._tokenizer_path), vocab_size=self._vocab_size
+            )
             self._compiler = xgrammar.GrammarCompiler(info)
             logger.info("grammar backend ready (xgrammar, vocabulary %d)", self._vocab_size)
         return self._compiler
@@ -107,6 +124,7 @@ def accept_token(matcher: Any, token_id: int) -> None:
 
 def _load_hf_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
+
     model = Path(path)
     if model.is_file() and model.suffix == ".gguf":
         return AutoTokenizer.from_pretrained(model.parent, gguf_file=model.name)

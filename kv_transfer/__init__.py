@@ -12,6 +12,7 @@ from kv_transfer.base import (
     TransferStats,
     TransportConfig,
     available_transports,
+    check_timeout,
     create_transport,
     register_transport,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "TransportConfig",
     "WritePlan",
     "available_transports",
+    "check_timeout",
     "coalesce_page_runs",
     "create_transport",
     "plan_page_writes",

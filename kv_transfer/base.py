@@ -12,10 +12,11 @@ start-up, by `create_transport(TransportConfig(backend=name))`.
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import logging
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from engine.config import ConfigError
 
@@ -39,14 +40,16 @@ class TransportConfig:
 
     `backend` names a registered transport ("mooncake", "local"). `hostname` is the address peers
     use to reach this process. `protocol` is the wire protocol ("tcp" or "rdma"); `device_name`
-    lists RDMA NICs (comma-separated) and must be empty for tcp. Invalid values raise
-    `engine.config.ConfigError`.
+    lists RDMA NICs (comma-separated) and must be empty for tcp. `transfer_timeout_s` is the
+    longest a caller waits for one write (the prefill server's `--transfer-timeout`); a backend with
+    its own transfer timeout sets it below this one. Invalid values raise `engine.config.ConfigError`.
     """
 
     backend: str = "mooncake"
     hostname: str = "127.0.0.1"
     protocol: str = "tcp"
     device_name: str = ""
+    transfer_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.backend.strip():
@@ -60,6 +63,10 @@ class TransportConfig:
             raise ConfigError(
                 f"TransportConfig.device_name names RDMA NICs and must be empty for tcp, "
                 f"got {self.device_name!r}")
+        if not (self.transfer_timeout_s > 0 and math.isfinite(self.transfer_timeout_s)):
+            raise ConfigError(
+                f"TransportConfig.transfer_timeout_s must be a positive number of seconds, "
+                f"got {self.transfer_timeout_s!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,13 +122,18 @@ class KVTransport(abc.ABC):
     range on the peer.
 
     Thread safety: `write_pages` may be called from several threads at once. `register` and
-    `close` must not race with writes that use the memory they add or remove.
+    `close` must not race with writes that use the memory they add or remove. A write's future is
+    settled on whatever thread finishes the write (the caller's, or a backend's own), so its
+    callbacks run there.
 
-    Liveness: `write_pages` never blocks past `timeout_s` (plus scheduling slack). A write that
-    times out may still be in flight inside the backend for a while (for Mooncake, until its own
-    transfer timeout, `MC_TRANSFER_TIMEOUT`, default 30 s), so after `KVTransferTimeout` the
-    destination pages hold undefined data and should not be reused by the peer immediately, and
-    the source pages must stay allocated (the pool lives for the process, so they do).
+    Liveness: `write_pages` never waits for the peer; its future may take long to settle. A write
+    to a stalled peer holds it until the backend gives up (for Mooncake, its own transfer timeout,
+    `MC_TRANSFER_TIMEOUT`, set below `TransportConfig.transfer_timeout_s`, or its handshake wait of
+    about 60 s). Callers therefore wait with their own deadline (see `check_timeout`) and raise
+    `KVTransferTimeout` past it; the write may then still be in flight, so the destination pages
+    hold undefined data and should not be reused by the peer immediately, and the source pages
+    must stay allocated (the pool lives for the process, so they do). A caller that stops waiting
+    cannot cancel a write: its future is already running.
     """
 
     @property
@@ -136,33 +148,46 @@ class KVTransport(abc.ABC):
         `KVTransferError` for an invalid or overlapping range or if the backend refuses it."""
 
     @abc.abstractmethod
-    def write_pages(self, src_base_addr: int, src_page_ids: Sequence[int], dst: RemotePages,
-                    timeout_s: float) -> TransferStats:
-        """Copy local page `src_page_ids[k]` (of the pool at `src_base_addr`) to the peer's page
-        `dst.page_ids[k]`, for every k; page size is `dst.page_bytes` on both sides.
+    def write_pages(self, src_base_addr: int, src_page_ids: Sequence[int],
+                    dst: RemotePages) -> concurrent.futures.Future[TransferStats]:
+        """Start copying local page `src_page_ids[k]` (of the pool at `src_base_addr`) to the
+        peer's page `dst.page_ids[k]`, for every k; page size is `dst.page_bytes` on both sides.
 
         Runs where both source and destination ids are consecutive are coalesced into one
-        contiguous write, and all writes go to the backend as one batch. Returns once every byte
-        has landed. Raises `KVTransferError` if the id lists differ in length, the source range is
-        not registered, the peer is unknown or unreachable, or the write fails; raises
-        `KVTransferTimeout` if it has not completed within `timeout_s` seconds. Mutates only the
-        destination pages.
+        contiguous write, and all writes go to the backend as one batch. Returns at once with a
+        future (possibly already settled) whose result is the `TransferStats` once every byte has
+        landed. Every failure comes through the future as `KVTransferError`: id lists of different
+        lengths, a source range not registered, an unknown or unreachable peer, a failed write, a
+        closed transport; the checks that need no peer fail it before any byte moves. Mutates only
+        the destination pages.
         """
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Unregister memory and release the backend; later calls to `write_pages` raise
-        `KVTransferError`. Idempotent."""
+        """Unregister memory and release the backend; later writes fail with `KVTransferError`.
+        Idempotent."""
 
-    def __enter__(self) -> "KVTransport":
+    def __enter__(self) -> KVTransport:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 
+def settled_write(write: Callable[[], TransferStats]) -> concurrent.futures.Future[TransferStats]:
+    """Run `write` on this thread now and return its outcome as a settled future: its stats, or
+    the `KVTransferError` it raised (any other exception is a bug and propagates)."""
+    future: concurrent.futures.Future[TransferStats] = concurrent.futures.Future()
+    try:
+        future.set_result(write())
+    except KVTransferError as exc:
+        future.set_exception(exc)
+    return future
+
+
 def check_timeout(timeout_s: float) -> None:
-    """Raise `KVTransferError` unless `timeout_s` is a positive, finite number of seconds."""
+    """Raise `KVTransferError` unless `timeout_s` is a positive, finite number of seconds (a deadline
+    a caller may wait for a write with)."""
     if not (timeout_s > 0 and math.isfinite(timeout_s)):
         raise KVTransferError(f"timeout_s must be a positive finite number, got {timeout_s!r}")
 

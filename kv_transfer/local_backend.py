@@ -1,15 +1,18 @@
 """In-process KV transport ("local"): peers are other `LocalTransport`s in the same process and a
-write is a `memmove` between their registered pools. For single-process serving and engine tests;
-it has no network and no dependencies."""
+write is a `memmove` between their registered pools, done by the caller's thread before
+`write_pages` returns. For single-process serving and engine tests; it has no network and no
+dependencies."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import logging
 import threading
 import time
 import uuid
-from typing import ClassVar, Sequence
+from collections.abc import Sequence
+from typing import ClassVar
 
 from kv_transfer.base import (
     KVTransferError,
@@ -17,8 +20,8 @@ from kv_transfer.base import (
     RemotePages,
     TransferStats,
     TransportConfig,
-    check_timeout,
     register_transport,
+    settled_write,
 )
 from kv_transfer.pages import plan_page_writes
 from kv_transfer.regions import MemoryRegions
@@ -32,12 +35,12 @@ class LocalTransport(KVTransport):
     this process, found by its session id (`local:<hex>`).
 
     Both ends are checked against their registered regions before any byte moves, so a bad id or
-    page never corrupts memory outside a pool. A copy is synchronous and bounded by its size, so
-    `timeout_s` is validated but never hit. `config` fields other than `backend` are ignored.
+    page never corrupts memory outside a pool. A copy is synchronous and bounded by its size: the
+    future `write_pages` returns is already settled. `config` fields other than `backend` are ignored.
     """
 
     # Registry of live transports by session id: how a session id reaches a pool in-process.
-    _sessions: ClassVar[dict[str, "LocalTransport"]] = {}
+    _sessions: ClassVar[dict[str, LocalTransport]] = {}
     _sessions_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, config: TransportConfig | None = None) -> None:
@@ -59,9 +62,11 @@ class LocalTransport(KVTransport):
         logger.info("local KV transport %s registered %d bytes at %#x",
                     self._session_id, region.num_bytes, region.base_addr)
 
-    def write_pages(self, src_base_addr: int, src_page_ids: Sequence[int], dst: RemotePages,
-                    timeout_s: float) -> TransferStats:
-        check_timeout(timeout_s)
+    def write_pages(self, src_base_addr: int, src_page_ids: Sequence[int],
+                    dst: RemotePages) -> concurrent.futures.Future[TransferStats]:
+        return settled_write(lambda: self._copy(src_base_addr, src_page_ids, dst))
+
+    def _copy(self, src_base_addr: int, src_page_ids: Sequence[int], dst: RemotePages) -> TransferStats:
         if self._is_closed:
             raise KVTransferError(f"transport {self._session_id} is closed")
         plan = plan_page_writes(src_base_addr, src_page_ids, dst)

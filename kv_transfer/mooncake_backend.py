@@ -7,15 +7,20 @@ Mooncake's two listeners (handshake RPC and TCP data) bind every interface and n
 changes that; `kv_transfer.mooncake_binding` redirects their binds to the KV address
 (`TransportConfig.hostname`, resolved to this machine's address) while the engine starts.
 
-Why each write runs on its own helper thread: both Mooncake calls a write needs can block far
-past any sensible deadline. `batch_transfer_async_write` opens the peer's segment on first use
-and, if the peer accepts the TCP connection but never answers the handshake (a stopped process),
-waits about 60 s. `get_batch_transfer_status([batch_id])` is not a poll: it spins (GIL released)
-until every batch completes (returns 0), one fails (returns -1), or Mooncake's own timeout
-passes (returns -1; `MC_TRANSFER_TIMEOUT` seconds, default 30, at least 5, plus 1 ns per byte).
-It frees completed batch ids, so it must be called exactly once per batch. The caller therefore
-waits on the helper's future with its own deadline; a helper that outlives the deadline finishes
-in the background and frees its batch when Mooncake gives up.
+Why each write runs on its own helper thread, which settles the future `write_pages` returns:
+both Mooncake calls a write needs can block far past any sensible deadline.
+`batch_transfer_async_write` opens the peer's segment on first use and, if the peer accepts the
+TCP connection but never answers the handshake (a stopped process), waits about 60 s.
+`get_batch_transfer_status([batch_id])` is not a poll: it spins (GIL released) until every batch
+completes (returns 0), one fails (returns -1), or Mooncake's own timeout passes (returns -1;
+`MC_TRANSFER_TIMEOUT` seconds, at least 5, plus 1 ns per byte). It frees completed batch ids, so
+it must be called exactly once per batch. The caller therefore waits on the future with its own
+deadline; a helper that outlives the deadline finishes in the background and frees its batch when
+Mooncake gives up. A helper thread of its own, not a shared pool's: a stalled peer holds it for up
+to a minute, and must never hold up other work.
+
+Mooncake reads its settings from the environment when its engine starts; the first transport of a
+process sets them (`_set_mooncake_environment`), unless they are set already.
 """
 
 from __future__ import annotations
@@ -23,19 +28,19 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import os
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from kv_transfer.base import (
     KVTransferError,
-    KVTransferTimeout,
     KVTransport,
     RemotePages,
     TransferStats,
     TransportConfig,
-    check_timeout,
     register_transport,
 )
 from kv_transfer.mooncake_binding import resolve_bind_address, wildcard_binds_redirected
@@ -72,9 +77,21 @@ def _engine_library_dir() -> Path:
     return Path(mooncake.engine.__file__).parent
 
 
-def _run_batch(engine: Any, session_id: str, plan: WritePlan,
-               outcome: concurrent.futures.Future[None]) -> None:
-    """Helper-thread body: submit `plan` as one async batch and wait for it; report to `outcome`."""
+def _set_mooncake_environment(config: TransportConfig) -> None:
+    """Mooncake's settings, before its engine starts; a value already in the environment wins."""
+    # Mooncake's own transfer timeout must fire before the caller's deadline, so a write the caller
+    # gave up on can never land later in pages the decode server has freed and handed to another
+    # request.
+    os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(5, int(config.transfer_timeout_s * 0.8))))
+    # Mooncake logs a line per transfer at INFO: keep its warnings and errors unless we debug
+    # (per-transfer numbers are in the worker's metrics).
+    os.environ.setdefault("MC_LOG_LEVEL", "INFO" if logger.isEnabledFor(logging.DEBUG) else "WARNING")
+
+
+def _run_batch(engine: Any, session_id: str, plan: WritePlan, write: concurrent.futures.Future[TransferStats],
+               start: float) -> None:
+    """Helper-thread body: submit `plan` as one async batch, wait for it, settle `write` (its
+    seconds count from `start`, the `perf_counter` of the call that asked for it)."""
     try:
         batch_id = engine.batch_transfer_async_write(
             session_id, list(plan.src_addrs), list(plan.dst_addrs), list(plan.lengths))
@@ -88,13 +105,18 @@ def _run_batch(engine: Any, session_id: str, plan: WritePlan,
                 f"Mooncake write of {plan.num_bytes} bytes to {session_id} failed (status {status}):"
                 f" destination not registered on the peer, peer gone, or Mooncake's timeout hit")
     except KVTransferError as exc:
-        outcome.set_exception(exc)
+        logger.warning("KV write to %s failed: %s", session_id, exc)
+        write.set_exception(exc)
     except Exception as exc:  # noqa: BLE001 - any failure must reach the waiting caller
         error = KVTransferError(f"Mooncake raised {exc!r} writing to {session_id}")
         error.__cause__ = exc
-        outcome.set_exception(error)
+        logger.warning("KV write to %s failed: %s", session_id, error)
+        write.set_exception(error)
     else:
-        outcome.set_result(None)
+        seconds = time.perf_counter() - start
+        logger.debug("wrote %d bytes in %d runs to %s in %.3f ms",
+                      plan.num_bytes, plan.num_writes, session_id, seconds * 1e3)
+        write.set_result(TransferStats(num_bytes=plan.num_bytes, seconds=seconds, num_writes=plan.num_writes))
 
 
 @register_transport("mooncake")
@@ -108,6 +130,7 @@ class MooncakeTransport(KVTransport):
 
     def __init__(self, config: TransportConfig) -> None:
         engine_class = load_transfer_engine_class()
+        _set_mooncake_environment(config)
         bind_address = resolve_bind_address(config.hostname)
         listening: contextlib.AbstractContextManager[None]
         if bind_address is None:
@@ -154,34 +177,23 @@ class MooncakeTransport(KVTransport):
         logger.info("Mooncake KV transport %s registered %d bytes at %#x",
                     self._session_id, region.num_bytes, region.base_addr)
 
-    def write_pages(self, src_base_addr: int, src_page_ids: Sequence[int], dst: RemotePages,
-                    timeout_s: float) -> TransferStats:
-        check_timeout(timeout_s)
-        engine = self._live_engine()
-        plan = plan_page_writes(src_base_addr, src_page_ids, dst)
-        self._regions.require(plan.src_addrs, plan.lengths, "source")
-        if plan.num_writes == 0:
-            return TransferStats(num_bytes=0, seconds=0.0, num_writes=0)
-        start = time.perf_counter()
-        outcome: concurrent.futures.Future[None] = concurrent.futures.Future()
-        helper = threading.Thread(target=_run_batch, args=(engine, dst.session_id, plan, outcome),
-                                  name=f"kv-write-{dst.session_id}", daemon=True)
-        helper.start()
+    def write_pages(self, src_base_addr: int, src_page_ids: Sequence[int],
+                    dst: RemotePages) -> concurrent.futures.Future[TransferStats]:
+        write: concurrent.futures.Future[TransferStats] = concurrent.futures.Future()
+        write.set_running_or_notify_cancel()   # so a caller that stops waiting cannot cancel it
         try:
-            outcome.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            logger.warning("KV write of %d bytes to %s timed out after %.3f s",
-                           plan.num_bytes, dst.session_id, timeout_s)
-            raise KVTransferTimeout(
-                f"write of {plan.num_bytes} bytes ({plan.num_writes} runs) to {dst.session_id} did "
-                f"not complete within {timeout_s} s") from None
+            engine = self._live_engine()
+            plan = plan_page_writes(src_base_addr, src_page_ids, dst)
+            self._regions.require(plan.src_addrs, plan.lengths, "source")
         except KVTransferError as exc:
-            logger.warning("KV write to %s failed: %s", dst.session_id, exc)
-            raise
-        seconds = time.perf_counter() - start
-        logger.debug("wrote %d bytes in %d runs to %s in %.3f ms",
-                      plan.num_bytes, plan.num_writes, dst.session_id, seconds * 1e3)
-        return TransferStats(num_bytes=plan.num_bytes, seconds=seconds, num_writes=plan.num_writes)
+            write.set_exception(exc)
+            return write
+        if plan.num_writes == 0:
+            write.set_result(TransferStats(num_bytes=0, seconds=0.0, num_writes=0))
+            return write
+        threading.Thread(target=_run_batch, args=(engine, dst.session_id, plan, write, time.perf_counter()),
+                         name=f"kv-write-{dst.session_id}", daemon=True).start()
+        return write
 
     def close(self) -> None:
         """Unregister memory, so peers' late writes are rejected, and drop the engine; helpers

@@ -337,10 +337,12 @@ def _gateway(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from decode_server.servicer import add_decode_servicer
+    from decode_server.servicer import DECODE
     from kv_transfer import TransportConfig
-    from prefill_server.servicer import add_prefill_servicer
-    from server_runtime.worker import WorkerConfig, serve_worker
+    from prefill_server.embedding_servicer import EMBEDDING
+    from prefill_server.servicer import PREFILL
+    from server_runtime.context import WorkerConfig
+    from server_runtime.worker import serve_worker
 
     credentials = credentials_from_args(args)
     check_open_plane(credentials, [args.host], args.insecure, f"{args.command} worker bind address")
@@ -353,16 +355,15 @@ def _worker(args: argparse.Namespace) -> int:
         role=args.command, model_path=args.model_path or default_model_path(), host=args.host, port=args.port,
         engine=_engine_config(args),
         transport=TransportConfig(backend=args.kv_transport, hostname=kv_host, protocol=args.kv_protocol,
-                                  device_name=args.kv_device),
+                                  device_name=args.kv_device, transfer_timeout_s=args.transfer_timeout),
         torch_threads=args.torch_threads or default_torch_threads(2),
-        reservation_ttl_s=args.reservation_ttl, transfer_timeout_s=args.transfer_timeout,
-        write_grace_s=args.kv_write_grace, is_embedding=is_embedding,
+        reservation_ttl_s=args.reservation_ttl, write_grace_s=args.kv_write_grace, is_embedding=is_embedding,
         metrics_port=_metrics_port(args.metrics_port, args.port), credentials=credentials,
         kv_grant_secret=grant_secret,
         weights_dirs=tuple(os.path.abspath(d) for d in args.weights_dir or ()),
         grammar_compile_timeout_s=args.grammar_compile_timeout, drain_timeout_s=args.drain_timeout)
-    add_servicer = add_prefill_servicer if args.command == "prefill" else add_decode_servicer
-    asyncio.run(serve_worker(config, add_servicer))
+    kind = EMBEDDING if is_embedding else PREFILL if args.command == "prefill" else DECODE
+    asyncio.run(serve_worker(config, kind))
     return 0
 
 

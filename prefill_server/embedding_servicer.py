@@ -1,7 +1,7 @@
 """PrefillService as a worker started with --is-embedding answers it: Embed.
 
 Such a worker has no engine and no KV, so `Prefill` is refused with FAILED_PRECONDITION. Its
-WorkerService is `server_runtime.common_rpcs.WorkerInfoServicer`.
+WorkerService is `server_runtime.common_rpcs.WorkerInfoServicer`; `EMBEDDING` is its worker kind.
 """
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ import logging
 import grpc
 
 from engine.errors import EngineError
+from server_runtime.common_rpcs import add_worker_info_servicer
 from server_runtime.embedding import EmbeddingContext
 from server_runtime.errors import abort_with
+from server_runtime.worker import WorkerKind, start_embedding_worker
 from tandem.request_log import bind_request_id
 from tandem.v1 import prefill_pb2, prefill_pb2_grpc
 
@@ -42,3 +44,12 @@ class EmbeddingServicer(prefill_pb2_grpc.PrefillServiceServicer):
                       ) -> prefill_pb2.PrefillResponse:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                             "this worker serves an embedding model (--is-embedding): it answers Embed, not Prefill")
+
+
+def add_embedding_servicer(server: grpc.aio.Server, ctx: EmbeddingContext) -> str:
+    """Register an embedding worker's PrefillService; returns the service's full name."""
+    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(EmbeddingServicer(ctx), server)
+    return prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
+
+
+EMBEDDING = WorkerKind("embedding", start_embedding_worker, (add_embedding_servicer, add_worker_info_servicer))

@@ -12,13 +12,13 @@ from engine.errors import EngineError, InvalidRequestError, RequestAbortedError
 from engine.page_allocator import pages_needed
 from engine.request import FinishReason, Request
 from kv_transfer import KVTransferError, RemotePages
-from prefill_server.embedding_servicer import EmbeddingServicer
-from server_runtime.convert import (check_layout_matches, prompt_logprobs_to_proto, sampling_from_proto,
-                                    token_to_proto)
+from server_runtime.common_rpcs import add_worker_servicer
+from server_runtime.context import WorkerContext
+from server_runtime.convert import check_layout_matches, prompt_logprobs_to_proto, sampling_from_proto, token_to_proto
+from server_runtime.engine_loop import write_pages
 from server_runtime.errors import RequestFailedError, abort_with
 from server_runtime.kv_grants import GrantChecker, GrantError, grant_key
-from server_runtime.embedding import EmbeddingContext
-from server_runtime.worker import WorkerContext
+from server_runtime.worker import WorkerKind, start_engine_worker
 from tandem.request_log import bind_request_id
 from tandem.v1 import prefill_pb2, prefill_pb2_grpc
 
@@ -68,9 +68,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return prefill_pb2.CancelPrefillResponse(was_running=True)
 
     async def _prefill(self, request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
-        rid = request.request_id
-        target = request.kv_target
-        layout = self.ctx.engine.runner.layout
+        rid, target, layout = request.request_id, request.kv_target, self.ctx.facts.layout
         check_layout_matches(layout, target.layout)
         num_pages = pages_needed(len(request.token_ids), layout.page_size)
         if len(target.page_ids) < num_pages:
@@ -83,9 +81,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         req = Request(rid, list(request.token_ids), sampling, is_prefill_only=True,
                       prompt_logprob_start=(request.logprob_start_len if request.HasField("logprob_start_len")
                                             else None))
-        timeout_s = (request.transfer_timeout_ms / 1000 if request.HasField("transfer_timeout_ms")
-                     else self.ctx.config.transfer_timeout_s)
-        transfer: asyncio.Future | None = None
+        transfer: asyncio.Task | None = None
         try:
             sink = await self.ctx.loop.submit(req)   # inside the try: a cancel right after still cleans up
             output = await sink.get()
@@ -99,9 +95,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             src_pages = (await self.ctx.loop.call(lambda engine: engine.held_pages(rid)))[:num_pages]
             dst = RemotePages(target.session_id, target.base_addr, layout.page_bytes,
                               tuple(target.page_ids[:num_pages]))
-            transfer = asyncio.get_running_loop().run_in_executor(
-                None, self.ctx.transport.write_pages, self.ctx.engine.runner.kv_pool.base_addr, src_pages, dst,
-                timeout_s)
+            transfer = asyncio.ensure_future(write_pages(self.ctx.transport, self.ctx.facts.pool_base_addr, src_pages,
+                                                         dst, self._transfer_timeout_s(request)))
             stats = await asyncio.shield(transfer)
         finally:
             if transfer is not None and not transfer.done():
@@ -122,6 +117,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             weights_id=output.weights_id,
         )
 
+    def _transfer_timeout_s(self, request: prefill_pb2.PrefillRequest) -> float:
+        """The request's own deadline for its KV write, else --transfer-timeout."""
+        if request.HasField("transfer_timeout_ms"):
+            return request.transfer_timeout_ms / 1000
+        return self.ctx.config.transport.transfer_timeout_s
+
     async def Embed(self, request: prefill_pb2.EmbedRequest, context: grpc.aio.ServicerContext
                     ) -> prefill_pb2.EmbedResponse:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -129,8 +130,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                             "--is-embedding")
 
 
-def add_prefill_servicer(server: grpc.aio.Server, ctx: WorkerContext | EmbeddingContext) -> str:
-    """Register PrefillService: `EmbeddingServicer` for an embedding worker, else `PrefillServicer`."""
-    servicer = EmbeddingServicer(ctx) if isinstance(ctx, EmbeddingContext) else PrefillServicer(ctx)
-    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
+def add_prefill_servicer(server: grpc.aio.Server, ctx: WorkerContext) -> str:
+    """Register a generation worker's PrefillService; returns the service's full name."""
+    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(ctx), server)
     return prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
+
+
+PREFILL = WorkerKind("prefill", start_engine_worker, (add_prefill_servicer, add_worker_servicer))

@@ -1,16 +1,17 @@
-"""WorkerService: the RPCs every worker answers the same way, whatever its role.
+"""WorkerService: the RPCs every worker answers, whatever its kind.
 
-`WorkerInfoServicer` (GetModelInfo, GetLoad; Abort finds nothing) is what an embedding worker answers;
+`WorkerInfoServicer` (GetModelInfo, GetLoad; Abort finds nothing) is an embedding worker's;
 `WorkerServicer` is an engine worker's: Abort, FlushCache, UpdateWeights and the expert distribution
-record too. `serve_worker` registers the right one (`add_worker_servicer`) next to the role's own service.
+record too. Each worker kind registers its own (`add_worker_info_servicer`, `add_worker_servicer`)
+next to its role's service.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-from typing import TYPE_CHECKING, Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 
@@ -18,18 +19,22 @@ from engine.config import ConfigError
 from engine.errors import EngineError, InvalidRequestError
 from engine.moe import ExpertRecorder
 from engine.weights import open_checkpoint
-
-from server_runtime.convert import expert_distribution_to_proto
-from server_runtime.errors import abort_with
+from server_runtime.context import WorkerContext
+from server_runtime.convert import (
+    embedding_model_info_to_proto,
+    expert_distribution_to_proto,
+    load_to_proto,
+    model_info_to_proto,
+)
 from server_runtime.embedding import EmbeddingContext
+from server_runtime.errors import abort_with
 from tandem.request_log import bind_request_id
 from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
-if TYPE_CHECKING:   # worker.py registers these servicers, so it cannot be imported from here
-    from server_runtime.worker import WorkerContext
-
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
+
+_SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
 
 def _not_found(path: str) -> str:
@@ -47,29 +52,40 @@ def is_within(path: str, directory: str) -> bool:
 
 
 class WorkerInfoServicer(worker_pb2_grpc.WorkerServiceServicer):
-    """GetModelInfo and GetLoad, from any context with `model_info()` and `load()`. Abort finds
-    nothing: such a worker holds nothing between calls."""
+    """An embedding worker's WorkerService: GetModelInfo and GetLoad. Abort finds nothing: such a
+    worker holds nothing between calls."""
 
-    def __init__(self, ctx) -> None:
+    def __init__(self, ctx: EmbeddingContext) -> None:
         self.ctx = ctx
 
     async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
                            ) -> common_pb2.GetModelInfoResponse:
-        return self.ctx.model_info()
+        return embedding_model_info_to_proto(self.ctx.info, self.ctx.config.model_path, self.ctx.version)
 
     async def GetLoad(self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
                       ) -> common_pb2.GetLoadResponse:
-        return await self.ctx.load()
+        return load_to_proto(self.ctx.stats())
 
     async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> common_pb2.AbortResponse:
         return common_pb2.AbortResponse(found=False)
 
 
-class WorkerServicer(WorkerInfoServicer):
-    """The engine worker's WorkerService; `ctx` is a `WorkerContext`."""
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    """An engine worker's WorkerService. Start-up facts come from `ctx.facts`, live numbers and
+    every change from the engine thread (`ctx.loop`)."""
 
-    ctx: WorkerContext
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+
+    async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+                           ) -> common_pb2.GetModelInfoResponse:
+        ctx = self.ctx
+        return model_info_to_proto(ctx.facts, ctx.config.model_path, ctx.config.role, ctx.version, ctx.weights_id)
+
+    async def GetLoad(self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+                      ) -> common_pb2.GetLoadResponse:
+        return load_to_proto(await self.ctx.stats())
 
     async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> common_pb2.AbortResponse:
@@ -94,24 +110,23 @@ class WorkerServicer(WorkerInfoServicer):
         if not any(is_within(path, directory) for directory in self.ctx.weights_dirs):
             # SGLang's answer for a missing model, whether or not the path exists: the RPC cannot probe files.
             logger.warning("refused to load weights from %r: outside --weights-dir %s", path, self.ctx.weights_dirs)
-            return common_pb2.UpdateWeightsResponse(
-                success=False, message=_not_found(path), weights_id=self.ctx.engine.weights_id)
+            return self._failed(_not_found(path))
         try:
-            checkpoint = await asyncio.to_thread(open_checkpoint, path)
+            checkpoint = await self.ctx.loop.work.run(open_checkpoint, path)
         except FileNotFoundError:
-            return common_pb2.UpdateWeightsResponse(
-                success=False, message=_not_found(path),
-                weights_id=self.ctx.engine.weights_id)
+            return self._failed(_not_found(path))
         except (ConfigError, ValueError, OSError) as exc:
-            return common_pb2.UpdateWeightsResponse(success=False, message=f"Failed to open {path}: {exc}",
-                                                    weights_id=self.ctx.engine.weights_id)
+            return self._failed(f"Failed to open {path}: {exc}")
         try:
-            weights_id = await self.ctx.loop.update_weights(checkpoint)
+            self.ctx.weights_id = await self.ctx.loop.update_weights(checkpoint)
         except InvalidRequestError as exc:
-            return common_pb2.UpdateWeightsResponse(success=False, message=str(exc),
-                                                    weights_id=self.ctx.engine.weights_id)
+            return self._failed(str(exc))
         return common_pb2.UpdateWeightsResponse(success=True, message="Succeeded to update model weights.",
-                                                weights_id=weights_id)
+                                                weights_id=self.ctx.weights_id)
+
+    def _failed(self, message: str) -> common_pb2.UpdateWeightsResponse:
+        """No update: the weights served are still `ctx.weights_id`."""
+        return common_pb2.UpdateWeightsResponse(success=False, message=message, weights_id=self.ctx.weights_id)
 
     # The expert counts live in the model runner and are touched only on the engine thread.
 
@@ -140,8 +155,13 @@ class WorkerServicer(WorkerInfoServicer):
             await abort_with(context, exc)
 
 
-def add_worker_servicer(server: grpc.aio.Server, ctx: WorkerContext | EmbeddingContext) -> str:
-    """Register WorkerService; returns the service's full name."""
-    servicer = WorkerInfoServicer(ctx) if isinstance(ctx, EmbeddingContext) else WorkerServicer(ctx)
-    worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
-    return worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
+def add_worker_servicer(server: grpc.aio.Server, ctx: WorkerContext) -> str:
+    """Register an engine worker's WorkerService; returns the service's full name."""
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(ctx), server)
+    return _SERVICE_NAME
+
+
+def add_worker_info_servicer(server: grpc.aio.Server, ctx: EmbeddingContext) -> str:
+    """Register an embedding worker's WorkerService; returns the service's full name."""
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerInfoServicer(ctx), server)
+    return _SERVICE_NAME

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from engine.embedder import EmbeddingModelInfo
 from engine.errors import InvalidRequestError
 from engine.grammar_spec import GrammarKind, GrammarSpec
 from engine.kv_pool import KVLayout
 from engine.moe import ExpertDistribution
 from engine.request import FinishReason, PromptLogprobs, SamplingParams, StepOutput
+from engine.stats import EngineStats
+from server_runtime.context import EngineFacts
 from tandem.v1 import common_pb2
-
-DEFAULT_MAX_NEW_TOKENS = 128
 
 _FINISH_TO_PROTO = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
@@ -26,26 +27,19 @@ def role_to_proto(role: str) -> int:
     return _ROLE_TO_PROTO[role]
 
 
+# The `optional` scalars of tandem.v1.SamplingParams: each is passed on only when set, so that an unset
+# one takes SamplingParams' default (the defaults live there alone).
+_OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_new_tokens", "ignore_eos",
+                    "min_new_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                    "top_logprobs_num")
+
+
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Apply defaults for unset fields; invalid values raise InvalidRequestError."""
+    """The fields that are set, over SamplingParams' defaults; invalid values raise InvalidRequestError."""
     return SamplingParams(
-        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
-        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
-        top_k=msg.top_k if msg.HasField("top_k") else 0,
-        min_p=msg.min_p if msg.HasField("min_p") else 0.0,
-        seed=msg.seed if msg.HasField("seed") else None,
-        max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS,
-        stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos if msg.HasField("ignore_eos") else False,
-        min_new_tokens=msg.min_new_tokens if msg.HasField("min_new_tokens") else 0,
-        presence_penalty=msg.presence_penalty if msg.HasField("presence_penalty") else 0.0,
-        frequency_penalty=msg.frequency_penalty if msg.HasField("frequency_penalty") else 0.0,
-        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
-        logit_bias=tuple(sorted(msg.logit_bias.items())),
-        top_logprobs_num=msg.top_logprobs_num if msg.HasField("top_logprobs_num") else 0,
-        token_ids_logprob=tuple(msg.token_ids_logprob),
-        grammar=_grammar_from_proto(msg),
-    )
+        **{name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)},
+        stop_token_ids=tuple(msg.stop_token_ids), logit_bias=tuple(sorted(msg.logit_bias.items())),
+        token_ids_logprob=tuple(msg.token_ids_logprob), grammar=_grammar_from_proto(msg))
 
 
 def _grammar_from_proto(msg: common_pb2.SamplingParams) -> GrammarSpec | None:
@@ -94,6 +88,31 @@ def _token_output(token_id: int, logprob: float, top: tuple[tuple[int, float], .
         token_id=token_id, logprob=logprob,
         top_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in top],
         token_ids_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in requested])
+
+
+def model_info_to_proto(facts: EngineFacts, model_path: str, role: str, version: str,
+                        weights_id: str) -> common_pb2.GetModelInfoResponse:
+    """An engine worker's GetModelInfo answer."""
+    return common_pb2.GetModelInfoResponse(
+        model_path=model_path, architecture=facts.architecture, context_len=facts.context_len,
+        vocab_size=facts.vocab_size, eos_token_ids=list(facts.eos_token_ids), kv_layout=layout_to_proto(facts.layout),
+        num_pages=facts.num_pages, role=role_to_proto(role), version=version, weights_id=weights_id)
+
+
+def embedding_model_info_to_proto(info: EmbeddingModelInfo, model_path: str,
+                                  version: str) -> common_pb2.GetModelInfoResponse:
+    """An embedding worker's GetModelInfo answer: a prefill role, no KV."""
+    return common_pb2.GetModelInfoResponse(
+        model_path=model_path, architecture=info.architecture, context_len=info.context_len,
+        vocab_size=info.vocab_size, role=common_pb2.WORKER_ROLE_PREFILL, version=version, is_embedding=True,
+        embedding_dim=info.embedding_dim, is_matryoshka=info.is_matryoshka,
+        matryoshka_dimensions=list(info.matryoshka_dimensions))
+
+
+def load_to_proto(stats: EngineStats) -> common_pb2.GetLoadResponse:
+    return common_pb2.GetLoadResponse(
+        num_running=stats.num_running, num_waiting=stats.num_waiting, num_free_pages=stats.num_free_pages,
+        num_total_pages=stats.num_total_pages, num_cached_pages=stats.num_cached_pages)
 
 
 def expert_distribution_to_proto(record: ExpertDistribution) -> common_pb2.DumpExpertDistributionRecordResponse:

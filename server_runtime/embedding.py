@@ -1,26 +1,24 @@
-"""The runtime of a prefill worker started with --is-embedding: an `Embedder` and the one thread it runs on.
+"""The runtime of a prefill worker started with --is-embedding: an `Embedder` on one lane of the
+process's `BlockingWork`.
 
 An embedding worker has no `Engine`, KV pool or KV transport: each `Embed` call is one batch,
 computed start to finish. The embedder is single-threaded, so calls run one after another on a
-one-thread executor owned here (the embedding counterpart of `EngineLoop`'s thread); the gRPC
-event loop only waits on them.
+`Lane` (the embedding counterpart of `EngineLoop`'s thread); the gRPC event loop only waits on them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from engine.embedder import Embedder, load_embedder
-from tandem.v1 import common_pb2
-
-if TYPE_CHECKING:   # worker.py imports this module; the config type is all that is needed back
-    from server_runtime.worker import WorkerConfig
+from engine.embedder import Embedder, EmbeddingModelInfo, load_embedder
+from engine.stats import EngineStats
+from server_runtime.context import WorkerConfig
+from server_runtime.engine_loop import BlockingWork, Lane
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,19 +31,29 @@ class EmbedResult:
 
 @dataclass(slots=True)
 class EmbeddingContext:
-    """What the embedding servicer gets: the config, the embedder and the thread it runs on."""
+    """What the embedding servicers get: the config, the embedder's model info, and `embed`, which
+    runs the embedder on its lane of `work` (owned here: `close` ends it)."""
 
     config: WorkerConfig
     embedder: Embedder
+    work: BlockingWork
     version: str
-    _executor: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedder"))
-    _num_in_flight: int = 0   # Embed calls running or queued for the thread
+    info: EmbeddingModelInfo = field(init=False)
+    _lane: Lane = field(init=False)
+    _num_in_flight: int = 0   # Embed calls running or queued for the lane
+
+    def __post_init__(self) -> None:
+        self.info = self.embedder.info
+        self._lane = self.work.lane()
+
+    @property
+    def description(self) -> str:
+        return "no KV transport: embeddings only"
 
     async def embed(self, token_lists: Sequence[Sequence[int]], dimensions: int | None) -> EmbedResult:
-        """Embed one batch on the embedder thread; raises the embedder's `InvalidRequestError`s.
+        """Embed one batch on the embedder's lane; raises the embedder's `InvalidRequestError`s.
 
-        A cancelled caller stops waiting, but a batch already running finishes on the thread.
+        A cancelled caller stops waiting, but a batch already running finishes on its thread.
         """
         submitted = time.perf_counter()
         started = submitted
@@ -57,30 +65,29 @@ class EmbeddingContext:
 
         self._num_in_flight += 1
         try:
-            vectors = await asyncio.get_running_loop().run_in_executor(self._executor, run)
+            vectors = await self._lane.run(run)
         finally:
             self._num_in_flight -= 1
         done = time.perf_counter()
         return EmbedResult(vectors, sum(len(t) for t in token_lists), (started - submitted) * 1000,
                            (done - started) * 1000)
 
-    def model_info(self) -> common_pb2.GetModelInfoResponse:
-        info = self.embedder.info
-        return common_pb2.GetModelInfoResponse(
-            model_path=self.config.model_path, architecture=info.architecture, context_len=info.context_len,
-            vocab_size=info.vocab_size, role=common_pb2.WORKER_ROLE_PREFILL, version=self.version, is_embedding=True,
-            embedding_dim=info.embedding_dim, is_matryoshka=info.is_matryoshka,
-            matryoshka_dimensions=list(info.matryoshka_dimensions))
-
-    async def load(self) -> common_pb2.GetLoadResponse:
-        """Calls in flight: one running (on the thread), the rest waiting for it."""
+    def stats(self) -> EngineStats:
+        """Calls in flight: one running (on the lane), the rest waiting for it; no pages."""
         num_running = min(self._num_in_flight, 1)
-        return common_pb2.GetLoadResponse(num_running=num_running, num_waiting=self._num_in_flight - num_running)
+        return EngineStats(num_running=num_running, num_waiting=self._num_in_flight - num_running, num_free_pages=0,
+                           num_total_pages=0, num_cached_pages=0, num_preemptions=0)
+
+    async def drain(self, deadline: float, stop: asyncio.Event) -> bool:
+        """Nothing to wait for here: the gRPC server's grace covers the Embed calls in flight."""
+        return True
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self.work.close()
 
 
 def start_embedding(config: WorkerConfig, version: str) -> EmbeddingContext:
-    """Load the embedding model named by `config` (the caller has set torch's thread count)."""
-    return EmbeddingContext(config, load_embedder(config.model_path, config.engine), version)
+    """Load the embedding model named by `config` (the caller has set torch's thread count). Call
+    from the event loop the worker serves on."""
+    embedder = load_embedder(config.model_path, config.engine)
+    return EmbeddingContext(config, embedder, BlockingWork(asyncio.get_running_loop()), version)

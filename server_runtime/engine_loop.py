@@ -1,41 +1,127 @@
-"""The one place where threads meet asyncio: an engine thread driven from a gRPC event loop.
+"""The one place where threads meet asyncio: an engine thread driven from a gRPC event loop, and
+one executor for the other blocking work (`BlockingWork`).
 
 The engine thread owns the `Engine` (which is single-threaded by contract). Coroutines send it
 commands with `call()`; per-request `StepOutput`s come back through an asyncio.Queue opened with
 `submit()` / `admit()`. A command or step that raises never kills the thread: commands return
 the exception to their caller, a failing step aborts the requests it held.
+
+Blocking calls that are not the engine's (opening a checkpoint, compiling a grammar, the
+embedder's batches) run on `BlockingWork`'s executor; what they produce for the engine enters it
+through `call()`. A KV write runs on the transport's own terms and is awaited with `write_pages`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.grammar_spec import GrammarSpec
 from engine.request import FinishReason, Request, SamplingParams, StepOutput
+from kv_transfer import KVTransferTimeout, KVTransport, RemotePages, TransferStats, check_timeout
 from server_runtime.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _EXPIRY_INTERVAL_S = 0.25
+_BLOCKING_THREADS = 4   # a grammar compile, an embedder batch and checkpoint opens at once, with room
+
+
+class BlockingWork:
+    """A process's one executor for blocking calls off the event loop. Threads start as needed.
+
+    `run` takes any free thread; a `Lane` runs its calls one at a time. Calls already running when
+    the caller stops waiting (cancelled, timed out) run to their end.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._executor = concurrent.futures.ThreadPoolExecutor(_BLOCKING_THREADS, thread_name_prefix="blocking")
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Start `fn(*args)` on the executor; the returned future is the event loop's."""
+        return self._loop.run_in_executor(self._executor, fn, *args)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the executor; returns its result or raises its exception."""
+        return await self.submit(fn, *args)
+
+    def lane(self) -> Lane:
+        return Lane(self)
+
+    def close(self) -> None:
+        """Drop queued calls and stop taking new ones; calls already running end on their own."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class Lane:
+    """Calls on `BlockingWork`, one at a time, in arrival order: for work that is single-threaded
+    (the embedder) or that must not pile up (grammar compiles). A call whose caller stopped
+    waiting keeps the lane until it ends, so abandoned calls never overlap the next."""
+
+    def __init__(self, work: BlockingWork) -> None:
+        self._work = work
+        self._free = asyncio.Lock()
+
+    async def run(self, fn: Callable[..., T], *args: Any, timeout_s: float | None = None) -> T:
+        """`fn(*args)` once the lane is free. `timeout_s` bounds the call itself, not the wait for
+        the lane: past it, TimeoutError (the call goes on, holding the lane)."""
+        await self._free.acquire()
+        try:
+            call = self._work.submit(fn, *args)
+        except BaseException:
+            self._free.release()
+            raise
+        call.add_done_callback(self._release)
+        return await asyncio.wait_for(asyncio.shield(call), timeout_s)
+
+    def _release(self, call: asyncio.Future) -> None:
+        self._free.release()
+        if not call.cancelled():
+            call.exception()   # collected here: a caller that stopped waiting has had its answer
+
+
+async def write_pages(transport: KVTransport, src_base_addr: int, src_page_ids: Sequence[int], dst: RemotePages,
+                      timeout_s: float) -> TransferStats:
+    """One KV write (`KVTransport.write_pages`), awaited up to `timeout_s`: its stats, its
+    KVTransferError, or KVTransferTimeout past the deadline (the write may go on: the destination
+    pages are then undefined; see `KVTransport`). A caller cancelled while waiting leaves the
+    write running."""
+    check_timeout(timeout_s)
+    write = transport.write_pages(src_base_addr, src_page_ids, dst)
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(write), timeout_s)
+    except TimeoutError:
+        num_bytes = len(dst.page_ids) * dst.page_bytes
+        logger.warning("KV write of %d bytes to %s timed out after %.3f s", num_bytes, dst.session_id, timeout_s)
+        raise KVTransferTimeout(f"write of {num_bytes} bytes to {dst.session_id} did not complete within "
+                                f"{timeout_s} s") from None
 
 
 class EngineLoop:
+    """The engine thread and the process's `BlockingWork` (`work`), owned together: `start()`
+    starts the thread, `stop()` ends both. Only the engine thread touches `engine` once started."""
+
     def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, metrics: WorkerMetrics | None = None) -> None:
         self.engine = engine
         self.metrics = metrics or WorkerMetrics("unknown")   # steps and pool state: written on the engine thread
+        self.work = BlockingWork(loop)
         self._loop = loop
-        self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future]] = queue.SimpleQueue()
+        # (command, future for its result); None: nobody waits for it
+        self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future | None]] = queue.SimpleQueue()
         self._sinks: dict[str, asyncio.Queue] = {}   # touched only on the engine thread
         self._stopped = threading.Event()
-        self._grammar_lock = asyncio.Lock()
+        self._grammar = engine.grammar   # its load and compile may run off the engine thread
+        self._grammar_lane = self.work.lane()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.num_steps = 0
 
@@ -46,6 +132,7 @@ class EngineLoop:
         self._stopped.set()
         self._commands.put((lambda engine: None, None))
         self._thread.join(timeout_s)
+        self.work.close()
 
     # ---- asyncio side --------------------------------------------------------------------
 
@@ -56,26 +143,24 @@ class EngineLoop:
         return await future
 
     async def prepare_grammar(self, spec: GrammarSpec, timeout_s: float) -> None:
-        """Compile a request's grammar on a worker thread, one at a time, so the engine thread never
-        stalls on it (the first one also loads the tokenizer's vocabulary, which is not timed).
+        """Compile a request's grammar on the grammar lane of `work` (the first one also loads the
+        tokenizer's vocabulary, which is not timed) and hand it to the engine's cache through the
+        engine thread, so the engine thread never stalls on it. A grammar already cached is not
+        compiled again.
 
         A compile that takes over `timeout_s` raises InvalidRequestError. Its thread cannot be
-        stopped: it keeps the compile lock until it ends, so abandoned compiles never pile up.
+        stopped: it keeps the lane until it ends, so abandoned compiles never pile up.
         """
-        await self._grammar_lock.acquire()
+        if await self.call(lambda engine: engine.grammar.lookup(spec) is not None):
+            return
+        await self._grammar_lane.run(self._grammar.load)
         try:
-            await asyncio.to_thread(self.engine.grammar.load)
-            compiling = asyncio.ensure_future(asyncio.to_thread(self.engine.grammar.prepare, spec))
-        except BaseException:
-            self._grammar_lock.release()
-            raise
-        compiling.add_done_callback(lambda _: self._grammar_lock.release())
-        try:
-            await asyncio.wait_for(asyncio.shield(compiling), timeout_s)
+            compiled = await self._grammar_lane.run(self._grammar.compile, spec, timeout_s=timeout_s)
         except TimeoutError:
-            compiling.add_done_callback(_drop_result)
             raise InvalidRequestError(f"the {spec.kind.value} is too complex: compiling it took over {timeout_s:g} s "
                                       "(--grammar-compile-timeout)") from None
+        # Not awaited: commands run in order, so the request this grammar is for, submitted next, finds it.
+        self._commands.put((lambda engine: engine.grammar.store(spec, compiled), None))
 
     async def submit(self, req: Request) -> asyncio.Queue:
         """Queue a prompt; its outputs arrive on the returned queue."""
@@ -138,7 +223,8 @@ class EngineLoop:
             now = time.monotonic()
             if now >= next_expiry:
                 self.engine.expire_reservations(now)
-                self.metrics.observe_engine(self.engine)   # not every step: counting cached pages walks the cache
+                # not every step: counting cached pages walks the cache
+                self.metrics.observe_stats(self.engine.stats())
                 next_expiry = now + _EXPIRY_INTERVAL_S
             if self.engine.has_work:
                 self._step()
@@ -189,12 +275,6 @@ class EngineLoop:
         if output.finish_reason is not None or self.engine.is_awaiting_release(output.request_id):
             del self._sinks[output.request_id]
         self._loop.call_soon_threadsafe(sink.put_nowait, output)
-
-
-def _drop_result(future: asyncio.Future) -> None:
-    """Collect an abandoned compile's outcome (its error was answered as a timeout already)."""
-    if not future.cancelled():
-        future.exception()
 
 
 def _set_result(future: asyncio.Future, result: Any) -> None:

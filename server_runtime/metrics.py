@@ -19,10 +19,10 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import start_http_server
 
+from engine.stats import EngineStats
+
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
-
-    from engine.engine import Engine
 
 _STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 30.0)
@@ -72,16 +72,15 @@ class WorkerMetrics:
         if num_tokens:
             self.generation_tokens.inc(num_tokens)
 
-    def observe_engine(self, engine: Engine) -> None:
-        """Queue depths and KV pages, read on the engine thread (the only one that may touch `engine`)."""
-        num_total, num_free, num_cached = engine.allocator.num_pages, engine.allocator.num_free, engine.num_cached_pages
-        self.num_running.set(len(engine.scheduler.running))
-        self.num_waiting.set(len(engine.scheduler.waiting))
-        self.kv_pages_capacity.set(num_total)
-        self.kv_pages.labels("free").set(num_free)
-        self.kv_pages.labels("cached").set(num_cached)
-        self.kv_pages.labels("used").set(num_total - num_free - num_cached)
-        self.preemptions.set(engine.scheduler.num_preemptions)
+    def observe_stats(self, stats: EngineStats) -> None:
+        """Queue depths and KV pages from an `Engine.stats()` snapshot."""
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.kv_pages_capacity.set(stats.num_total_pages)
+        self.kv_pages.labels("free").set(stats.num_free_pages)
+        self.kv_pages.labels("cached").set(stats.num_cached_pages)
+        self.kv_pages.labels("used").set(stats.num_total_pages - stats.num_free_pages - stats.num_cached_pages)
+        self.preemptions.set(stats.num_preemptions)
 
     def record_prefill(self, num_prompt_tokens: int, num_cached_tokens: int, kv_bytes: int,
                        transfer_seconds: float) -> None:

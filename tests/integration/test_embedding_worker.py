@@ -1,34 +1,29 @@
-"""An embedding worker in-process: the real `EmbeddingServicer` on a gRPC port, a tiny random Qwen2 as the
-model, and the gateway's `WorkerPool` in front of it with no decode worker at all."""
+"""An embedding worker in-process (`build_worker` with the EMBEDDING kind): the real `EmbeddingServicer` on a
+gRPC port, a tiny random Qwen2 as the model, and the gateway's `WorkerPool` in front of it with no decode
+worker at all."""
 
 from __future__ import annotations
 
 import asyncio
-import socket
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.config import EngineConfig
+from gateway.cluster.client import WorkerClient
 from gateway.cluster.pool import WorkerPool
+from gateway.cluster.worker_records import FlushResult
+from gateway.errors import APIError
 from kv_transfer import TransportConfig
-from prefill_server.servicer import add_prefill_servicer
-from server_runtime.common_rpcs import add_worker_servicer
-from server_runtime.embedding import start_embedding
-from server_runtime.worker import WorkerConfig
-from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from prefill_server.embedding_servicer import EMBEDDING
+from server_runtime.context import WorkerConfig
+from server_runtime.worker import build_worker
+from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc, worker_pb2_grpc
 from tests.tiny_models import save_tiny_qwen2
 
 INPUTS = [[5, 17, 42, 99, 3], [7], list(range(1, 40)), [250, 0]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(model_path: Path, port: int) -> WorkerConfig:
@@ -48,37 +43,32 @@ def test_embed_over_grpc_with_a_pool_that_has_no_decode_worker(tmp_path: Path) -
 
 
 async def _scenario(model_path: Path) -> None:
-    port = _free_port()
-    ctx = start_embedding(_config(model_path, port), "test")
-    server = grpc.aio.server()
-    names = (add_prefill_servicer(server, ctx), add_worker_servicer(server, ctx))
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    pool = WorkerPool((f"127.0.0.1:{port}",), ())
+    running = await build_worker(_config(model_path, 0), EMBEDDING)   # port 0: any free one
+    ctx = running.context
+    pool = WorkerPool((running.address,), ())
     try:
-        assert names == ("tandem.v1.PrefillService", "tandem.v1.WorkerService")
+        assert running.service_names == ("tandem.v1.PrefillService", "tandem.v1.WorkerService")
         await pool.probe_all()
         assert pool.is_ready                            # ready with a prefill worker alone
         limits = pool.limits()
         assert limits.is_embedding and limits.embedding_dim == 64 and limits.context_len == 64
         assert not limits.is_matryoshka and limits.architecture == "Qwen2ForCausalLM"
-        stub: prefill_pb2_grpc.PrefillServiceStub = pool.pick("prefill").stub
-        await _check_embed(stub, ctx.embedder.embed(INPUTS))
-        await _check_refusals(stub)
-        control = pool.pick("prefill").control
-        load = await control.GetLoad(common_pb2.GetLoadRequest())
-        assert (load.num_running, load.num_waiting) == (0, 0)
-        assert not (await control.Abort(common_pb2.AbortRequest(request_id="r"))).found
-        with pytest.raises(grpc.aio.AioRpcError) as caught:       # no engine: nothing to flush
-            await control.FlushCache(common_pb2.FlushCacheRequest())
-        assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        expected = ctx.embedder.embed(INPUTS)
+        async with grpc.aio.insecure_channel(running.address) as channel:   # the servicer's own answers
+            stub = prefill_pb2_grpc.PrefillServiceStub(channel)
+            await _check_embed(stub, expected)
+            await _check_refusals(stub)
+            control = worker_pb2_grpc.WorkerServiceStub(channel)
+            load = await control.GetLoad(common_pb2.GetLoadRequest())
+            assert (load.num_running, load.num_waiting) == (0, 0)
+            assert not (await control.Abort(common_pb2.AbortRequest(request_id="r"))).found
+            with pytest.raises(grpc.aio.AioRpcError) as caught:       # no engine: nothing to flush
+                await control.FlushCache(common_pb2.FlushCacheRequest())
+            assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        await _check_client(pool.pick("prefill").client, expected)
     finally:
         await pool.close()
-        await server.stop(None)
-        ctx.close()
+        await running.close()
 
 
 async def _check_embed(stub: prefill_pb2_grpc.PrefillServiceStub, expected: torch.Tensor) -> None:
@@ -89,6 +79,20 @@ async def _check_embed(stub: prefill_pb2_grpc.PrefillServiceStub, expected: torc
         got = torch.tensor([list(e.values) for e in reply.embeddings])
         assert torch.equal(got, expected)
         assert reply.request_id == "r" and reply.num_tokens == sum(map(len, INPUTS)) and reply.compute_ms > 0
+
+
+async def _check_client(client: WorkerClient, expected: torch.Tensor) -> None:
+    """The gateway's typed client over the same worker: vectors, load, abort, flush, a refusal as a 400."""
+    embedded = await client.embed("typed", INPUTS, None, timeout_s=30)
+    assert torch.equal(torch.tensor(embedded.vectors), expected) and embedded.num_tokens == sum(map(len, INPUTS))
+    load = await client.load(timeout_s=5)
+    assert (load.num_running, load.num_waiting) == (0, 0)
+    assert not await client.abort("r", kv_write_settled=False, timeout_s=5)
+    assert await client.flush_cache(timeout_s=5) == FlushResult(True, "no cache")   # nothing to flush
+    with pytest.raises(APIError) as caught:
+        await client.embed("long", [list(range(65))], None, timeout_s=5)
+    assert (caught.value.status, caught.value.code) == (400, "context_length_exceeded")
+    assert "65 tokens" in caught.value.message
 
 
 async def _check_refusals(stub: prefill_pb2_grpc.PrefillServiceStub) -> None:

@@ -31,12 +31,19 @@ def engine(smollm2_path: Path) -> Engine:
 def test_a_compile_over_its_budget_is_refused_and_later_compiles_still_run(engine: Engine) -> None:
     async def scenario() -> tuple[float, str]:
         loop = EngineLoop(engine, asyncio.get_running_loop(), WorkerMetrics("decode", "m", "0"))
-        started = time.monotonic()
-        with pytest.raises(InvalidRequestError, match="too complex: compiling it took over 0.05 s") as refused:
-            await loop.prepare_grammar(SLOW, timeout_s=0.05)
-        waited = time.monotonic() - started
-        # the abandoned compile holds the lock until it ends; then the next one runs within its own budget
-        await loop.prepare_grammar(GrammarSpec(GrammarKind.REGEX, "(yes|no)"), timeout_s=60)
+        loop.start()   # a compiled grammar enters the engine through its thread
+        try:
+            started = time.monotonic()
+            with pytest.raises(InvalidRequestError, match="too complex: compiling it took over 0.05 s") as refused:
+                await loop.prepare_grammar(SLOW, timeout_s=0.05)
+            waited = time.monotonic() - started
+            # the abandoned compile holds the lane until it ends; then the next one runs within its own budget
+            quick = GrammarSpec(GrammarKind.REGEX, "(yes|no)")
+            await loop.prepare_grammar(quick, timeout_s=60)
+            assert await loop.call(lambda engine: engine.grammar.lookup(quick) is not None)
+            assert not await loop.call(lambda engine: engine.grammar.lookup(SLOW) is not None)
+        finally:
+            loop.stop()
         return waited, str(refused.value)
     waited, message = asyncio.run(scenario())
     assert waited < 1.0, waited

@@ -54,7 +54,7 @@ def test_decode_pages_hold_exactly_the_prefill_kv_and_decoding_continues(engines
     stats = prefill_transport.write_pages(
         prefill.runner.kv_pool.base_addr, src_pages,
         RemotePages(decode_transport.session_id, decode.runner.kv_pool.base_addr,
-                    decode.runner.layout.page_bytes, tuple(dst_pages)), timeout_s=10)
+                    decode.runner.layout.page_bytes, tuple(dst_pages))).result(timeout=10)
     prefill.release("h1")
 
     assert stats.num_bytes == 3 * prefill.runner.layout.page_bytes

@@ -124,7 +124,7 @@ def test_write_into_a_bound_peer_lands_and_opens_no_other_listener(
         sender.register(src_pool.data_ptr(), src_pool.numel() * src_pool.element_size())
         dst = RemotePages(session_id=session_id, base_addr=base_addr, page_bytes=page_bytes,
                           page_ids=tuple(ids))
-        stats = sender.write_pages(src_pool.data_ptr(), ids, dst, timeout_s=10.0)
+        stats = sender.write_pages(src_pool.data_ptr(), ids, dst).result(timeout=10.0)
     assert stats.num_bytes == src_pool.numel() * src_pool.element_size()
     assert _pool_digest(process) == hashlib.sha256(src_pool.numpy().tobytes()).hexdigest()
     assert listening_sockets(process.pid) == before

@@ -35,6 +35,8 @@ def test_default_config_is_mooncake_over_tcp_on_loopback() -> None:
     ({"hostname": "a b"}, "hostname"),
     ({"protocol": "udp"}, "protocol"),
     ({"protocol": "tcp", "device_name": "mlx5_0"}, "device_name"),
+    ({"transfer_timeout_s": 0}, "transfer_timeout_s"),
+    ({"transfer_timeout_s": float("inf")}, "transfer_timeout_s"),
 ])
 def test_invalid_config_raises_config_error(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

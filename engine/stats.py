@@ -1,0 +1,17 @@
+"""`EngineStats`: a snapshot of an engine's queues and page pool, taken on the engine thread."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Counts at one moment (`Engine.stats()`); a value, safe to hand to any thread."""
+
+    num_running: int  # requests in the running batch
+    num_waiting: int  # requests queued for prefill
+    num_free_pages: int
+    num_total_pages: int
+    num_cached_pages: int  # kept only by the prefix cache (reusable)
+    num_preemptions: int  # running requests paused for lack of pages, since start
