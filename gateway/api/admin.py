@@ -7,18 +7,19 @@ import asyncio
 import dataclasses
 import logging
 
-import grpc
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 import tandem
-from gateway.errors import APIError, public_message
-from gateway.service.generation import GenerationRequest
 from gateway.api.json_route import JSONRoute
-from gateway.state import GatewayState, gateway_state
 from gateway.cluster.pool import Worker
-from tandem.v1 import common_pb2, prefill_pb2
+from gateway.cluster.worker_errors import WorkerError
+from gateway.cluster.worker_records import FlushResult, UpdateResult
+from gateway.errors import APIError, public_message
+from gateway.records import SamplingOptions
+from gateway.service.generation import GenerationRequest
+from gateway.state import GatewayState, gateway_state
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +57,15 @@ async def _worker_info(worker: Worker) -> dict:
                      kv_pool_bytes=info.num_pages * info.kv_layout.page_bytes, kv_dtype=info.kv_layout.dtype,
                      weights_id=info.weights_id)
     try:
-        load = await worker.control.GetLoad(common_pb2.GetLoadRequest(), timeout=_INFO_TIMEOUT_S)
-    except grpc.aio.AioRpcError as exc:
-        entry["error"] = exc.details() or exc.code().name
+        load = await worker.client.load(timeout_s=_INFO_TIMEOUT_S)
+    except WorkerError as exc:
+        entry["error"] = exc.detail   # an admin view: the worker's own words
         return entry
+    num_unused = load.num_free_pages + load.num_cached_pages
     entry.update(num_running_reqs=load.num_running, num_waiting_reqs=load.num_waiting,
                  num_free_pages=load.num_free_pages, num_cached_pages=load.num_cached_pages,
                  num_total_pages=load.num_total_pages,
-                 kv_pool_usage=round(1 - (load.num_free_pages + load.num_cached_pages) / max(1, load.num_total_pages), 4))
+                 kv_pool_usage=round(1 - num_unused / max(1, load.num_total_pages), 4))
     return entry
 
 
@@ -75,7 +77,7 @@ async def health_generate(state: GatewayState = Depends(gateway_state)):
     try:
         limits = state.pool.limits()
         prompt = [limits.eos_token_ids[0] if limits.eos_token_ids else 0]
-        sampling = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+        sampling = SamplingOptions(temperature=0.0, max_new_tokens=2, ignore_eos=True)
         result = await state.generation.generate(GenerationRequest(prompt, sampling))
     except APIError as exc:
         return JSONResponse(exc.body(), status_code=503)
@@ -88,9 +90,8 @@ async def _health_embed(state: GatewayState) -> JSONResponse:
     """For embedding servers: one tiny embedding through a prefill worker."""
     try:
         worker = state.pool.pick("prefill")
-        await worker.stub.Embed(prefill_pb2.EmbedRequest(request_id="health", inputs=[
-            prefill_pb2.EmbedInput(token_ids=[0])]), timeout=_INFO_TIMEOUT_S)
-    except (APIError, grpc.aio.AioRpcError):
+        await worker.client.embed("health", [[0]], None, timeout_s=_INFO_TIMEOUT_S)
+    except APIError:
         return JSONResponse({"status": "unavailable"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
@@ -102,14 +103,11 @@ _FLUSH_NOTE = ("Please check backend logs for more details. (When there are runn
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(state: GatewayState = Depends(gateway_state)):
     """Flush every worker's prefix cache; refused (400) while any worker has requests in flight."""
-    async def flush(worker: Worker) -> common_pb2.FlushCacheResponse:
-        try:
-            return await worker.control.FlushCache(common_pb2.FlushCacheRequest(), timeout=_INFO_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:   # an embedding worker keeps no cache
-                return common_pb2.FlushCacheResponse(success=True, message="no cache")
-            return common_pb2.FlushCacheResponse(
-                success=False, message=APIError.from_grpc(exc, worker.role, worker.address).message)
+    async def flush(worker: Worker) -> FlushResult:
+        try:   # an embedding worker keeps no cache: its answer is a success, "no cache"
+            return await worker.client.flush_cache(timeout_s=_INFO_TIMEOUT_S)
+        except APIError as exc:
+            return FlushResult(success=False, message=exc.message)
     replies = await asyncio.gather(*(flush(w) for w in state.pool.all_workers()))
     if all(r.success for r in replies):
         return PlainTextResponse(f"Cache flushed.\n{_FLUSH_NOTE}\n")
@@ -127,13 +125,11 @@ class UpdateWeightsBody(BaseModel):
 async def update_weights_from_disk(body: UpdateWeightsBody, state: GatewayState = Depends(gateway_state)):
     """Every worker reloads its weights from `model_path` in place. Requests in flight are aborted
     (they fail cleanly, never mixing weights); answers SGLang's {"success", "message"}."""
-    async def update(worker: Worker) -> common_pb2.UpdateWeightsResponse:
+    async def update(worker: Worker) -> UpdateResult:
         try:
-            return await worker.control.UpdateWeights(common_pb2.UpdateWeightsRequest(model_path=body.model_path),
-                                                   timeout=_UPDATE_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            return common_pb2.UpdateWeightsResponse(
-                success=False, message=APIError.from_grpc(exc, worker.role, worker.address).message)
+            return await worker.client.update_weights(body.model_path, timeout_s=_UPDATE_TIMEOUT_S)
+        except APIError as exc:
+            return UpdateResult(success=False, message=exc.message)
     replies = await asyncio.gather(*(update(w) for w in state.pool.all_workers()))
     failed = [r for r in replies if not r.success]
     if failed:

@@ -22,18 +22,17 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import grpc
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
-from gateway.errors import APIError, bad_request
 from gateway.api.json_route import JSONRoute
-from gateway.service.sampling import check_token_ids
 from gateway.api.schemas import EmbeddingRequest, EncodeRequest
+from gateway.cluster.pool import ModelLimits
+from gateway.cluster.worker_records import Embeddings
+from gateway.errors import bad_request
+from gateway.service.sampling import check_token_ids
 from gateway.state import GatewayState, gateway_state
 from gateway.text.text_input import encode_texts
-from gateway.cluster.pool import ModelLimits
-from tandem.v1 import prefill_pb2
 
 router = APIRouter(route_class=JSONRoute)
 
@@ -128,19 +127,14 @@ async def embed(state: GatewayState, token_lists: list[list[int]], dimensions: i
     pieces = [token_lists[i:i + INPUTS_PER_CALL] for i in range(0, len(token_lists), INPUTS_PER_CALL)]
     replies = await asyncio.gather(*(_embed_piece(state, f"{request_id}-{n}", piece, dimensions)
                                      for n, piece in enumerate(pieces)))
-    vectors = [list(e.values) for reply in replies for e in reply.embeddings]
+    vectors = [vector for reply in replies for vector in reply.vectors]
     return Embedded(vectors, sum(reply.num_tokens for reply in replies))
 
 
 async def _embed_piece(state: GatewayState, request_id: str, token_lists: list[list[int]],
-                       dimensions: int | None) -> prefill_pb2.EmbedResponse:
+                       dimensions: int | None) -> Embeddings:
     worker = state.pool.pick("prefill")
-    request = prefill_pb2.EmbedRequest(request_id=request_id, dimensions=dimensions,
-                                       inputs=[prefill_pb2.EmbedInput(token_ids=ids) for ids in token_lists])
-    try:
-        return await worker.stub.Embed(request, timeout=state.config.prefill_timeout_s)
-    except grpc.aio.AioRpcError as exc:
-        raise APIError.from_grpc(exc, worker.role, worker.address) from None
+    return await worker.client.embed(request_id, token_lists, dimensions, timeout_s=state.config.prefill_timeout_s)
 
 
 async def _openai_inputs(state: GatewayState, value: str | list, limits: ModelLimits) -> list[list[int]]:

@@ -17,16 +17,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import grpc
 from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse
-from google.protobuf.message import Message
 
-from gateway.errors import APIError, bad_request
 from gateway.api.json_route import JSONRoute
+from gateway.cluster.worker_records import ExpertCounts, ExpertRecordOp
+from gateway.errors import bad_request
 from gateway.state import GatewayState, gateway_state
-from gateway.cluster.pool import Worker
-from tandem.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -39,27 +36,27 @@ CSV_HEADER = "layer_id,expert_id,count"
 @router.api_route("/start_expert_distribution_record", methods=["GET", "POST"])
 async def start_expert_distribution_record(state: GatewayState = Depends(gateway_state)) -> PlainTextResponse:
     """Clear every worker's counts and start counting."""
-    await _on_every_worker(state, "StartExpertDistributionRecord", common_pb2.StartExpertDistributionRecordRequest())
+    await _on_every_worker(state, ExpertRecordOp.START)
     return PlainTextResponse("Start recording the expert distribution.\n")
 
 
 @router.api_route("/stop_expert_distribution_record", methods=["GET", "POST"])
 async def stop_expert_distribution_record(state: GatewayState = Depends(gateway_state)) -> PlainTextResponse:
-    await _on_every_worker(state, "StopExpertDistributionRecord", common_pb2.StopExpertDistributionRecordRequest())
+    await _on_every_worker(state, ExpertRecordOp.STOP)
     return PlainTextResponse("Stop recording the expert distribution.\n")
 
 
 @router.api_route("/dump_expert_distribution_record", methods=["GET", "POST"])
 async def dump_expert_distribution_record(state: GatewayState = Depends(gateway_state)) -> PlainTextResponse:
     """Sum every worker's counts into a new CSV file (the workers' counts are cleared)."""
-    replies = await _on_every_worker(state, "DumpExpertDistributionRecord",
-                                     common_pb2.DumpExpertDistributionRecordRequest())
-    path = await asyncio.to_thread(write_csv, Path(state.config.expert_distribution_dir), summed_counts(replies))
+    replies = await _on_every_worker(state, ExpertRecordOp.DUMP)
+    counts = summed_counts([r for r in replies if r is not None])
+    path = await asyncio.to_thread(write_csv, Path(state.config.expert_distribution_dir), counts)
     logger.info("expert distribution written to %s", path)
     return PlainTextResponse("Dump expert distribution record.\n")
 
 
-def summed_counts(replies: list[common_pb2.DumpExpertDistributionRecordResponse]) -> dict[tuple[int, int], int]:
+def summed_counts(replies: list[ExpertCounts]) -> dict[tuple[int, int], int]:
     """(layer id, expert id) -> tokens routed there, summed over the workers' replies, sorted by key."""
     totals: Counter[tuple[int, int]] = Counter()
     for reply in replies:
@@ -83,15 +80,11 @@ def write_csv(directory: Path, counts: dict[tuple[int, int], int]) -> Path:
             continue
 
 
-async def _on_every_worker(state: GatewayState, rpc: str, request: Message) -> list:
-    """Call `rpc` on every worker at once; the first failure becomes the HTTP error."""
+async def _on_every_worker(state: GatewayState, op: ExpertRecordOp) -> list[ExpertCounts | None]:
+    """`op` on every worker at once (the dump's counts; None for start and stop); the first failure
+    becomes the HTTP error."""
     if state.config.is_embedding:
         raise bad_request("the expert distribution needs a mixture-of-experts generation model; this server "
                           "runs an embedding model")
-
-    async def call(worker: Worker):
-        try:
-            return await getattr(worker.control, rpc)(request, timeout=_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            raise APIError.from_grpc(exc, worker.role, worker.address) from None
-    return list(await asyncio.gather(*(call(w) for w in state.pool.all_workers())))
+    return list(await asyncio.gather(*(w.client.expert_record(op, timeout_s=_TIMEOUT_S)
+                                       for w in state.pool.all_workers())))

@@ -16,7 +16,8 @@ import collections
 import contextlib
 import math
 import time
-from typing import Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics

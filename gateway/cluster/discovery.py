@@ -21,8 +21,8 @@ import ipaddress
 import logging
 import socket
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 logger = logging.getLogger(__name__)
 

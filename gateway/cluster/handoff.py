@@ -11,30 +11,28 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import replace
-from typing import AsyncIterator
 
-import grpc
-
+from gateway.cluster.client import DecodeStream
+from gateway.cluster.pool import Worker, WorkerPool
+from gateway.cluster.worker_errors import WorkerError
+from gateway.cluster.worker_records import DecodeChunk, KvTarget, PrefillResult, Reservation
 from gateway.config import GatewayConfig
 from gateway.errors import WORKER_RETRY_AFTER_S, APIError
-from gateway.cluster.pool import Worker, WorkerPool
 from gateway.metrics import GatewayMetrics
-from gateway.records import FinishReason, GeneratedToken, HandoffTimings, TokenEvent
+from gateway.records import FinishReason, HandoffTimings, SamplingOptions, TokenEvent
 from tandem.request_log import bind_request_id
-from tandem.v1 import common_pb2, decode_pb2, prefill_pb2
 
 logger = logging.getLogger(__name__)
 
-_FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: FinishReason.STOP, common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-                   common_pb2.FINISH_REASON_ABORT: FinishReason.ABORT}
 _ABORT_TIMEOUT_S = 2.0
 _SETTLE_TIMEOUT_S = 10.0   # a running KV write finishes within this (or the decode pages rest for the grace)
 
 
 async def run_handoff(pool: WorkerPool, config: GatewayConfig, metrics: GatewayMetrics, request_id: str,
-                      prompt_ids: list[int],                       sampling: common_pb2.SamplingParams, prompt_logprob_start: int | None = None,
-                      arrived_at: float | None = None) -> AsyncIterator[TokenEvent]:
+                      prompt_ids: list[int], sampling: SamplingOptions, prompt_logprob_start: int | None = None,
+                      arrived_at: float | None = None) -> AsyncGenerator[TokenEvent, None]:
     """Yield the first token (with timings, and the prompt's logprobs from `prompt_logprob_start` when
     set), then the decode server's tokens until a finish. `arrived_at` (time.perf_counter()) is when
     the HTTP request arrived. Records the trip's latencies, phases and outcome in `metrics`."""
@@ -69,65 +67,29 @@ async def run_handoff(pool: WorkerPool, config: GatewayConfig, metrics: GatewayM
         metrics.observe_end(outcome, time.perf_counter() - started)
 
 
-def _token(msg: common_pb2.TokenOutput) -> GeneratedToken:
-    return GeneratedToken(msg.token_id, msg.logprob, tuple((t.token_id, t.logprob) for t in msg.top_logprobs),
-                          tuple((t.token_id, t.logprob) for t in msg.token_ids_logprobs))
-
-
 async def _trip(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt_ids: list[int],
-                sampling: common_pb2.SamplingParams, prompt_logprob_start: int | None,
-                gateway_queue_ms: float) -> AsyncIterator[TokenEvent]:
+                sampling: SamplingOptions, prompt_logprob_start: int | None,
+                gateway_queue_ms: float) -> AsyncGenerator[TokenEvent, None]:
     """The trip itself, as `run_handoff` describes it, without the metrics."""
     started = time.perf_counter()
-    pair: list[Worker] = []   # (prefill, decode) of the Reserve under way, then of the trip
-
-    async def reserve() -> decode_pb2.ReserveResponse:
-        pair[:] = pool.pick_pair()
-        try:
-            return await _call(pair[1], pair[1].stub.Reserve(
-                decode_pb2.ReserveRequest(request_id=request_id, prompt_len=len(prompt_ids)),
-                timeout=config.reserve_timeout_s))
-        except APIError:
-            pair.clear()
-            raise
-
-    try:
-        reserved = await pool.admission.admit(reserve)   # waits its turn while the decode pool is full
-    except asyncio.CancelledError:   # a reservation may have been made: no prefill was sent for it
-        if pair:
-            await _settle(_release(pair[1], pair[0], request_id, None))
-        raise
-    prefill, decode = pair
+    prefill, decode, reservation = await _reserve(pool, config, request_id, len(prompt_ids))
     reserve_ms = (time.perf_counter() - started) * 1000
-    generate: grpc.aio.UnaryStreamCall | None = None
+    stream: DecodeStream | None = None
     finished = False
     write_settled = False   # True once the prefill server has answered: no KV write can be in flight
     try:
-        prefill_request = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt_ids,
-                                                     sampling_params=sampling, kv_target=reserved.kv_target)
-        if prompt_logprob_start is not None:
-            prefill_request.logprob_start_len = prompt_logprob_start
-        first = await _prefill(prefill, prefill.stub.Prefill(prefill_request, timeout=config.prefill_timeout_s),
-                               config.stall_timeout_s)
+        first = await _prefill(prefill, prefill.client.prefill(
+            request_id, prompt_ids, sampling, reservation.kv_target, prompt_logprob_start,
+            timeout_s=config.prefill_timeout_s), config.stall_timeout_s)
         write_settled = True
         timings = HandoffTimings(reserve_ms, first.queue_ms, first.compute_ms, first.transfer_ms, first.kv_bytes,
                                  (time.perf_counter() - started) * 1000, first.cached_tokens, gateway_queue_ms)
-        yield TokenEvent([_token(first.first_token)], timings=timings,
-                         prompt_logprobs=[_token(t) for t in first.prompt_logprobs])
-        generate = decode.stub.Generate(
-            decode_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids,
-                                       first_token=first.first_token, sampling_params=sampling,
-                                       weights_id=first.weights_id,
-                                       kv_grant=reserved.kv_target.grant),
-            timeout=config.request_timeout_s)
-        async for message in _stream(decode, generate, config.stall_timeout_s):
-            reason = _FINISH_REASONS.get(message.finish_reason)
-            finished = reason is not None
-            yield TokenEvent([_token(t) for t in message.tokens], reason,
-                             message.matched_token_id if message.HasField("matched_token_id") else None,
-                             message.message,
-                             replace(timings, decode_queue_ms=message.queue_ms)
-                             if message.HasField("queue_ms") else None)
+        yield TokenEvent([first.first_token], timings=timings, prompt_logprobs=list(first.prompt_logprobs))
+        stream = decode.client.generate(request_id, prompt_ids, first.first_token, sampling, first.weights_id,
+                                        reservation.kv_target.grant, timeout_s=config.request_timeout_s)
+        async for chunk in _stream(decode, stream, config.stall_timeout_s):
+            finished = chunk.finish_reason is not None
+            yield _event(chunk, timings)
             if finished:
                 return
         logger.warning("decode worker %s ended the stream without a finish reason", decode.address)
@@ -137,17 +99,41 @@ async def _trip(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt
         raise answered.error from None
     finally:
         if not finished:
-            if generate is not None:
-                generate.cancel()
-            await _settle(_release(decode, prefill, request_id, None if write_settled else reserved.kv_target))
+            if stream is not None:
+                stream.cancel()
+            await _settle(_release(decode, prefill, request_id, None if write_settled else reservation.kv_target))
         pool.admission.released()
 
 
-async def _call(worker: Worker, call):
+async def _reserve(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt_len: int
+                   ) -> tuple[Worker, Worker, Reservation]:
+    """A ready (prefill, decode) pair and the decode worker's reservation, once admission lets the
+    trip through (it waits its turn while the decode pool is full). A trip cancelled meanwhile
+    releases the reservation it may have made (no prefill was sent for it)."""
+    pair: list[Worker] = []   # (prefill, decode) of the Reserve under way
+
+    async def reserve() -> Reservation:
+        pair[:] = pool.pick_pair()
+        try:
+            return await pair[1].client.reserve(request_id, prompt_len, timeout_s=config.reserve_timeout_s)
+        except APIError:
+            pair.clear()
+            raise
+
     try:
-        return await call
-    except grpc.aio.AioRpcError as exc:
-        raise APIError.from_grpc(exc, worker.role, worker.address) from None
+        reservation = await pool.admission.admit(reserve)
+    except asyncio.CancelledError:
+        if pair:
+            await _settle(_release(pair[1], pair[0], request_id, None))
+        raise
+    prefill, decode = pair
+    return prefill, decode, reservation
+
+
+def _event(chunk: DecodeChunk, timings: HandoffTimings) -> TokenEvent:
+    """A decode chunk as the trip's event; the first one carries the timings again, now with the decode queue."""
+    return TokenEvent(chunk.tokens, chunk.finish_reason, chunk.matched_token_id, chunk.message,
+                      replace(timings, decode_queue_ms=chunk.queue_ms) if chunk.queue_ms is not None else None)
 
 
 class _PrefillAnswered(Exception):
@@ -157,29 +143,22 @@ class _PrefillAnswered(Exception):
         self.error = error
 
 
-# Codes the client side can raise on its own (deadline, cancel, lost connection): the server's
-# write may still be running then.
-_UNSETTLED_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-                              grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN})
-
-
-async def _prefill(worker: Worker, call, stall_timeout_s: float):
+async def _prefill(worker: Worker, call: Awaitable[PrefillResult], stall_timeout_s: float) -> PrefillResult:
+    """The prefill's answer. A failure the worker itself answered is raised as `_PrefillAnswered`;
+    one the client side raised (deadline, cancel, lost connection, a stall) as is: the write may
+    still be running then."""
     try:
         return await _unless_stalled(worker, call, stall_timeout_s)
-    except grpc.aio.AioRpcError as exc:
-        error = APIError.from_grpc(exc, worker.role, worker.address)
-        if exc.code() in _UNSETTLED_CODES:
-            raise error from None
-        raise _PrefillAnswered(error) from None
+    except WorkerError as exc:
+        if not exc.is_settled:
+            raise
+        raise _PrefillAnswered(exc) from None
 
 
-async def _stream(worker: Worker, call: grpc.aio.UnaryStreamCall, stall_timeout_s: float
-                  ) -> AsyncIterator[decode_pb2.GenerateResponse]:
-    try:
-        while (message := await _unless_stalled(worker, call.read(), stall_timeout_s)) is not grpc.aio.EOF:
-            yield message
-    except grpc.aio.AioRpcError as exc:
-        raise APIError.from_grpc(exc, worker.role, worker.address) from None
+async def _stream(worker: Worker, stream: DecodeStream, stall_timeout_s: float
+                  ) -> AsyncGenerator[DecodeChunk, None]:
+    while (chunk := await _unless_stalled(worker, stream.read(), stall_timeout_s)) is not None:
+        yield chunk
 
 
 async def _unless_stalled(worker: Worker, awaitable, stall_timeout_s: float):
@@ -202,25 +181,21 @@ async def _unless_stalled(worker: Worker, awaitable, stall_timeout_s: float):
         pending.cancel()
 
 
-async def _release(decode: Worker, prefill: Worker, request_id: str, unsettled: common_pb2.KvTarget | None
-                   ) -> None:
+async def _release(decode: Worker, prefill: Worker, request_id: str, unsettled: KvTarget | None) -> None:
     """Free the decode server's pages for an unfinished trip. `unsettled` is the KV target of a
     Prefill that has not answered: the prefill server is asked to stop it and confirm its write is
     over, so the decode server frees the pages at once; if it cannot confirm, they rest for the
     write grace instead. (Cancelling a Generate stream frees them too; the Abort makes it certain.)"""
     write_settled = unsettled is None
     if unsettled is not None:
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            await prefill.stub.CancelPrefill(prefill_pb2.CancelPrefillRequest(request_id=request_id,
-                                                                              kv_target=unsettled),
-                                             timeout=_SETTLE_TIMEOUT_S)
+        with contextlib.suppress(WorkerError):
+            await prefill.client.cancel_prefill(request_id, unsettled, timeout_s=_SETTLE_TIMEOUT_S)
             write_settled = True
         if not write_settled:
             logger.warning("prefill worker %s did not confirm that %s's KV write is over; its decode pages "
                            "rest for the write grace", prefill.address, request_id)
-    with contextlib.suppress(grpc.aio.AioRpcError):
-        await decode.control.Abort(common_pb2.AbortRequest(request_id=request_id, kv_write_settled=write_settled),
-                                   timeout=_ABORT_TIMEOUT_S)
+    with contextlib.suppress(WorkerError):
+        await decode.client.abort(request_id, write_settled, timeout_s=_ABORT_TIMEOUT_S)
 
 
 _releasing: set[asyncio.Task] = set()   # strong references: a shielded release outlives its cancelled trip

@@ -1,5 +1,5 @@
-"""gRPC clients for the prefill and decode workers: readiness tracking and round-robin picking of
-prefill/decode pairs that hold the same weights."""
+"""The prefill and decode workers: readiness tracking and round-robin picking of prefill/decode pairs
+that hold the same weights. Each `Worker` talks to its process through its own `WorkerClient`."""
 
 from __future__ import annotations
 
@@ -9,15 +9,14 @@ import logging
 import time
 from dataclasses import dataclass
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from gateway.cluster.admission import Admission
-from gateway.config import DEFAULT_MAX_QUEUE_WAIT_S, DEFAULT_MAX_QUEUED
+from gateway.cluster.client import WorkerClient
 from gateway.cluster.discovery import REFRESH_INTERVAL_S, RoleDiscovery
+from gateway.cluster.worker_records import ModelInfo
+from gateway.config import DEFAULT_MAX_QUEUE_WAIT_S, DEFAULT_MAX_QUEUED
 from gateway.errors import WORKER_RETRY_AFTER_S, APIError
+from gateway.records import Role
 from tandem.internal_auth import InternalCredentials
-from tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -26,13 +25,6 @@ _PROBE_TIMEOUT_S = 2.0
 # A worker whose address left DNS gets no new requests, but its channel stays open this long so
 # that streams already on it can finish (the gateway's default --request-timeout).
 _RETIRED_CHANNEL_GRACE_S = 3600.0
-# gRPC backs off reconnecting to a worker that went away by up to 120 s; cap it near the poll interval
-# so that a restarted worker is ready again within seconds. Keepalive pings every 10 s close a
-# connection whose worker stopped answering (a wedged or frozen process, a dead host) within 15 s,
-# failing the calls on it, even between calls; the workers accept pings that often (server_runtime/worker.py).
-_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 1000),
-                    ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
-                    ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,27 +44,30 @@ class ModelLimits:
 
 
 class Worker:
-    def __init__(self, role: str, address: str, credentials: InternalCredentials = InternalCredentials()) -> None:
-        self.role = role
-        self.address = address
-        self.channel = credentials.open_channel(address, options=_CHANNEL_OPTIONS)
-        stub_cls = prefill_pb2_grpc.PrefillServiceStub if role == "prefill" else decode_pb2_grpc.DecodeServiceStub
-        self.stub = stub_cls(self.channel)                                # the role's own RPCs
-        self.control = worker_pb2_grpc.WorkerServiceStub(self.channel)   # what every worker answers
-        self._health = health_pb2_grpc.HealthStub(self.channel)
+    """One worker as the pool sees it: its `client`, and whether it is ready (its health service says
+    SERVING and it reported its model `info`, kept from the last probe that got one)."""
+
+    def __init__(self, role: Role | str, address: str, credentials: InternalCredentials = InternalCredentials()
+                 ) -> None:
+        self.client = WorkerClient(role, address, credentials)
         self.is_ready = False
-        self.info: common_pb2.GetModelInfoResponse | None = None
+        self.info: ModelInfo | None = None
+
+    @property
+    def role(self) -> Role:
+        return self.client.role
+
+    @property
+    def address(self) -> str:
+        return self.client.address
 
     async def probe(self) -> bool:
         """Ask the worker's health service, then its model info (a restarted worker may come back with
         another context length or pool, and an update changes its weights)."""
-        try:
-            reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=_PROBE_TIMEOUT_S)
-            ready = reply.status == health_pb2.HealthCheckResponse.SERVING
-            if ready:
-                self.info = await self.control.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=_PROBE_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
-            ready = False
+        info = await self.client.model_info(_PROBE_TIMEOUT_S)
+        ready = info is not None
+        if info is not None:
+            self.info = info
         if ready != self.is_ready:
             logger.info("%s worker %s is %s", self.role, self.address, "ready" if ready else "not ready")
         self.is_ready = ready
@@ -81,14 +76,12 @@ class Worker:
     async def responds(self) -> bool:
         """Whether the worker answers a health check now; one that does not is marked unready until
         the next probe round finds it answering again."""
-        try:
-            await self._health.Check(health_pb2.HealthCheckRequest(), timeout=_PROBE_TIMEOUT_S)
+        if await self.client.responds(_PROBE_TIMEOUT_S):
             return True
-        except grpc.aio.AioRpcError:
-            if self.is_ready:
-                logger.warning("%s worker %s stopped responding; it gets no new requests", self.role, self.address)
-            self.is_ready = False
-            return False
+        if self.is_ready:
+            logger.warning("%s worker %s stopped responding; it gets no new requests", self.role, self.address)
+        self.is_ready = False
+        return False
 
     @property
     def weights_id(self) -> str | None:
@@ -121,7 +114,7 @@ class WorkerPool:
         if self._poller is not None:
             self._poller.cancel()
         for worker in self.all_workers() + [w for _, w in self._retired]:
-            await worker.channel.close()
+            await worker.client.close()
 
     def all_workers(self) -> list[Worker]:
         return self.workers["prefill"] + self.workers["decode"]
@@ -151,7 +144,7 @@ class WorkerPool:
         expired = [w for deadline, w in self._retired if deadline <= now]
         self._retired = [(deadline, w) for deadline, w in self._retired if deadline > now]
         for worker in expired:
-            await worker.channel.close()
+            await worker.client.close()
 
     async def _poll_forever(self) -> None:
         while True:

@@ -10,19 +10,18 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
-from gateway.config import GatewayConfig
-from gateway.text.detokenizer import IncrementalDetokenizer
-from gateway.errors import bad_request
 from gateway.cluster.handoff import run_handoff
+from gateway.cluster.pool import WorkerPool
+from gateway.config import GatewayConfig
+from gateway.errors import bad_request
 from gateway.metrics import GatewayMetrics
-from gateway.records import FinishReason, GeneratedToken, HandoffTimings, TokenEvent
+from gateway.records import FinishReason, GeneratedToken, HandoffTimings, SamplingOptions, TokenEvent
+from gateway.text.detokenizer import IncrementalDetokenizer
 from gateway.text.stop_strings import StopStringMatcher
 from gateway.text.tokenizer import Tokenizer
-from gateway.cluster.pool import WorkerPool
-from tandem.v1 import common_pb2
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +33,7 @@ class GenerationRequest:
     the prompt's logprobs from that position; `arrived_at` is when the HTTP request arrived."""
 
     prompt_ids: list[int]
-    sampling: common_pb2.SamplingParams
+    sampling: SamplingOptions
     stop: tuple[str, ...] = ()
     skip_special_tokens: bool = True
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -97,7 +96,7 @@ class GenerationService:
         self.tokenizer = tokenizer
         self.metrics = metrics
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[TextDelta]:
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[TextDelta, None]:
         """Stream text deltas; the last one carries `finish`. Without a tokenizer the text stays empty."""
         detokenizer = (IncrementalDetokenizer(self.tokenizer, request.skip_special_tokens, request.prompt_ids,
                                               request.spaces_between_special_tokens)
@@ -146,7 +145,7 @@ class GenerationService:
             results[index].add(delta)
         return results
 
-    async def started_choices(self, requests: list[GenerationRequest]) -> AsyncIterator[tuple[int, TextDelta]]:
+    async def started_choices(self, requests: list[GenerationRequest]) -> AsyncGenerator[tuple[int, TextDelta], None]:
         """`choices`, once its first delta has arrived. By then a generation was admitted, reserved and
         prefilled, so a streaming route that awaits this before it answers turns a refusal
         (no KV space, a full queue, a failed prefill) into a real status code, not an error event
@@ -155,7 +154,7 @@ class GenerationService:
         first = await anext(choices)
         return _chained(first, choices)
 
-    async def choices(self, requests: list[GenerationRequest]) -> AsyncIterator[tuple[int, TextDelta]]:
+    async def choices(self, requests: list[GenerationRequest]) -> AsyncGenerator[tuple[int, TextDelta], None]:
         """Run several generations concurrently (n choices, several prompts) and merge their deltas as
         (index, delta). If the consumer stops early, every unfinished generation is cancelled, which
         releases its pages on the workers."""
@@ -187,8 +186,8 @@ class GenerationService:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _chained(first: tuple[int, TextDelta], rest: AsyncIterator[tuple[int, TextDelta]]
-                   ) -> AsyncIterator[tuple[int, TextDelta]]:
+async def _chained(first: tuple[int, TextDelta], rest: AsyncGenerator[tuple[int, TextDelta], None]
+                   ) -> AsyncGenerator[tuple[int, TextDelta], None]:
     async with contextlib.aclosing(rest):
         yield first
         async for item in rest:

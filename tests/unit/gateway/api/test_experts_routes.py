@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from gateway.api.experts import CSV_HEADER, summed_counts, write_csv
-from tandem.v1 import common_pb2
+from gateway.cluster.worker_records import ExpertCounts
 
 
-def _reply(layer_ids: list[int], counts: list[int]) -> common_pb2.DumpExpertDistributionRecordResponse:
-    return common_pb2.DumpExpertDistributionRecordResponse(layer_ids=layer_ids, num_experts=3, num_experts_per_tok=2,
-                                                           counts=counts)
+def _reply(layer_ids: list[int], counts: list[int]) -> ExpertCounts:
+    return ExpertCounts(layer_ids=tuple(layer_ids), num_experts=3, counts=tuple(counts), num_experts_per_tok=2)
 
 
 def test_counts_are_summed_per_layer_and_expert_over_every_worker() -> None:

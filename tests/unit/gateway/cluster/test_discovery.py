@@ -22,8 +22,8 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway.cluster.discovery import REFRESH_INTERVAL_S, RoleDiscovery, WorkerSpec, check_worker_spec, resolve_all
-from gateway.errors import APIError
 from gateway.cluster.pool import WorkerPool
+from gateway.errors import APIError
 from tandem.v1 import common_pb2, worker_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[3]

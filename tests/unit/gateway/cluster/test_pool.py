@@ -11,8 +11,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gateway.errors import APIError
 from gateway.cluster.pool import Worker, WorkerPool
+from gateway.errors import APIError
 from tandem.v1 import common_pb2, worker_pb2_grpc
 
 
@@ -64,7 +64,7 @@ def test_model_info_is_fetched_on_every_probe_of_a_ready_worker() -> None:
             await server.stop(None)
             assert not await worker.responds() and not worker.is_ready      # gone: no new requests
         finally:
-            await worker.channel.close()
+            await worker.client.close()
             await server.stop(None)
 
     asyncio.run(main())

@@ -1,0 +1,156 @@
+"""The workers' answers as gateway records: what `WorkerClient` (`gateway/cluster/client.py`) takes
+and returns instead of protos. Plain frozen values; the generation's own records (tokens, finish
+reasons, sampling options) are in `gateway/records.py`."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from gateway.records import FinishReason, GeneratedToken, Role
+
+
+class Health(enum.Enum):
+    """A worker's answer to a health check."""
+
+    SERVING = "serving"
+    NOT_SERVING = "not_serving"   # it answered, but takes no new requests (starting, draining)
+    NO_ANSWER = "no_answer"       # it did not answer in time, or could not be reached
+
+
+class ExpertRecordOp(enum.Enum):
+    """The expert distribution record's three calls (every worker answers each)."""
+
+    START = "start"   # clear the counts and start counting
+    STOP = "stop"     # stop counting; the counts stay for the next dump
+    DUMP = "dump"     # return the counts and clear them
+
+
+@dataclass(frozen=True, slots=True)
+class KvLayout:
+    """Shape of one KV page; prefill and decode must agree on it byte for byte. `dtype` is torch's
+    name ("bfloat16"); `page_bytes` counts all layers, K and V."""
+
+    num_layers: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    page_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class KvTarget:
+    """Pages a decode worker reserved for one request, where the prefill worker writes its KV, with
+    the grant that permits exactly that write. The gateway only passes it on."""
+
+    session_id: str
+    base_addr: int
+    layout: KvLayout | None
+    page_ids: tuple[int, ...]
+    grant: str
+    grant_expires_unix_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """A decode worker's answer to Reserve: the pages are held for `ttl_ms` waiting for Generate."""
+
+    kv_target: KvTarget
+    ttl_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    """A prefill worker's answer: the first token, with the KV written into the reserved pages.
+    Times in milliseconds; `prompt_logprobs` only when asked for (from `logprob_start_len`)."""
+
+    first_token: GeneratedToken
+    cached_tokens: int
+    queue_ms: float
+    compute_ms: float
+    transfer_ms: float
+    kv_bytes: int
+    weights_id: str
+    prompt_logprobs: tuple[GeneratedToken, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeChunk:
+    """One message of a Generate stream: tokens after the first; the last one has `finish_reason`
+    (with `matched_token_id` for a stop, `message` for an abort). `queue_ms` comes with the first."""
+
+    tokens: list[GeneratedToken]
+    finish_reason: FinishReason | None = None
+    matched_token_id: int | None = None
+    message: str = ""
+    queue_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Embeddings:
+    """One vector per input, in input order, and the tokens embedded over all inputs."""
+
+    vectors: list[list[float]]
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What a worker reports about its model (GetModelInfo). `kv_layout` is all zeros and
+    `weights_id` empty on embedding workers; `role` is None when the worker does not say."""
+
+    model_path: str
+    architecture: str
+    context_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    kv_layout: KvLayout
+    num_pages: int
+    role: Role | None
+    version: str
+    is_embedding: bool
+    embedding_dim: int
+    is_matryoshka: bool
+    matryoshka_dimensions: tuple[int, ...]
+    weights_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """A worker's requests and KV pages now (GetLoad); cached pages are held by the prefix cache only."""
+
+    num_running: int
+    num_waiting: int
+    num_free_pages: int
+    num_total_pages: int
+    num_cached_pages: int
+
+
+@dataclass(frozen=True, slots=True)
+class FlushResult:
+    """FlushCache's answer: refused (`success` False, `message` says why) while requests run."""
+
+    success: bool
+    message: str = ""
+    num_freed_pages: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateResult:
+    """UpdateWeights' answer: the worker's weights after the call (`weights_id`)."""
+
+    success: bool
+    message: str = ""
+    weights_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertCounts:
+    """A worker's expert distribution dump: `counts[i * num_experts + e]` tokens went to expert `e`
+    of MoE layer `layer_ids[i]` (ascending; dense layers left out)."""
+
+    layer_ids: tuple[int, ...]
+    num_experts: int
+    counts: tuple[int, ...]
+    num_experts_per_tok: int

@@ -1,0 +1,116 @@
+"""`run_handoff` through a real `WorkerPool` and `WorkerClient` against a fake worker on loopback: a
+whole trip, and each way a trip ends early (a prefill error, a prefill past its deadline, a frozen
+decode worker, a reader that stops) tells the workers, with `kv_write_settled` only once no KV write
+can be in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from gateway.cluster.handoff import run_handoff
+from gateway.cluster.pool import WorkerPool
+from gateway.config import GatewayConfig
+from gateway.errors import APIError
+from gateway.metrics import GatewayMetrics
+from gateway.records import FinishReason, SamplingOptions, TokenEvent
+from tests.unit.gateway.cluster.fake_worker import KV_TARGET, FakeWorker, serve_fake_worker
+
+PROMPT = [1, 2, 3]
+SAMPLING = SamplingOptions(temperature=0.0, max_new_tokens=8)
+
+
+def _run(tmp_path: Path, scenario: Callable[[WorkerPool, GatewayConfig, FakeWorker], Awaitable[None]],
+         **config) -> None:
+    """`scenario` with a ready pool whose prefill and decode worker are one fake worker."""
+    async def main() -> None:
+        async with serve_fake_worker() as worker:
+            gateway_config = GatewayConfig(model_path="m", served_model_name="m", prefill_addrs=(worker.address,),
+                                           decode_addrs=(worker.address,), data_dir=str(tmp_path), **config)
+            pool = WorkerPool(gateway_config.prefill_addrs, gateway_config.decode_addrs)
+            try:
+                await pool.probe_all()
+                assert pool.is_ready
+                await scenario(pool, gateway_config, worker)
+            finally:
+                await pool.close()
+
+    asyncio.run(main())
+
+
+def _trip(pool: WorkerPool, config: GatewayConfig, request_id: str = "r1"):
+    return run_handoff(pool, config, GatewayMetrics(), request_id, PROMPT, SAMPLING)
+
+
+def test_a_whole_trip_yields_the_first_token_then_the_stream_and_aborts_nothing(tmp_path: Path) -> None:
+    async def scenario(pool: WorkerPool, config: GatewayConfig, worker: FakeWorker) -> None:
+        events: list[TokenEvent] = [event async for event in _trip(pool, config)]
+        assert [e.token_ids for e in events] == [[7], [8], [2]]
+        assert events[0].timings.kv_bytes == 4096 and events[0].timings.cached_tokens == 16
+        assert events[1].timings.decode_queue_ms == 0.75 and events[2].timings is None
+        assert (events[-1].finish_reason, events[-1].matched_token_id) == (FinishReason.STOP, 2)
+        generate = worker.decode.received[-1]
+        assert (generate.kv_grant, generate.weights_id, list(generate.prompt_token_ids)) == ("g-1", "w-1", PROMPT)
+        assert generate.sampling_params.temperature == 0.0 and not generate.sampling_params.HasField("top_p")
+        assert worker.aborts() == [] and worker.cancelled_prefills() == []
+
+    _run(tmp_path, scenario)
+
+
+def test_a_prefill_error_frees_the_reservation_at_once(tmp_path: Path) -> None:
+    async def scenario(pool: WorkerPool, config: GatewayConfig, worker: FakeWorker) -> None:
+        worker.prefill.failure = (grpc.StatusCode.INVALID_ARGUMENT, "invalid regex")
+        with pytest.raises(APIError) as refused:
+            [event async for event in _trip(pool, config)]
+        assert (refused.value.status, refused.value.message) == (400, "invalid regex")
+        assert worker.aborts() == [("r1", True)] and worker.cancelled_prefills() == []   # its write is over
+
+    _run(tmp_path, scenario)
+
+
+def test_a_prefill_past_its_deadline_is_cancelled_before_the_pages_are_freed(tmp_path: Path) -> None:
+    async def scenario(pool: WorkerPool, config: GatewayConfig, worker: FakeWorker) -> None:
+        worker.prefill.delay_s = 5.0
+        with pytest.raises(APIError) as late:
+            [event async for event in _trip(pool, config)]
+        assert late.value.status == 504
+        cancelled = worker.cancelled_prefills()
+        assert [(c.request_id, c.kv_target) for c in cancelled] == [("r1", KV_TARGET)]
+        assert worker.aborts() == [("r1", True)]   # the prefill worker confirmed its write is over
+
+    _run(tmp_path, scenario, prefill_timeout_s=0.3)
+
+
+def test_a_frozen_decode_worker_ends_the_stream_with_a_503_and_leaves_the_pool(tmp_path: Path) -> None:
+    async def scenario(pool: WorkerPool, config: GatewayConfig, worker: FakeWorker) -> None:
+        worker.decode.is_stuck = True
+        events = []
+        with pytest.raises(APIError) as stalled:
+            async for event in _trip(pool, config):
+                events.append(event)
+                if len(events) == 2:
+                    worker.health.is_frozen = True   # silent from now on, health checks included
+        assert (stalled.value.status, stalled.value.code) == (503, "worker_stalled")
+        assert "stopped responding" in stalled.value.message and stalled.value.retry_after_s == 1
+        assert [e.token_ids for e in events] == [[7], [8]]
+        assert not pool.workers["decode"][0].is_ready
+        assert worker.aborts() == [("r1", True)]
+
+    _run(tmp_path, scenario, stall_timeout_s=0.3)
+
+
+def test_a_reader_that_stops_early_releases_the_pages(tmp_path: Path) -> None:
+    async def scenario(pool: WorkerPool, config: GatewayConfig, worker: FakeWorker) -> None:
+        worker.decode.is_stuck = True
+        events = _trip(pool, config)
+        async with contextlib.aclosing(events):
+            assert (await anext(events)).token_ids == [7]
+            assert (await anext(events)).token_ids == [8]
+        assert worker.aborts() == [("r1", True)]
+
+    _run(tmp_path, scenario)
