@@ -8,8 +8,9 @@ states instead (`engine/pooling.py`). Only absolute position embeddings are supp
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +19,12 @@ from torch import nn
 from engine.config import ConfigError
 
 ARCHITECTURE = "BertModel"
-_ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+_ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,8 +42,15 @@ class BertConfig:
     hidden_act: str = "gelu"
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
-                     "max_position_embeddings", "type_vocab_size"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "type_vocab_size",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.hidden_size % self.num_heads:
@@ -47,18 +59,22 @@ class BertConfig:
             raise ConfigError(f"unsupported hidden_act {self.hidden_act!r}; supported: {sorted(_ACTIVATIONS)}")
 
     @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any]) -> "BertConfig":
+    def from_hf_config(cls, config: Mapping[str, Any]) -> BertConfig:
         kind = config.get("position_embedding_type", "absolute")
         if kind != "absolute":
             raise ConfigError(f"unsupported position_embedding_type {kind!r}; only 'absolute' is")
         try:
-            return cls(vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
-                       num_layers=int(config["num_hidden_layers"]), num_heads=int(config["num_attention_heads"]),
-                       intermediate_size=int(config["intermediate_size"]),
-                       max_position_embeddings=int(config.get("max_position_embeddings", 512)),
-                       type_vocab_size=int(config.get("type_vocab_size", 2)),
-                       layer_norm_eps=float(config.get("layer_norm_eps", 1e-12)),
-                       hidden_act=str(config.get("hidden_act", "gelu")))
+            return cls(
+                vocab_size=int(config["vocab_size"]),
+                hidden_size=int(config["hidden_size"]),
+                num_layers=int(config["num_hidden_layers"]),
+                num_heads=int(config["num_attention_heads"]),
+                intermediate_size=int(config["intermediate_size"]),
+                max_position_embeddings=int(config.get("max_position_embeddings", 512)),
+                type_vocab_size=int(config.get("type_vocab_size", 2)),
+                layer_norm_eps=float(config.get("layer_norm_eps", 1e-12)),
+                hidden_act=str(config.get("hidden_act", "gelu")),
+            )
         except KeyError as exc:
             raise ConfigError(f"BERT config lacks required field {exc.args[0]!r}") from None
 
@@ -94,8 +110,10 @@ class BertSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         """x [B, L, H], key_mask [B, 1, 1, L] (True = a real token) -> [B, L, H]."""
         batch, length, hidden = x.shape
-        q, k, v = (proj(x).view(batch, length, self.num_heads, -1).transpose(1, 2)
-                   for proj in (self.query, self.key, self.value))
+        q, k, v = (
+            proj(x).view(batch, length, self.num_heads, -1).transpose(1, 2)
+            for proj in (self.query, self.key, self.value)
+        )
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
         return out.transpose(1, 2).reshape(batch, length, hidden)
 
@@ -178,8 +196,9 @@ class BertModel(nn.Module):
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
             if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape "
-                                 f"{tuple(params[name].shape)}")
+                raise ValueError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(params[name].shape)}"
+                )
             with torch.no_grad():
                 params[name].copy_(tensor)
             seen.add(name)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -19,17 +20,32 @@ class ConfigError(ValueError):
 
 
 # the ModelConfig fields on which some weight's shape depends (checked before new weights load in place)
-_SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                 "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "o_proj_bias", "num_experts",
-                 "moe_intermediate_size", "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers")
+_SHAPE_FIELDS = (
+    "architecture",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "tie_word_embeddings",
+    "qkv_bias",
+    "o_proj_bias",
+    "num_experts",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+)
 
 
 class Architecture(enum.Enum):
     LLAMA = "LlamaForCausalLM"
     QWEN2 = "Qwen2ForCausalLM"
-    QWEN2_MOE = "Qwen2MoeForCausalLM"          # routed experts + a sigmoid-gated shared expert
-    MIXTRAL = "MixtralForCausalLM"             # top-k routed experts, no shared expert
-    LLAMA_CLASSIFIER = "LlamaForSequenceClassification"   # `score` head instead of `lm_head` (reward models)
+    QWEN2_MOE = "Qwen2MoeForCausalLM"  # routed experts + a sigmoid-gated shared expert
+    MIXTRAL = "MixtralForCausalLM"  # top-k routed experts, no shared expert
+    LLAMA_CLASSIFIER = "LlamaForSequenceClassification"  # `score` head instead of `lm_head` (reward models)
     QWEN2_CLASSIFIER = "Qwen2ForSequenceClassification"
 
     @property
@@ -77,37 +93,51 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
-    norm_topk_prob: bool = False          # renormalize the chosen experts' weights to sum to 1
-    decoder_sparse_step: int = 1          # every n-th layer (1-based) is an MoE layer ...
+    norm_topk_prob: bool = False  # renormalize the chosen experts' weights to sum to 1
+    decoder_sparse_step: int = 1  # every n-th layer (1-based) is an MoE layer ...
     mlp_only_layers: tuple[int, ...] = ()  # ... except these, which stay dense
     num_labels: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads != 0:
-            raise ConfigError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         scaling = dict(self.rope_scaling)
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind not in (None, "default", "llama3", "linear"):
             raise ConfigError(f"unsupported rope_scaling type {kind!r}")
         if self.num_experts > 0:
             if not 0 < self.num_experts_per_tok <= self.num_experts:
-                raise ConfigError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
-                                  f"got {self.num_experts_per_tok}")
+                raise ConfigError(
+                    f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                    f"got {self.num_experts_per_tok}"
+                )
             if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
                 raise ConfigError("moe_intermediate_size and decoder_sparse_step must be positive")
         if self.architecture.is_classifier != (self.num_labels > 0):
-            raise ConfigError(f"{self.architecture.value} needs num_labels "
-                              f"{'> 0' if self.architecture.is_classifier else '= 0'}, got {self.num_labels}")
+            raise ConfigError(
+                f"{self.architecture.value} needs num_labels "
+                f"{'> 0' if self.architecture.is_classifier else '= 0'}, got {self.num_labels}"
+            )
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether decoder layer `layer_id` routes tokens to experts (else it has a dense MLP)."""
-        return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
-                and (layer_id + 1) % self.decoder_sparse_step == 0)
+        return (
+            self.num_experts > 0
+            and layer_id not in self.mlp_only_layers
+            and (layer_id + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:
@@ -116,11 +146,14 @@ class ModelConfig:
     def shape_changes(self, other: ModelConfig) -> list[str]:
         """`field: ours -> other's` for each field that fixes a weight's shape and differs in
         `other`; empty when weights made for `other` load into a model built from this config."""
-        return [f"{name}: {getattr(self, name)} -> {getattr(other, name)}" for name in _SHAPE_FIELDS
-                if getattr(self, name) != getattr(other, name)]
+        return [
+            f"{name}: {getattr(self, name)} -> {getattr(other, name)}"
+            for name in _SHAPE_FIELDS
+            if getattr(self, name) != getattr(other, name)
+        ]
 
     @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any]) -> "ModelConfig":
+    def from_hf_config(cls, config: Mapping[str, Any]) -> ModelConfig:
         """Build from the dict of an HF `config.json`."""
         archs = config.get("architectures") or []
         try:
@@ -158,12 +191,13 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)) and not architecture.is_classifier,
             qkv_bias=architecture.has_qkv_bias or bool(config.get("attention_bias", False)),
-            o_proj_bias=(architecture in (Architecture.LLAMA, Architecture.LLAMA_CLASSIFIER)
-                         and bool(config.get("attention_bias", False))),
+            o_proj_bias=(
+                architecture in (Architecture.LLAMA, Architecture.LLAMA_CLASSIFIER)
+                and bool(config.get("attention_bias", False))
+            ),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            rope_scaling=tuple(sorted((k, v) for k, v in rope_scaling.items()
-                                      if not isinstance(v, (list, dict)))),
+            rope_scaling=tuple(sorted((k, v) for k, v in rope_scaling.items() if not isinstance(v, (list, dict)))),
             **_moe_fields(architecture, config),
             num_labels=_num_labels(config) if architecture.is_classifier else 0,
         )
@@ -172,16 +206,22 @@ class ModelConfig:
 def _moe_fields(architecture: Architecture, config: Mapping[str, Any]) -> dict[str, Any]:
     """The MoE fields of `ModelConfig` from an HF config (none for dense architectures)."""
     if architecture is Architecture.QWEN2_MOE:
-        return dict(num_experts=int(config["num_experts"]), num_experts_per_tok=int(config["num_experts_per_tok"]),
-                    moe_intermediate_size=int(config["moe_intermediate_size"]),
-                    shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0),
-                    norm_topk_prob=bool(config.get("norm_topk_prob", False)),
-                    decoder_sparse_step=int(config.get("decoder_sparse_step", 1)),
-                    mlp_only_layers=tuple(int(i) for i in config.get("mlp_only_layers") or ()))
-    if architecture is Architecture.MIXTRAL:   # every layer is MoE; experts are intermediate_size wide
-        return dict(num_experts=int(config["num_local_experts"]),
-                    num_experts_per_tok=int(config["num_experts_per_tok"]),
-                    moe_intermediate_size=int(config["intermediate_size"]), norm_topk_prob=True)
+        return dict(
+            num_experts=int(config["num_experts"]),
+            num_experts_per_tok=int(config["num_experts_per_tok"]),
+            moe_intermediate_size=int(config["moe_intermediate_size"]),
+            shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0),
+            norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(config.get("decoder_sparse_step", 1)),
+            mlp_only_layers=tuple(int(i) for i in config.get("mlp_only_layers") or ()),
+        )
+    if architecture is Architecture.MIXTRAL:  # every layer is MoE; experts are intermediate_size wide
+        return dict(
+            num_experts=int(config["num_local_experts"]),
+            num_experts_per_tok=int(config["num_experts_per_tok"]),
+            moe_intermediate_size=int(config["intermediate_size"]),
+            norm_topk_prob=True,
+        )
     return {}
 
 
@@ -192,7 +232,7 @@ def _num_labels(config: Mapping[str, Any]) -> int:
 
 
 _DTYPES = ("bfloat16", "float32", "float16")
-QUANTIZATIONS = ("none", "gguf", "q8_0", "q4_0", "q4_1")   # what each means: engine/weight_loader.py
+QUANTIZATIONS = ("none", "gguf", "q8_0", "q4_0", "q4_1")  # what each means: engine/weight_loader.py
 # "meta" (shapes without data) lets tests run the whole forward pass with no memory and no GPU
 _DEVICE = re.compile(r"cpu|meta|cuda(:\d+)?")
 
@@ -225,8 +265,8 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "auto"
     sampling_backend: str = "auto"
-    quantization: str = "none"   # one of QUANTIZATIONS
-    int8_activations: bool = False   # quantized matmuls round activations to int8 blocks (llama.cpp's way)
+    quantization: str = "none"  # one of QUANTIZATIONS
+    int8_activations: bool = False  # quantized matmuls round activations to int8 blocks (llama.cpp's way)
     enable_prefix_cache: bool = False
 
     def __post_init__(self) -> None:
@@ -241,14 +281,17 @@ class EngineConfig:
         if self.max_running_requests <= 0 or self.max_prefill_tokens <= 0:
             raise ConfigError("max_running_requests and max_prefill_tokens must be positive")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 0:
-            raise ConfigError(f"chunked_prefill_size must be positive, or None or 0 (no chunking), "
-                              f"got {self.chunked_prefill_size}")
+            raise ConfigError(
+                f"chunked_prefill_size must be positive, or None or 0 (no chunking), got {self.chunked_prefill_size}"
+            )
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if not _DEVICE.fullmatch(self.device):
             raise ConfigError(f"device must be cpu, cuda or cuda:<index>, got {self.device!r}")
         if self.quantization != "none" and self.device != "cpu":
-            raise ConfigError(f"quantization {self.quantization!r} computes with the CPU kernel only; on "
-                              f"device {self.device!r} the weights must be floats (quantization none)")
+            raise ConfigError(
+                f"quantization {self.quantization!r} computes with the CPU kernel only; on "
+                f"device {self.device!r} the weights must be floats (quantization none)"
+            )
         if self.context_len is not None and self.context_len <= 1:
             raise ConfigError(f"context_len must be > 1, got {self.context_len}")

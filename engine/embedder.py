@@ -20,14 +20,16 @@ An `Embedder` is single-threaded: callers must never run two of its calls at onc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 
-from engine.bert import ARCHITECTURE as BERT_ARCHITECTURE, BertModel
+from engine.bert import ARCHITECTURE as BERT_ARCHITECTURE
+from engine.bert import BertModel
 from engine.config import EngineConfig
 from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.model import CausalLM
@@ -60,10 +62,13 @@ class EmbeddingModelInfo:
         if not self.is_matryoshka:
             raise InvalidRequestError(
                 f"this model does not support `dimensions` other than its full size {self.embedding_dim}: "
-                "it declares no Matryoshka training, so truncated vectors would lose quality")
+                "it declares no Matryoshka training, so truncated vectors would lose quality"
+            )
         if self.matryoshka_dimensions and dimensions not in self.matryoshka_dimensions:
-            raise InvalidRequestError(f"`dimensions` must be one of {sorted(self.matryoshka_dimensions)} or "
-                                      f"{self.embedding_dim} for this model, got {dimensions}")
+            raise InvalidRequestError(
+                f"`dimensions` must be one of {sorted(self.matryoshka_dimensions)} or "
+                f"{self.embedding_dim} for this model, got {dimensions}"
+            )
         if not 1 <= dimensions <= self.embedding_dim:
             raise InvalidRequestError(f"`dimensions` must be between 1 and {self.embedding_dim}, got {dimensions}")
 
@@ -96,12 +101,18 @@ class PaddedBert:
 class ScratchDecoder:
     """Runs `CausalLM`'s decoder over whole sequences, its K/V written to a throwaway page pool."""
 
-    def __init__(self, model: CausalLM, context_len: int, engine_config: EngineConfig, dtype: torch.dtype,
-                 apply_head: bool = False) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        context_len: int,
+        engine_config: EngineConfig,
+        dtype: torch.dtype,
+        apply_head: bool = False,
+    ) -> None:
         mc = model.config
         self.model = model
         self.dtype = dtype
-        self.apply_head = apply_head   # return each token's head output (a classifier's scores) instead
+        self.apply_head = apply_head  # return each token's head output (a classifier's scores) instead
         self.device = torch.device(engine_config.device)
         self.rotary = rotary_embedding(mc, context_len, dtype, self.device)
         self.attention = attention_backend(engine_config.attention_backend, mc, _SCRATCH_PAGE_SIZE, dtype, self.device)
@@ -110,12 +121,13 @@ class ScratchDecoder:
         mc, size = self.model.config, _SCRATCH_PAGE_SIZE
         num_pages = [pages_needed(len(tokens), size) for tokens in token_lists]
         first = accumulate(num_pages[:-1], initial=0)
-        pages = [range(f, f + n) for f, n in zip(first, num_pages)]   # each sequence's own run of scratch pages
+        pages = [range(f, f + n) for f, n in zip(first, num_pages)]  # each sequence's own run of scratch pages
         host = paged_step_inputs(token_lists, [0] * len(token_lists), pages, size)
         self.attention.plan(host.meta)
         inputs = host.to(self.device)
-        scratch = torch.empty(sum(num_pages), mc.num_layers, 2, size, mc.num_kv_heads, mc.head_dim, dtype=self.dtype,
-                              device=self.device)
+        scratch = torch.empty(
+            sum(num_pages), mc.num_layers, 2, size, mc.num_kv_heads, mc.head_dim, dtype=self.dtype, device=self.device
+        )
         hidden = self.model(inputs.input_ids, inputs.positions, self.rotary, self.attention, scratch, inputs.meta)
         return self.model.compute_logits(hidden) if self.apply_head else hidden
 
@@ -123,8 +135,9 @@ class ScratchDecoder:
 class Embedder:
     """Embeds batches of token lists; batches larger than `max_batch_tokens` (padded) run in pieces."""
 
-    def __init__(self, encoder: Encoder, pooling: PoolingConfig, info: EmbeddingModelInfo,
-                 max_batch_tokens: int) -> None:
+    def __init__(
+        self, encoder: Encoder, pooling: PoolingConfig, info: EmbeddingModelInfo, max_batch_tokens: int
+    ) -> None:
         self.encoder = encoder
         self.pooling = pooling
         self.info = info
@@ -156,7 +169,8 @@ class Embedder:
                 raise InvalidRequestError(f"input {i} has no tokens")
             if len(tokens) > self.info.context_len:
                 raise ContextLengthExceededError(
-                    f"input {i} has {len(tokens)} tokens; the model's maximum is {self.info.context_len}")
+                    f"input {i} has {len(tokens)} tokens; the model's maximum is {self.info.context_len}"
+                )
             bad = next((t for t in tokens if not 0 <= t < self.info.vocab_size), None)
             if bad is not None:
                 raise InvalidRequestError(f"input {i}: token id {bad} is outside [0, {self.info.vocab_size})")
@@ -184,8 +198,8 @@ def load_embedder(model_path: str, config: EngineConfig, progress: bool = True) 
         bert = materialize(lambda: BertModel(checkpoint.config), dtype, config.device).eval()
         bert.load_weights(checkpoint.tensors(progress=progress))
         encoder: Encoder = PaddedBert(bert)
-        mc_max, vocab, hidden, arch = (checkpoint.config.max_position_embeddings, checkpoint.config.vocab_size,
-                                       checkpoint.config.hidden_size, BERT_ARCHITECTURE)
+        bc = checkpoint.config
+        mc_max, vocab, hidden, arch = bc.max_position_embeddings, bc.vocab_size, bc.hidden_size, BERT_ARCHITECTURE
         default_mode = PoolingMode.CLS
     else:
         decoder_checkpoint = open_checkpoint(model_path)
@@ -194,16 +208,22 @@ def load_embedder(model_path: str, config: EngineConfig, progress: bool = True) 
         is_classifier = mc.architecture.is_classifier
         mc_max, vocab, arch = mc.max_position_embeddings, mc.vocab_size, mc.architecture.value
         hidden = mc.num_labels if is_classifier else mc.hidden_size
-        encoder = ScratchDecoder(model, min(config.context_len or mc_max, mc_max), config, dtype,
-                                 apply_head=is_classifier)
+        encoder = ScratchDecoder(
+            model, min(config.context_len or mc_max, mc_max), config, dtype, apply_head=is_classifier
+        )
         default_mode = PoolingMode.LAST
-    if is_classifier:   # the scores are the model's own output: the last token's, never normalized or cut
+    if is_classifier:  # the scores are the model's own output: the last token's, never normalized or cut
         pooling, matryoshka = PoolingConfig(PoolingMode.LAST, normalize=False), None
     else:
         pooling, matryoshka = read_pooling_config(model_path, default_mode), _matryoshka(model_path)
-    info = EmbeddingModelInfo(architecture=arch, context_len=min(config.context_len or mc_max, mc_max),
-                              vocab_size=vocab, embedding_dim=hidden, is_matryoshka=matryoshka is not None,
-                              matryoshka_dimensions=matryoshka or ())
+    info = EmbeddingModelInfo(
+        architecture=arch,
+        context_len=min(config.context_len or mc_max, mc_max),
+        vocab_size=vocab,
+        embedding_dim=hidden,
+        is_matryoshka=matryoshka is not None,
+        matryoshka_dimensions=matryoshka or (),
+    )
     return Embedder(encoder, pooling, info, config.max_prefill_tokens)
 
 

@@ -16,4 +16,4 @@ class GrammarKind(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class GrammarSpec:
     kind: GrammarKind
-    text: str = ""     # the schema (JSON text), regex or EBNF grammar; empty for JSON_OBJECT
+    text: str = ""  # the schema (JSON text), regex or EBNF grammar; empty for JSON_OBJECT

@@ -28,7 +28,7 @@ class KVLayout:
         return self.page_bytes // self.page_size
 
     @classmethod
-    def for_model(cls, config: ModelConfig, page_size: int, dtype: torch.dtype) -> "KVLayout":
+    def for_model(cls, config: ModelConfig, page_size: int, dtype: torch.dtype) -> KVLayout:
         return cls(config.num_layers, page_size, config.num_kv_heads, config.head_dim, dtype)
 
 
@@ -39,8 +39,8 @@ class KVPool:
     def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu") -> None:
         self.layout = layout
         self.num_pages = num_pages
-        self.tensor = torch.zeros(num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads,
-                                  layout.head_dim, dtype=layout.dtype, device=device)
+        shape = (num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
+        self.tensor = torch.zeros(shape, dtype=layout.dtype, device=device)
 
     @property
     def device(self) -> torch.device:
@@ -58,7 +58,8 @@ class KVPool:
     def read_tokens(self, page_ids: list[int], num_tokens: int) -> torch.Tensor:
         """KV of the first `num_tokens` tokens held in `page_ids`: [L, 2, num_tokens, Hkv, D] (a copy, on
         the pool's device)."""
-        pages = self.tensor[page_ids]                       # [n, L, 2, S, H, D]
-        kv = pages.permute(1, 2, 0, 3, 4, 5).reshape(self.layout.num_layers, 2, -1,
-                                                     self.layout.num_kv_heads, self.layout.head_dim)
+        pages = self.tensor[page_ids]  # [n, L, 2, S, H, D]
+        kv = pages.permute(1, 2, 0, 3, 4, 5).reshape(
+            self.layout.num_layers, 2, -1, self.layout.num_kv_heads, self.layout.head_dim
+        )
         return kv[:, :, :num_tokens].clone()

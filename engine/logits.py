@@ -5,8 +5,8 @@ Reported logprobs always come from the raw logits; adjustments only steer which 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -30,12 +30,16 @@ def adjust_logits(logits: torch.Tensor, requests: list[Request], eos_token_ids: 
         histories = [r.prompt_ids + r.output_ids for r in requests]
         outputs = [r.output_ids for r in requests]
         device = logits.device
-        logits = apply_penalties(logits, PenaltyBatch(
-            presence=torch.tensor([p.presence_penalty for p in params], device=device),
-            frequency=torch.tensor([p.frequency_penalty for p in params], device=device),
-            repetition=torch.tensor([p.repetition_penalty for p in params], device=device),
-            output_counts=token_histories(outputs, vocab, device),
-            seen=token_histories(histories, vocab, device) > 0))
+        logits = apply_penalties(
+            logits,
+            PenaltyBatch(
+                presence=torch.tensor([p.presence_penalty for p in params], device=device),
+                frequency=torch.tensor([p.frequency_penalty for p in params], device=device),
+                repetition=torch.tensor([p.repetition_penalty for p in params], device=device),
+                output_counts=token_histories(outputs, vocab, device),
+                seen=token_histories(histories, vocab, device) > 0,
+            ),
+        )
     if any(p.logit_bias for p in params):
         logits = apply_logit_bias(logits, [dict(p.logit_bias) for p in params])
     banned = [_banned_before_min(r, eos_token_ids) for r in requests]
@@ -63,16 +67,20 @@ def logprob_extras(raw_logprobs: torch.Tensor, requests: list[Request]) -> Logpr
         for row, p in enumerate(params):
             k = p.top_logprobs_num
             top[row] = tuple(zip(ids[row, :k].tolist(), values[row, :k].tolist()))
-    requested = [tuple((t, float(raw_logprobs[row, t])) for t in p.token_ids_logprob)
-                 for row, p in enumerate(params)]
+    requested = [tuple((t, float(raw_logprobs[row, t])) for t in p.token_ids_logprob) for row, p in enumerate(params)]
     return LogprobExtras(top, requested)
 
 
-_PROMPT_ROWS_PER_CHUNK = 256   # bounds the [rows, vocab] fp32 logits held at once
+_PROMPT_ROWS_PER_CHUNK = 256  # bounds the [rows, vocab] fp32 logits held at once
 
 
-def score_prompt(compute_logits: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor,
-                 prompt_ids: list[int], first: int, params: SamplingParams) -> PromptLogprobs:
+def score_prompt(
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    rows: torch.Tensor,
+    prompt_ids: list[int],
+    first: int,
+    params: SamplingParams,
+) -> PromptLogprobs:
     """Raw logprobs of prompt_ids[first:], where `rows` [len(prompt_ids) - first, hidden] holds
     the hidden states of positions first - 1 ... len - 2, plus top / requested logprobs per
     `params`. Computed in chunks so a long prompt never holds all its logits at once."""
@@ -91,5 +99,9 @@ def score_prompt(compute_logits: Callable[[torch.Tensor], torch.Tensor], rows: t
         if wanted:
             requested += [tuple(zip(wanted, v)) for v in logprobs[:, wanted].tolist()]
     n = len(targets)
-    return PromptLogprobs(tuple(prompt_ids[first:]), tuple(chosen), tuple(top) if k else ((),) * n,
-                          tuple(requested) if wanted else ((),) * n)
+    return PromptLogprobs(
+        tuple(prompt_ids[first:]),
+        tuple(chosen),
+        tuple(top) if k else ((),) * n,
+        tuple(requested) if wanted else ((),) * n,
+    )

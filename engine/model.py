@@ -8,7 +8,7 @@ config (`num_labels` > 0) gets HF's `score` head instead of `lm_head`.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -36,20 +36,34 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        hidden, q_size, kv_size = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        hidden = config.hidden_size
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.sizes = (q_size, kv_size, kv_size)
-        self.qkv_proj = MergedLinear(hidden, (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)),
-                                     bias=config.qkv_bias)
+        self.qkv_proj = MergedLinear(
+            hidden, (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)), bias=config.qkv_bias
+        )
         self.o_proj = nn.Linear(q_size, hidden, bias=config.o_proj_bias)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                backend: AttentionBackend, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = rotary.apply_and_store(q.view(num_tokens, self.num_heads, self.head_dim),
-                                   k.view(num_tokens, self.num_kv_heads, self.head_dim),
-                                   v.view(num_tokens, self.num_kv_heads, self.head_dim), positions, kv_cache,
-                                   meta.write_pages, meta.write_offsets)
+        q = rotary.apply_and_store(
+            q.view(num_tokens, self.num_heads, self.head_dim),
+            k.view(num_tokens, self.num_kv_heads, self.head_dim),
+            v.view(num_tokens, self.num_kv_heads, self.head_dim),
+            positions,
+            kv_cache,
+            meta.write_pages,
+            meta.write_offsets,
+        )
         out = backend.attend(q, kv_cache, meta)
         return self.o_proj(out.reshape(num_tokens, -1))
 
@@ -59,8 +73,9 @@ class MLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, (("gate_proj", intermediate_size),
-                                                       ("up_proj", intermediate_size)), bias=False)
+        self.gate_up_proj = MergedLinear(
+            hidden_size, (("gate_proj", intermediate_size), ("up_proj", intermediate_size)), bias=False
+        )
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,6 +98,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config)
         self.is_moe = config.is_moe_layer(layer_id)
+        ffn: nn.Module
         if self.is_moe:
             self.ffn_name, ffn = _moe_block(config)
         else:
@@ -91,9 +107,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                rotary: RotaryEmbedding, backend: AttentionBackend, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                expert_counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        expert_counts: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer on the residual stream: returns (this layer's output, the stream before it is added);
         the stream `residual` (None for the first layer) is updated in place. `expert_counts`
         ([num_experts] int64, MoE layers only) is added to as `SparseMoeBlock` says."""
@@ -130,9 +154,16 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                backend: AttentionBackend, kv_pool: torch.Tensor, meta: AttentionMetadata,
-                expert_counts: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        kv_pool: torch.Tensor,
+        meta: AttentionMetadata,
+        expert_counts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """input_ids, positions: [T] int64; kv_pool: [P, num_layers, 2, S, Hkv, D] (written).
 
         `expert_counts` ([num_layers, num_experts] int64): when given, each MoE layer adds to its row
@@ -148,8 +179,12 @@ class CausalLM(nn.Module):
         head = self.score if self.config.num_labels else self.lm_head
         return head(hidden).float()
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
-                     quantization: str = "none", int8_activations: bool = False) -> None:
+    def load_weights(
+        self,
+        tensors: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
+        quantization: str = "none",
+        int8_activations: bool = False,
+    ) -> None:
         """Copy HF-named tensors into the parameters (every one covered exactly), fusing projections
         and keeping or making quantized weights as `engine.weight_loader` says for `quantization`."""
         load_into(self, tensors, quantization, int8_activations)

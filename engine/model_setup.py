@@ -42,8 +42,14 @@ def materialize(build: Callable[[], ModuleT], dtype: torch.dtype, device: torch.
     return module.to(dtype).to_empty(device=device)
 
 
-def load_causal_lm(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device | str,
-                   quantization: str = "none", int8_activations: bool = False, progress: bool = True) -> CausalLM:
+def load_causal_lm(
+    checkpoint: Checkpoint,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    quantization: str = "none",
+    int8_activations: bool = False,
+    progress: bool = True,
+) -> CausalLM:
     """`checkpoint`'s decoder on `device` in `dtype` (and `quantization`), weights loaded, in eval mode."""
     config = checkpoint.config
     model = materialize(lambda: CausalLM(config), dtype, device)
@@ -57,23 +63,38 @@ def load_causal_lm(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.dev
     return model.eval()
 
 
-def load_causal_lm_weights(model: CausalLM, checkpoint: Checkpoint, quantization: str = "none",
-                           int8_activations: bool = False, progress: bool = False) -> None:
+def load_causal_lm_weights(
+    model: CausalLM,
+    checkpoint: Checkpoint,
+    quantization: str = "none",
+    int8_activations: bool = False,
+    progress: bool = False,
+) -> None:
     """(Re)load `model`'s weights in place from `checkpoint` (shapes checked per tensor). GGUF's
     packed blocks are kept packed only when `quantization` asks for quantized weights."""
     tensors = checkpoint.tensors(progress=progress, keep_quantized=quantization != "none")
     model.load_weights(tensors, quantization, int8_activations)
 
 
-def rotary_embedding(config: ModelConfig, context_len: int, dtype: torch.dtype,
-                     device: torch.device | str) -> RotaryEmbedding:
+def rotary_embedding(
+    config: ModelConfig, context_len: int, dtype: torch.dtype, device: torch.device | str
+) -> RotaryEmbedding:
     """The rotary tables for positions [0, context_len) of a `config` model."""
-    return RotaryEmbedding(config.head_dim, context_len, config.rope_theta, dict(config.rope_scaling), dtype,
-                           torch.device(device))
+    return RotaryEmbedding(
+        config.head_dim, context_len, config.rope_theta, dict(config.rope_scaling), dtype, torch.device(device)
+    )
 
 
-def attention_backend(name: str, config: ModelConfig, page_size: int, dtype: torch.dtype,
-                      device: torch.device | str) -> AttentionBackend:
+def attention_backend(
+    name: str, config: ModelConfig, page_size: int, dtype: torch.dtype, device: torch.device | str
+) -> AttentionBackend:
     """The attention backend `name` (`auto` resolved for `device` and `dtype`) for a `config` model's heads."""
-    return create_attention_backend(name, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
-                                    head_dim=config.head_dim, page_size=page_size, dtype=dtype, device=device)
+    return create_attention_backend(
+        name,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        page_size=page_size,
+        dtype=dtype,
+        device=device,
+    )

@@ -76,7 +76,7 @@ class SparseMoeBlock(nn.Module):
         for expert, num_tokens in zip(self.experts, tokens_per_expert.tolist()):
             if num_tokens == 0:
                 continue
-            chosen = slots[start:start + num_tokens]
+            chosen = slots[start : start + num_tokens]
             start += num_tokens
             rows = chosen // self.top_k
             out.index_add_(0, rows, expert(x.index_select(0, rows)) * flat_weights[chosen, None])
@@ -136,5 +136,6 @@ class ExpertRecorder:
 
     def _require_experts(self) -> None:
         if not self.layer_ids:
-            raise InvalidRequestError("the served model has no mixture-of-experts layers: there is no expert "
-                                      "distribution to record")
+            raise InvalidRequestError(
+                "the served model has no mixture-of-experts layers: there is no expert distribution to record"
+            )

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -25,15 +25,19 @@ _NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
 
 
 class PoolingMode(enum.Enum):
-    CLS = "cls"      # the first token ([CLS])
-    MEAN = "mean"    # the mean over every token
-    MAX = "max"      # the element-wise max over every token
-    LAST = "last"    # the last token (decoder models, e.g. gte-Qwen2)
+    CLS = "cls"  # the first token ([CLS])
+    MEAN = "mean"  # the mean over every token
+    MAX = "max"  # the element-wise max over every token
+    LAST = "last"  # the last token (decoder models, e.g. gte-Qwen2)
 
 
 # sentence-transformers' Pooling config flags, each selecting one mode.
-_FLAGS = {"pooling_mode_cls_token": PoolingMode.CLS, "pooling_mode_mean_tokens": PoolingMode.MEAN,
-          "pooling_mode_max_tokens": PoolingMode.MAX, "pooling_mode_lasttoken": PoolingMode.LAST}
+_FLAGS = {
+    "pooling_mode_cls_token": PoolingMode.CLS,
+    "pooling_mode_mean_tokens": PoolingMode.MEAN,
+    "pooling_mode_max_tokens": PoolingMode.MAX,
+    "pooling_mode_lasttoken": PoolingMode.LAST,
+}
 _UNSUPPORTED_FLAGS = ("pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
 
 
@@ -68,8 +72,10 @@ def _mode_from(config_path: Path) -> PoolingMode:
     unsupported = [flag for flag in _UNSUPPORTED_FLAGS if config.get(flag)]
     chosen = [mode for flag, mode in _FLAGS.items() if config.get(flag)]
     if unsupported or len(chosen) != 1:
-        raise ConfigError(f"{config_path}: exactly one of {sorted(_FLAGS)} must be true "
-                          f"(found {[m.value for m in chosen]}; unsupported {unsupported})")
+        raise ConfigError(
+            f"{config_path}: exactly one of {sorted(_FLAGS)} must be true "
+            f"(found {[m.value for m in chosen]}; unsupported {unsupported})"
+        )
     return chosen[0]
 
 
@@ -95,8 +101,9 @@ def pool(hidden: torch.Tensor, seq_lens: Sequence[int], config: PoolingConfig) -
     elif config.mode is PoolingMode.LAST:
         pooled = hidden[ends - 1]
     else:
-        seq_of_row = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), lens,
-                                             output_size=hidden.shape[0])
+        seq_of_row = torch.repeat_interleave(
+            torch.arange(len(seq_lens), device=device), lens, output_size=hidden.shape[0]
+        )
         out = torch.zeros(len(seq_lens), hidden.shape[1], dtype=torch.float32, device=device)
         if config.mode is PoolingMode.MEAN:
             pooled = out.index_add_(0, seq_of_row, hidden) / lens.unsqueeze(1)

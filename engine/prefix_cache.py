@@ -46,7 +46,7 @@ class PrefixCache(PagePool):
         super().__init__(allocator, page_size)
         self._by_key: dict[tuple[int, tuple[int, ...]], int] = {}
         self._nodes: dict[int, _Node] = {}
-        self._num_unused = 0          # nodes with ref_count 0, kept current on every transition
+        self._num_unused = 0  # nodes with ref_count 0, kept current on every transition
         self._clock = itertools.count(1)
         # (last_access, page_id) of every unused leaf, plus stale entries: those whose node is gone,
         # was touched since (its last_access moved on), or is no longer an unused leaf
@@ -67,7 +67,7 @@ class PrefixCache(PagePool):
         pages: list[int] = []
         parent, now = _ROOT, next(self._clock)
         for start in range(0, len(token_ids) - 1 - self.page_size + 1, self.page_size):
-            page_id = self._by_key.get((parent, tuple(token_ids[start:start + self.page_size])))
+            page_id = self._by_key.get((parent, tuple(token_ids[start : start + self.page_size])))
             if page_id is None:
                 break
             node = self._nodes[page_id]
@@ -89,7 +89,7 @@ class PrefixCache(PagePool):
         parent = page_ids[num_matched_pages - 1] if num_matched_pages else _ROOT
         now = next(self._clock)
         for index in range(num_matched_pages, len(token_ids) // self.page_size):
-            key = (parent, tuple(token_ids[index * self.page_size:(index + 1) * self.page_size]))
+            key = (parent, tuple(token_ids[index * self.page_size : (index + 1) * self.page_size]))
             if key in self._by_key:
                 return
             page_id = page_ids[index]
@@ -119,8 +119,10 @@ class PrefixCache(PagePool):
         """Pages from the allocator, evicting unused cached leaves when it runs short. Raises
         CapacityError, evicting nothing, when even eviction could not make room."""
         if not self.can_allocate(num):
-            raise CapacityError(f"need {num} KV pages; {self.allocator.num_free} free and "
-                                f"{self.num_evictable_pages} reusable of {self.allocator.num_pages}")
+            raise CapacityError(
+                f"need {num} KV pages; {self.allocator.num_free} free and "
+                f"{self.num_evictable_pages} reusable of {self.allocator.num_pages}"
+            )
         if num > self.allocator.num_free:
             self.evict(num - self.allocator.num_free)
         return self.allocator.allocate(num)
@@ -152,7 +154,7 @@ class PrefixCache(PagePool):
         if not node.is_evictable:
             return
         heapq.heappush(self._evictable, (node.last_access, node.page_id))
-        if len(self._evictable) > 2 * len(self._nodes) + 16:   # mostly stale: keep memory O(nodes)
+        if len(self._evictable) > 2 * len(self._nodes) + 16:  # mostly stale: keep memory O(nodes)
             self._evictable = [entry for entry in self._evictable if self._is_live(entry)]
             heapq.heapify(self._evictable)
 

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 class Reservation:
     page_ids: list[int]
     prompt_len: int
-    expires_at: float   # time.monotonic() seconds
+    expires_at: float  # time.monotonic() seconds
     grace_s: float
 
 
@@ -32,7 +32,7 @@ class Reservations:
     def __init__(self, pages: PagePool) -> None:
         self._pages = pages
         self._by_id: dict[str, Reservation] = {}
-        self._quarantine: list[tuple[float, list[int]]] = []   # (reusable at, pages)
+        self._quarantine: list[tuple[float, list[int]]] = []  # (reusable at, pages)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._by_id

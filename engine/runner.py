@@ -31,6 +31,7 @@ from kernels.sampling import SamplingBatch, create_sampler, resolve_sampler
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True, slots=True)
 class SampledToken:
     """One request's token from a step: its logprob, and its top / requested logprobs when asked."""
@@ -57,8 +58,12 @@ class SampledTokens:
     def token(self, row: int) -> SampledToken:
         """The token of the request in batch row `row`."""
         extras = self.extras
-        return SampledToken(self.token_ids[row], self.logprobs[row], extras.top[row] if extras else (),
-                            extras.requested[row] if extras else ())
+        return SampledToken(
+            self.token_ids[row],
+            self.logprobs[row],
+            extras.top[row] if extras else (),
+            extras.requested[row] if extras else (),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,23 +71,30 @@ class FaultHooks:
     """Faults injected on purpose, for the chaos tests only (tests/chaos); the default injects none.
     The server runtime reads them from TANDEM_FAULT_* environment variables (server_runtime/worker.py)."""
 
-    nan_logits_seed: int | None = None   # requests whose sampling seed is this get NaN logits
+    nan_logits_seed: int | None = None  # requests whose sampling seed is this get NaN logits
 
 
 class ModelRunner:
-    def __init__(self, checkpoint: Checkpoint, config: EngineConfig, context_len: int,
-                 progress: bool = True, faults: FaultHooks = FaultHooks()) -> None:
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        config: EngineConfig,
+        context_len: int,
+        progress: bool = True,
+        faults: FaultHooks = FaultHooks(),
+    ) -> None:
         self.model_config: ModelConfig = checkpoint.config
         self.faults = faults
         self.dtype = torch_dtype(config.dtype)
         self.device = torch.device(config.device)
         self.page_size = config.page_size
-        self._pin = self.device.type == "cuda"   # pinned host inputs: asynchronous copies to the GPU
+        self._pin = self.device.type == "cuda"  # pinned host inputs: asynchronous copies to the GPU
         mc = self.model_config
         self.quantization, self.int8_activations = config.quantization, config.int8_activations
-        self.model = load_causal_lm(checkpoint, self.dtype, self.device, self.quantization, self.int8_activations,
-                                    progress)
-        self.expert_recorder = ExpertRecorder(mc, self.device)   # counts tokens per expert while recording
+        self.model = load_causal_lm(
+            checkpoint, self.dtype, self.device, self.quantization, self.int8_activations, progress
+        )
+        self.expert_recorder = ExpertRecorder(mc, self.device)  # counts tokens per expert while recording
         self.layout = KVLayout.for_model(mc, config.page_size, self.dtype)
         num_pages = self._num_pages(config)
         self.kv_pool = KVPool(self.layout, num_pages, self.device)
@@ -91,12 +103,23 @@ class ModelRunner:
         self.attention = attention_backend(attention, mc, config.page_size, self.dtype, self.device)
         sampler = resolve_sampler(config.sampling_backend, self.device)
         self.sampler = create_sampler(sampler, self.device)
-        logger.info("model on %s: dtype %s, quantization %s%s (%.1f MiB of weights), attention %s, sampling %s",
-                    self.device, config.dtype, config.quantization,
-                    " with int8 activations" if config.int8_activations else "",
-                    _weight_bytes(self.model) / 2**20, attention, sampler)
-        logger.info("KV pool: %d pages x %d tokens (%.1f MiB, %s)", num_pages, config.page_size,
-                    self.kv_pool.num_bytes / 2**20, config.dtype)
+        logger.info(
+            "model on %s: dtype %s, quantization %s%s (%.1f MiB of weights), attention %s, sampling %s",
+            self.device,
+            config.dtype,
+            config.quantization,
+            " with int8 activations" if config.int8_activations else "",
+            _weight_bytes(self.model) / 2**20,
+            attention,
+            sampler,
+        )
+        logger.info(
+            "KV pool: %d pages x %d tokens (%.1f MiB, %s)",
+            num_pages,
+            config.page_size,
+            self.kv_pool.num_bytes / 2**20,
+            config.dtype,
+        )
 
     def load_weights(self, checkpoint: Checkpoint, progress: bool = False) -> None:
         """(Re)load the model's weights in the configured quantization (shapes checked per tensor)."""
@@ -124,7 +147,8 @@ class ModelRunner:
             adjusted = grammar.mask_logits(adjusted, [r.grammar_matcher for r in requests])
         token_ids, logprobs = self.sampler.sample(adjusted, _sampling_batch(requests, self.device))
         needs_raw = adjusted is not logits or any(
-            r.sampling.top_logprobs_num or r.sampling.token_ids_logprob for r in requests)
+            r.sampling.top_logprobs_num or r.sampling.token_ids_logprob for r in requests
+        )
         extras = None
         if needs_raw:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -140,7 +164,7 @@ class ModelRunner:
         if seed is not None and any(r.sampling.seed == seed for r in requests):
             logits = logits.clone()
             logits[[row for row, r in enumerate(requests) if r.sampling.seed == seed]] = float("nan")
-        is_usable = torch.isfinite(logits.amax(dim=-1))   # amax propagates NaN
+        is_usable = torch.isfinite(logits.amax(dim=-1))  # amax propagates NaN
         if bool(is_usable.all()):
             return logits, ()
         rows = tuple((~is_usable).nonzero().flatten().tolist())
@@ -157,12 +181,20 @@ class ModelRunner:
         host = build_step_inputs(requests, is_decode, self.page_size, pin=self._pin)
         self.attention.plan(host.meta)
         inputs = host.to(self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.rotary, self.attention, self.kv_pool.tensor,
-                            inputs.meta, self.expert_recorder.step_counts())
+        hidden = self.model(
+            inputs.input_ids,
+            inputs.positions,
+            self.rotary,
+            self.attention,
+            self.kv_pool.tensor,
+            inputs.meta,
+            self.expert_recorder.step_counts(),
+        )
         return hidden, inputs
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, requests: list[Request], query_lens: tuple[int, ...]
-                         ) -> list[PromptLogprobs | None]:
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, requests: list[Request], query_lens: tuple[int, ...]
+    ) -> list[PromptLogprobs | None]:
         """Score each asking request's prompt tokens from max(prompt_logprob_start, 1) on, as far as this
         step's rows reach: the row of position p predicts token p + 1, and a prefill chunk holds rows
         num_computed ... num_computed + rows - 1 (the scheduler kept positions from start - 1 uncached).
@@ -176,16 +208,17 @@ class ModelRunner:
             if req.prompt_logprob_start is None or first > last:
                 results.append(None)
             else:
-                rows = hidden[offset + first - 1 - begin: offset + last - begin]
-                results.append(score_prompt(self.model.compute_logits, rows, req.prompt_ids[:last + 1], first,
-                                            req.sampling))
+                rows = hidden[offset + first - 1 - begin : offset + last - begin]
+                results.append(
+                    score_prompt(self.model.compute_logits, rows, req.prompt_ids[: last + 1], first, req.sampling)
+                )
             offset += num_rows
         return results
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of parameters and packed quantized weights, each shared tensor counted once."""
-    tensors = {id(p): p for p in model.parameters()}
+    tensors: dict[int, torch.Tensor] = {id(p): p for p in model.parameters()}
     for module in model.modules():
         if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
             w = module.quantized

@@ -36,13 +36,18 @@ class Scheduler:
     """Owns `waiting` and `running`; takes and returns every request page through `pages`, which
     may or may not cache prefixes (the scheduler never needs to know)."""
 
-    def __init__(self, pages: PagePool, max_running_requests: int, max_prefill_tokens: int,
-                 chunked_prefill_size: int | None = None) -> None:
+    def __init__(
+        self,
+        pages: PagePool,
+        max_running_requests: int,
+        max_prefill_tokens: int,
+        chunked_prefill_size: int | None = None,
+    ) -> None:
         self.pages = pages
         self.page_size = pages.page_size
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
-        self.chunked_prefill_size = chunked_prefill_size or None   # 0, like None, means no chunking
+        self.chunked_prefill_size = chunked_prefill_size or None  # 0, like None, means no chunking
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -81,11 +86,10 @@ class Scheduler:
         budget = self._prefill_budget
         while self.waiting and num_tokens < budget:
             req = self.waiting[0]
-            is_continuing = bool(req.page_ids)   # only an admitted waiting request holds pages
+            is_continuing = bool(req.page_ids)  # only an admitted waiting request holds pages
             if not is_continuing and len(self.running) + len(batch) >= self.max_running_requests:
                 break
-            if (self.chunked_prefill_size is None and batch
-                    and num_tokens + req.prefill_len - req.num_computed > budget):
+            if self.chunked_prefill_size is None and batch and num_tokens + req.prefill_len - req.num_computed > budget:
                 break
             matched = self._match_prefix(req)
             needed = pages_needed(req.prefill_len, self.page_size) - len(req.page_ids)
@@ -93,7 +97,7 @@ class Scheduler:
             # next decode step would preempt again at once
             headroom = len(self.running) if req.is_resuming and not is_continuing else 0
             if not self.pages.can_allocate(needed + headroom):
-                if matched:   # give the matched pages back; the request retries the match later
+                if matched:  # give the matched pages back; the request retries the match later
                     self.release_pages(req)
                     req.num_computed = req.num_cached_tokens = 0
                 break
@@ -104,7 +108,7 @@ class Scheduler:
             batch.append(req)
             num_tokens += req.num_new_tokens
             if is_split:
-                break   # the rest of its prompt stays at the head of `waiting` for the next step
+                break  # the rest of its prompt stays at the head of `waiting` for the next step
             self.waiting.popleft()
         return batch
 
@@ -125,9 +129,11 @@ class Scheduler:
             if req not in self.running or needed <= len(req.page_ids):
                 continue
             if needed > self.pages.num_pages:
-                self.finish(req, FinishReason.ABORT,
-                            message=f"KV cache exhausted: the request needs {needed} KV pages for {req.seq_len} "
-                                    f"tokens, more than the pool's {self.pages.num_pages}")
+                message = (
+                    f"KV cache exhausted: the request needs {needed} KV pages for {req.seq_len} tokens, "
+                    f"more than the pool's {self.pages.num_pages}"
+                )
+                self.finish(req, FinishReason.ABORT, message=message)
                 aborted.append(req)
                 continue
             while not self.pages.can_allocate(1) and req in self.running:
@@ -168,8 +174,7 @@ class Scheduler:
             self.running.append(req)
         return True
 
-    def finish(self, req: Request, reason: FinishReason | None, message: str = "",
-               keep_pages: bool = False) -> None:
+    def finish(self, req: Request, reason: FinishReason | None, message: str = "", keep_pages: bool = False) -> None:
         """Mark finished and drop from the queues; frees pages unless `keep_pages`."""
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

@@ -33,17 +33,19 @@ class StepInputs:
         """How many new tokens (rows) each request has."""
         return self.meta.query_lens
 
-    def to(self, device: torch.device | str, non_blocking: bool = True) -> "StepInputs":
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> StepInputs:
         """The same inputs on `device` (itself when they are there already). With `non_blocking`
         the copies from pinned memory are asynchronous: the host tensors must not be written again
         (they never are: each step builds new ones)."""
         device = torch.device(device)
         if self.input_ids.device == device:
             return self
-        return StepInputs(self.input_ids.to(device, non_blocking=non_blocking),
-                          self.positions.to(device, non_blocking=non_blocking),
-                          self.logit_rows.to(device, non_blocking=non_blocking),
-                          self.meta.to(device, non_blocking))
+        return StepInputs(
+            self.input_ids.to(device, non_blocking=non_blocking),
+            self.positions.to(device, non_blocking=non_blocking),
+            self.logit_rows.to(device, non_blocking=non_blocking),
+            self.meta.to(device, non_blocking),
+        )
 
 
 def build_step_inputs(requests: list[Request], is_decode: bool, page_size: int, pin: bool = False) -> StepInputs:
@@ -54,7 +56,7 @@ def build_step_inputs(requests: list[Request], is_decode: bool, page_size: int, 
     new_token_ids: list[list[int]] = []
     starts: list[int] = []
     for req in requests:
-        if is_decode:   # only the newest token is fed; copying the whole sequence would be O(length)
+        if is_decode:  # only the newest token is fed; copying the whole sequence would be O(length)
             start = req.seq_len - 1
             new = [req.output_ids[-1]] if req.output_ids else req.prompt_ids[-1:]
         else:
@@ -66,8 +68,13 @@ def build_step_inputs(requests: list[Request], is_decode: bool, page_size: int, 
     return paged_step_inputs(new_token_ids, starts, [r.page_ids for r in requests], page_size, pin)
 
 
-def paged_step_inputs(new_token_ids: Sequence[Sequence[int]], starts: Sequence[int],
-                      page_ids: Sequence[Sequence[int]], page_size: int, pin: bool = False) -> StepInputs:
+def paged_step_inputs(
+    new_token_ids: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    page_ids: Sequence[Sequence[int]],
+    page_size: int,
+    pin: bool = False,
+) -> StepInputs:
     """Host tensors (pinned when `pin`) for one forward pass over paged sequences: sequence i feeds
     `new_token_ids[i]` at positions `starts[i]` on, after `starts[i]` tokens whose KV is already in
     its pages `page_ids[i]`, which must have room for the new tokens too (their KV is written there)."""
@@ -78,5 +85,6 @@ def paged_step_inputs(new_token_ids: Sequence[Sequence[int]], starts: Sequence[i
     meta = AttentionMetadata.build(page_ids, query_lens, seq_lens, page_size, pin=pin)
     logit_rows = [end - 1 for end in accumulate(query_lens)]
     int64 = torch.int64
-    return StepInputs(host_tensor(ids, int64, pin), host_tensor(pos, int64, pin), host_tensor(logit_rows, int64, pin),
-                      meta)
+    return StepInputs(
+        host_tensor(ids, int64, pin), host_tensor(pos, int64, pin), host_tensor(logit_rows, int64, pin), meta
+    )

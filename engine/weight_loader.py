@@ -18,7 +18,7 @@ weights stay in host memory: the C++ kernel that computes with them runs on CPU 
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -29,24 +29,27 @@ from kernels.quant import BLOCK, QuantFormat, QuantizedEmbedding, QuantizedLinea
 logger = logging.getLogger(__name__)
 
 # modules whose weight may be quantized (MoE router gates and the classifier head stay in float)
-_QUANTIZABLE = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "w1", "w2", "w3", "lm_head",
-                          "embed_tokens"})
+_QUANTIZABLE = frozenset(
+    {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "w1", "w2", "w3", "lm_head", "embed_tokens"}
+)
 _HIGH_PRECISION = frozenset({"lm_head", "embed_tokens"})
 
 Value = torch.Tensor | QuantizedWeight
+Parts = tuple[tuple[str, int], ...]
 
 
 class MergedLinear(nn.Linear):
     """One matmul for several projections of the same input (q/k/v, gate/up): their weights stacked
     by rows in `parts` order. Checkpoints name the parts; the loader writes each into its rows."""
 
-    def __init__(self, in_features: int, parts: tuple[tuple[str, int], ...], bias: bool) -> None:
+    def __init__(self, in_features: int, parts: Parts, bias: bool) -> None:
         super().__init__(in_features, sum(size for _, size in parts), bias=bias)
         self.parts = parts
 
 
-def load_into(model: nn.Module, tensors: Iterable[tuple[str, Value]], quantization: str,
-              int8_activations: bool = False) -> None:
+def load_into(
+    model: nn.Module, tensors: Iterable[tuple[str, Value]], quantization: str, int8_activations: bool = False
+) -> None:
     """Copy every `(HF name, tensor)` into `model`; each parameter must be covered exactly once.
 
     Raises ValueError for an unknown name, a shape mismatch, or parameters the checkpoint lacks.
@@ -55,7 +58,7 @@ def load_into(model: nn.Module, tensors: Iterable[tuple[str, Value]], quantizati
     """
     if quantization not in QUANTIZATIONS:
         raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    config = model.config   # type: ignore[attr-defined]
+    config = model.config
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = bool(getattr(config, "tie_word_embeddings", False))
     pending: dict[str, dict[str, Value]] = {}
@@ -70,11 +73,11 @@ def load_into(model: nn.Module, tensors: Iterable[tuple[str, Value]], quantizati
             group_name, module = merged
             parts = pending.setdefault(group_name, {})
             parts[part] = value
-            if len(parts) == len(module.parts):
+            if len(parts) == len(_parts(module)):
                 _assign_merged(model, group_name, module, pending.pop(group_name), quantization, int8_activations)
                 seen.add(f"{group_name}.weight")
             continue
-        if merged is not None:   # a part's bias goes into its rows of the merged bias
+        if merged is not None:  # a part's bias goes into its rows of the merged bias
             group_name, module = merged
             target = f"{group_name}.bias"
             _copy_rows(params, target, _as_float(value), _row_offset(module, part), name)
@@ -90,9 +93,9 @@ def load_into(model: nn.Module, tensors: Iterable[tuple[str, Value]], quantizati
     missing = set(params) - seen - skipped
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-    if tied and isinstance(model.model.embed_tokens, QuantizedEmbedding):   # type: ignore[attr-defined]
-        model.lm_head = QuantizedLinear(model.model.embed_tokens.quantized,   # type: ignore[attr-defined]
-                                        int8_activations=int8_activations)
+    embed_tokens = model.get_submodule("model.embed_tokens") if tied else None
+    if isinstance(embed_tokens, QuantizedEmbedding):
+        model.lm_head = QuantizedLinear(embed_tokens.quantized, int8_activations=int8_activations)
 
 
 def checkpoint_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -120,8 +123,9 @@ def _is_quantized_weight(model: nn.Module, name: str) -> bool:
     return leaf == "weight" and isinstance(module, (QuantizedLinear, QuantizedEmbedding))
 
 
-def _merged_parent(model: nn.Module, parent_name: str, part: str) -> tuple[str, MergedLinear] | None:
-    """The fused module that holds checkpoint projection `parent_name.part`, if any."""
+def _merged_parent(model: nn.Module, parent_name: str, part: str) -> tuple[str, MergedLinear | QuantizedLinear] | None:
+    """The fused module that holds checkpoint projection `parent_name.part`, if any: a `MergedLinear`
+    or the `QuantizedLinear` an earlier load replaced one by."""
     if not parent_name:
         return None
     try:
@@ -129,14 +133,21 @@ def _merged_parent(model: nn.Module, parent_name: str, part: str) -> tuple[str, 
     except AttributeError:
         return None
     for child_name, child in parent.named_children():
-        if isinstance(child, (MergedLinear, QuantizedLinear)) and part in dict(getattr(child, "parts", ())):
-            return f"{parent_name}.{child_name}", child   # type: ignore[return-value]
+        if isinstance(child, (MergedLinear, QuantizedLinear)) and part in dict(_parts(child)):
+            return f"{parent_name}.{child_name}", child
     return None
+
+
+def _parts(module: nn.Module) -> Parts:
+    """The projections fused in `module` (a `MergedLinear`, or the `QuantizedLinear` that replaced
+    one), in row order; none for any other module."""
+    parts: Parts = getattr(module, "parts", ())
+    return parts
 
 
 def _row_offset(module: nn.Module, part: str) -> int:
     offset = 0
-    for name, size in module.parts:   # type: ignore[attr-defined]
+    for name, size in _parts(module):
         if name == part:
             return offset
         offset += size
@@ -174,13 +185,21 @@ def _converted(value: Value, fmt: QuantFormat) -> QuantizedWeight:
     return quantize(_as_float(value), fmt)
 
 
-def _assign_merged(model: nn.Module, group_name: str, module: nn.Module, parts: dict[str, Value],
-                   quantization: str, int8_activations: bool) -> None:
-    ordered = [(name, parts[name], size) for name, size in module.parts]   # type: ignore[attr-defined]
+def _assign_merged(
+    model: nn.Module,
+    group_name: str,
+    module: MergedLinear | QuantizedLinear,
+    parts: dict[str, Value],
+    quantization: str,
+    int8_activations: bool,
+) -> None:
+    ordered = [(name, parts[name], size) for name, size in _parts(module)]
     for name, value, size in ordered:
-        if value.shape != (size, module.in_features):   # type: ignore[attr-defined]
-            raise ValueError(f"{group_name} part {name}: checkpoint shape {tuple(value.shape)} != model shape "
-                             f"{(size, module.in_features)}")
+        if value.shape != (size, module.in_features):
+            raise ValueError(
+                f"{group_name} part {name}: checkpoint shape {tuple(value.shape)} != model shape "
+                f"{(size, module.in_features)}"
+            )
     formats = {_target_format(group_name, value, quantization) for _, value, _ in ordered}
     fmt = formats.pop() if len(formats) == 1 else None
     if fmt is None:
@@ -191,8 +210,14 @@ def _assign_merged(model: nn.Module, group_name: str, module: nn.Module, parts: 
     _set_quantized(model, group_name, module, packed, int8_activations)
 
 
-def _assign(model: nn.Module, params: dict[str, nn.Parameter], name: str, value: Value, quantization: str,
-            int8_activations: bool) -> None:
+def _assign(
+    model: nn.Module,
+    params: dict[str, nn.Parameter],
+    name: str,
+    value: Value,
+    quantization: str,
+    int8_activations: bool,
+) -> None:
     module_name, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_name)
     fmt = _target_format(module_name, value, quantization) if leaf == "weight" else None
@@ -202,14 +227,19 @@ def _assign(model: nn.Module, params: dict[str, nn.Parameter], name: str, value:
             return
         _copy_rows(params, name, _as_float(value), 0, name)
         return
-    expected = tuple(module.quantized.shape) if name not in params else tuple(params[name].shape)
+    if name in params:
+        expected = tuple(params[name].shape)
+    else:  # `load_into` checked that an earlier load quantized this module
+        assert isinstance(module, (QuantizedLinear, QuantizedEmbedding))
+        expected = module.quantized.shape
     if tuple(value.shape) != expected:
         raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model shape {expected}")
     _set_quantized(model, module_name, module, _converted(value, fmt), int8_activations)
 
 
-def _set_quantized(model: nn.Module, module_name: str, module: nn.Module, weight: QuantizedWeight,
-                   int8_activations: bool) -> None:
+def _set_quantized(
+    model: nn.Module, module_name: str, module: nn.Module, weight: QuantizedWeight, int8_activations: bool
+) -> None:
     """Replace the module by its quantized form (keeping a Linear's bias parameter and fused parts)."""
     if isinstance(module, nn.Embedding) or isinstance(module, QuantizedEmbedding):
         dtype = module.weight.dtype if isinstance(module, nn.Embedding) else module.dtype
@@ -217,7 +247,7 @@ def _set_quantized(model: nn.Module, module_name: str, module: nn.Module, weight
     else:
         replacement = QuantizedLinear(weight, getattr(module, "bias", None), int8_activations)
         if hasattr(module, "parts"):
-            replacement.parts = module.parts   # type: ignore[assignment]
+            replacement.parts = module.parts
     _replace(model, module_name, replacement)
 
 
@@ -225,8 +255,10 @@ def _set_float_weight(model: nn.Module, module_name: str, module: nn.Module, wei
     """Copy a float weight, turning a module quantized by an earlier load back into a float one."""
     if isinstance(module, (nn.Linear, nn.Embedding)):
         if tuple(weight.shape) != tuple(module.weight.shape):
-            raise ValueError(f"{module_name}.weight: checkpoint shape {tuple(weight.shape)} != model shape "
-                             f"{tuple(module.weight.shape)}")
+            raise ValueError(
+                f"{module_name}.weight: checkpoint shape {tuple(weight.shape)} != model shape "
+                f"{tuple(module.weight.shape)}"
+            )
         with torch.no_grad():
             module.weight.copy_(weight)
         return

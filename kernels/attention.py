@@ -20,9 +20,9 @@ from __future__ import annotations
 import logging
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +50,14 @@ class AttentionMetadata:
     seq_lens: tuple[int, ...]
 
     @classmethod
-    def build(cls, page_ids: Sequence[Sequence[int]], query_lens: Sequence[int], seq_lens: Sequence[int],
-              page_size: int, pin: bool = False) -> "AttentionMetadata":
+    def build(
+        cls,
+        page_ids: Sequence[Sequence[int]],
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        page_size: int,
+        pin: bool = False,
+    ) -> AttentionMetadata:
         """From each sequence's pages (at least ceil(seq_len / page_size) of them, extra ones ignored),
         its number of new tokens and its total length; host tensors, in pinned memory when `pin`
         (so that `to` can copy them without blocking)."""
@@ -74,9 +80,11 @@ class AttentionMetadata:
             kv_last_page_len=host_tensor([n - (c - 1) * page_size for n, c in zip(seq_lens, num_pages)], int32, pin),
             write_pages=host_tensor(write_pages, int64, pin),
             write_offsets=host_tensor(write_offsets, int64, pin),
-            query_lens=tuple(query_lens), seq_lens=tuple(seq_lens))
+            query_lens=tuple(query_lens),
+            seq_lens=tuple(seq_lens),
+        )
 
-    def to(self, device: torch.device | str, non_blocking: bool = True) -> "AttentionMetadata":
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> AttentionMetadata:
         """The same metadata with its tensors on `device` (itself when they are there already);
         `query_lens` and `seq_lens` stay Python ints. Non-blocking copies are asynchronous only from
         pinned memory, which must then not be written until the copy is done."""
@@ -86,10 +94,17 @@ class AttentionMetadata:
 
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=non_blocking)
+
         return AttentionMetadata(
-            qo_indptr=move(self.qo_indptr), kv_indptr=move(self.kv_indptr), kv_indices=move(self.kv_indices),
-            kv_last_page_len=move(self.kv_last_page_len), write_pages=move(self.write_pages),
-            write_offsets=move(self.write_offsets), query_lens=self.query_lens, seq_lens=self.seq_lens)
+            qo_indptr=move(self.qo_indptr),
+            kv_indptr=move(self.kv_indptr),
+            kv_indices=move(self.kv_indices),
+            kv_last_page_len=move(self.kv_last_page_len),
+            write_pages=move(self.write_pages),
+            write_offsets=move(self.write_offsets),
+            query_lens=self.query_lens,
+            seq_lens=self.seq_lens,
+        )
 
     @property
     def num_sequences(self) -> int:
@@ -97,7 +112,7 @@ class AttentionMetadata:
 
     def pages_of(self, seq: int) -> torch.Tensor:
         """Sequence `seq`'s page ids in order (int64, for indexing)."""
-        return self.kv_indices[self.kv_indptr[seq]:self.kv_indptr[seq + 1]].long()
+        return self.kv_indices[self.kv_indptr[seq] : self.kv_indptr[seq + 1]].long()
 
 
 def host_tensor(values: Sequence[int] | Sequence[float], dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -112,8 +127,16 @@ class AttentionBackend(ABC):
 
     `dtype` and `device` are those of q and the KV pool (backends that allocate workspaces need them)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -122,7 +145,7 @@ class AttentionBackend(ABC):
         self.dtype = dtype
         self.device = as_device(device)
 
-    def plan(self, meta_host: AttentionMetadata) -> None:
+    def plan(self, meta_host: AttentionMetadata) -> None:  # noqa: B027 (an optional hook, empty by design)
         """Prepare for one step, once, before its forward pass: `meta_host` is the step's metadata
         on the host (pinned when the device is CUDA). The default does nothing."""
 
@@ -133,7 +156,8 @@ class AttentionBackend(ABC):
 
 
 _BACKENDS: BackendRegistry[AttentionBackend] = BackendRegistry(
-    "attention", {"flashinfer": "kernels.flashinfer_attention"})
+    "attention", {"flashinfer": "kernels.flashinfer_attention"}
+)
 
 
 def register_attention_backend(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
@@ -141,8 +165,7 @@ def register_attention_backend(name: str) -> Callable[[type[AttentionBackend]], 
     return _BACKENDS.register(name)
 
 
-def resolve_attention_backend(name: str, device: torch.device | str = "cpu",
-                              dtype: torch.dtype | None = None) -> str:
+def resolve_attention_backend(name: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> str:
     """The backend `name` means on `device` for a model in `dtype` (None: any). `auto`: on CUDA,
     FlashInfer when installed and the dtype is one it computes in (bf16, fp16), else torch; on CPU
     the C++ kernel where it builds, else torch; torch on any other device (`meta` in tests).
@@ -155,19 +178,28 @@ def resolve_attention_backend(name: str, device: torch.device | str = "cpu",
         if device.type != "cpu":
             return "torch"
         from kernels import native
+
         return "cpu" if native.is_available() else "torch"
     _BACKENDS.check_known(name)
     if name == "cpu" and device.type != "cpu":
-        raise ValueError(f"the cpu attention backend (the C++ kernel) runs on CPU only, not on {device}; "
-                         "use torch or flashinfer")
+        raise ValueError(
+            f"the cpu attention backend (the C++ kernel) runs on CPU only, not on {device}; use torch or flashinfer"
+        )
     if name == "flashinfer" and device.type != "cuda":
         raise ValueError(f"the flashinfer attention backend needs a CUDA device, not {device}")
     return name
 
 
-def create_attention_backend(name: str, *, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                             dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-                             ) -> AttentionBackend:
+def create_attention_backend(
+    name: str,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> AttentionBackend:
     """The backend `name` (resolved for `device` as `resolve_attention_backend` says) for these shapes.
     Raises ValueError for an unknown name, one that cannot run on `device`, or one not installed."""
     cls = _BACKENDS.get(resolve_attention_backend(name, device, dtype))
@@ -184,9 +216,9 @@ class TorchAttention(AttentionBackend):
         for query_len, seq_len in zip(meta.query_lens, meta.seq_lens):
             # page slices from the host-side lengths: no device-to-host read per sequence and layer
             num_pages = -(-seq_len // self.page_size)
-            pages = meta.kv_indices[first_page:first_page + num_pages].long()
+            pages = meta.kv_indices[first_page : first_page + num_pages].long()
             first_page += num_pages
-            qi = q[start:start + query_len].transpose(0, 1)    # [Hq, n, D]
+            qi = q[start : start + query_len].transpose(0, 1)  # [Hq, n, D]
             ki = kv_cache[pages, 0].reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len].transpose(0, 1)
             vi = kv_cache[pages, 1].reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len].transpose(0, 1)
             if seq_len == query_len:
@@ -206,15 +238,31 @@ class CpuPagedAttention(TorchAttention):
     masks, no copies; each row's result is independent of the rest of the batch. fp32 math over a
     float32 or bfloat16 pool; a float16 pool takes the torch path."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, page_size, dtype=dtype, device=device)
         from kernels import native
+
         self._kernels = native.load()
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if kv_cache.dtype not in (torch.float32, torch.bfloat16):
             return super().attend(q, kv_cache, meta)
-        out = self._kernels.paged_attention(q.float().contiguous(), kv_cache, meta.qo_indptr, meta.kv_indptr,
-                                            meta.kv_indices, meta.kv_last_page_len, self.scale)
+        out = self._kernels.paged_attention(
+            q.float().contiguous(),
+            kv_cache,
+            meta.qo_indptr,
+            meta.kv_indptr,
+            meta.kv_indices,
+            meta.kv_last_page_len,
+            self.scale,
+        )
         return out.to(q.dtype)

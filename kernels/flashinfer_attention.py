@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, TypeAlias
 
 import flashinfer
 import torch
@@ -27,11 +27,11 @@ from kernels.attention import AttentionBackend, AttentionMetadata, register_atte
 
 logger = logging.getLogger(__name__)
 
-WORKSPACE_BYTES = 128 * 1024 * 1024   # FlashInfer's recommended float workspace for split-KV partials
-TENSOR_CORE_MIN_GQA_RATIO = 4         # decode on tensor cores from this many query heads per KV head
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)   # FlashInfer has no fp32 attention kernels
+WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace for split-KV partials
+TENSOR_CORE_MIN_GQA_RATIO = 4  # decode on tensor cores from this many query heads per KV head
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)  # FlashInfer has no fp32 attention kernels
 
-_Wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper | flashinfer.BatchPrefillWithPagedKVCacheWrapper
+_Wrapper: TypeAlias = flashinfer.BatchDecodeWithPagedKVCacheWrapper | flashinfer.BatchPrefillWithPagedKVCacheWrapper
 
 
 def check_page_table(meta: AttentionMetadata, page_size: int) -> None:
@@ -39,8 +39,12 @@ def check_page_table(meta: AttentionMetadata, page_size: int) -> None:
     tensors; `qo_indptr` and `kv_indptr` start at 0 and step by each sequence's new tokens (>= 1) and
     pages (= ceil(seq_len / page_size)); `kv_indices` holds exactly `kv_indptr[-1]` page ids, none
     negative; `kv_last_page_len` is each sequence's tokens on its last page, in 1..page_size."""
-    tensors = {"qo_indptr": meta.qo_indptr, "kv_indptr": meta.kv_indptr, "kv_indices": meta.kv_indices,
-               "kv_last_page_len": meta.kv_last_page_len}
+    tensors = {
+        "qo_indptr": meta.qo_indptr,
+        "kv_indptr": meta.kv_indptr,
+        "kv_indices": meta.kv_indices,
+        "kv_last_page_len": meta.kv_last_page_len,
+    }
     for name, tensor in tensors.items():
         if tensor.dtype != torch.int32:
             raise ValueError(f"{name} must be int32 (FlashInfer misindexes other types), got {tensor.dtype}")
@@ -49,8 +53,12 @@ def check_page_table(meta: AttentionMetadata, page_size: int) -> None:
     num_seqs = meta.num_sequences
     if num_seqs == 0:
         raise ValueError("a step must hold at least one sequence")
-    if len(meta.seq_lens) != num_seqs or meta.qo_indptr.numel() != num_seqs + 1 \
-            or meta.kv_indptr.numel() != num_seqs + 1 or meta.kv_last_page_len.numel() != num_seqs:
+    if (
+        len(meta.seq_lens) != num_seqs
+        or meta.qo_indptr.numel() != num_seqs + 1
+        or meta.kv_indptr.numel() != num_seqs + 1
+        or meta.kv_last_page_len.numel() != num_seqs
+    ):
         raise ValueError(f"page table sizes disagree with {num_seqs} sequences")
     qo_indptr, kv_indptr = meta.qo_indptr.tolist(), meta.kv_indptr.tolist()
     last_page_len = meta.kv_last_page_len.tolist()
@@ -61,14 +69,19 @@ def check_page_table(meta: AttentionMetadata, page_size: int) -> None:
         if not 0 < query_len <= seq_len:
             raise ValueError(f"sequence {i}: {query_len} new tokens of {seq_len}")
         if qo_indptr[i + 1] - qo_indptr[i] != query_len:
-            raise ValueError(f"sequence {i}: qo_indptr steps by {qo_indptr[i + 1] - qo_indptr[i]}, "
-                             f"not its {query_len} new tokens")
+            raise ValueError(
+                f"sequence {i}: qo_indptr steps by {qo_indptr[i + 1] - qo_indptr[i]}, not its {query_len} new tokens"
+            )
         if kv_indptr[i + 1] - kv_indptr[i] != num_pages:
-            raise ValueError(f"sequence {i}: kv_indptr steps by {kv_indptr[i + 1] - kv_indptr[i]}, "
-                             f"not the {num_pages} pages of {seq_len} tokens")
+            raise ValueError(
+                f"sequence {i}: kv_indptr steps by {kv_indptr[i + 1] - kv_indptr[i]}, "
+                f"not the {num_pages} pages of {seq_len} tokens"
+            )
         if not 1 <= last_page_len[i] <= page_size or (num_pages - 1) * page_size + last_page_len[i] != seq_len:
-            raise ValueError(f"sequence {i}: last page holds {last_page_len[i]} tokens; {seq_len} tokens "
-                             f"in pages of {page_size} leave {seq_len - (num_pages - 1) * page_size}")
+            raise ValueError(
+                f"sequence {i}: last page holds {last_page_len[i]} tokens; {seq_len} tokens "
+                f"in pages of {page_size} leave {seq_len - (num_pages - 1) * page_size}"
+            )
     if meta.kv_indices.numel() != kv_indptr[-1]:
         raise ValueError(f"kv_indices has {meta.kv_indices.numel()} page ids, kv_indptr ends at {kv_indptr[-1]}")
     if meta.kv_indices.numel() and int(meta.kv_indices.min()) < 0:
@@ -82,8 +95,13 @@ def is_decode_step(meta: AttentionMetadata) -> bool:
 
 def decode_wrapper_kwargs(workspace: torch.Tensor, num_heads: int, num_kv_heads: int) -> dict[str, Any]:
     """Keyword arguments of `BatchDecodeWithPagedKVCacheWrapper(...)`."""
-    return {"float_workspace_buffer": workspace, "kv_layout": "NHD", "use_cuda_graph": False,
-            "use_tensor_cores": num_heads // num_kv_heads >= TENSOR_CORE_MIN_GQA_RATIO, "backend": "fa2"}
+    return {
+        "float_workspace_buffer": workspace,
+        "kv_layout": "NHD",
+        "use_cuda_graph": False,
+        "use_tensor_cores": num_heads // num_kv_heads >= TENSOR_CORE_MIN_GQA_RATIO,
+        "backend": "fa2",
+    }
 
 
 def prefill_wrapper_kwargs(workspace: torch.Tensor) -> dict[str, Any]:
@@ -91,8 +109,15 @@ def prefill_wrapper_kwargs(workspace: torch.Tensor) -> dict[str, Any]:
     return {"float_workspace_buffer": workspace, "kv_layout": "NHD", "use_cuda_graph": False, "backend": "fa2"}
 
 
-def decode_plan_kwargs(meta_host: AttentionMetadata, *, num_heads: int, num_kv_heads: int, head_dim: int,
-                       page_size: int, dtype: torch.dtype) -> dict[str, Any]:
+def decode_plan_kwargs(
+    meta_host: AttentionMetadata,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype: torch.dtype,
+) -> dict[str, Any]:
     """Keyword arguments of the decode wrapper's `plan` for a step of one new token per sequence.
     Every argument by keyword (FlashInfer deprecates positional ones after `page_size`), data types
     explicit (its default is float16). Raises ValueError on a malformed page table or a step with a
@@ -100,24 +125,52 @@ def decode_plan_kwargs(meta_host: AttentionMetadata, *, num_heads: int, num_kv_h
     check_page_table(meta_host, page_size)
     if not is_decode_step(meta_host):
         raise ValueError("decode plans a step with exactly one new token per sequence")
-    return {"indptr": meta_host.kv_indptr, "indices": meta_host.kv_indices,
-            "last_page_len": meta_host.kv_last_page_len, "num_qo_heads": num_heads, "num_kv_heads": num_kv_heads,
-            "head_dim": head_dim, "page_size": page_size, "pos_encoding_mode": "NONE",
-            "q_data_type": dtype, "kv_data_type": dtype, "o_data_type": dtype,
-            "sm_scale": 1.0 / math.sqrt(head_dim), "non_blocking": True}
+    return {
+        "indptr": meta_host.kv_indptr,
+        "indices": meta_host.kv_indices,
+        "last_page_len": meta_host.kv_last_page_len,
+        "num_qo_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "page_size": page_size,
+        "pos_encoding_mode": "NONE",
+        "q_data_type": dtype,
+        "kv_data_type": dtype,
+        "o_data_type": dtype,
+        "sm_scale": 1.0 / math.sqrt(head_dim),
+        "non_blocking": True,
+    }
 
 
-def prefill_plan_kwargs(meta_host: AttentionMetadata, *, num_heads: int, num_kv_heads: int, head_dim: int,
-                        page_size: int, dtype: torch.dtype) -> dict[str, Any]:
+def prefill_plan_kwargs(
+    meta_host: AttentionMetadata,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype: torch.dtype,
+) -> dict[str, Any]:
     """Keyword arguments of the prefill wrapper's `plan`: causal (FlashInfer's default is not),
     data types explicit. Raises ValueError on a malformed page table."""
     check_page_table(meta_host, page_size)
-    return {"qo_indptr": meta_host.qo_indptr, "paged_kv_indptr": meta_host.kv_indptr,
-            "paged_kv_indices": meta_host.kv_indices, "paged_kv_last_page_len": meta_host.kv_last_page_len,
-            "num_qo_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim_qk": head_dim,
-            "page_size": page_size, "causal": True, "pos_encoding_mode": "NONE",
-            "q_data_type": dtype, "kv_data_type": dtype, "o_data_type": dtype,
-            "sm_scale": 1.0 / math.sqrt(head_dim), "non_blocking": True}
+    return {
+        "qo_indptr": meta_host.qo_indptr,
+        "paged_kv_indptr": meta_host.kv_indptr,
+        "paged_kv_indices": meta_host.kv_indices,
+        "paged_kv_last_page_len": meta_host.kv_last_page_len,
+        "num_qo_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim_qk": head_dim,
+        "page_size": page_size,
+        "causal": True,
+        "pos_encoding_mode": "NONE",
+        "q_data_type": dtype,
+        "kv_data_type": dtype,
+        "o_data_type": dtype,
+        "sm_scale": 1.0 / math.sqrt(head_dim),
+        "non_blocking": True,
+    }
 
 
 @register_attention_backend("flashinfer")
@@ -131,33 +184,50 @@ class FlashInferAttention(AttentionBackend):
     until the step's attention has run (plan copies them without blocking).
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, page_size, dtype=dtype, device=device)
         if dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"FlashInfer attention computes in bfloat16 or float16, not {dtype}; "
-                             "use the torch attention backend for float32")
+            raise ValueError(
+                f"FlashInfer attention computes in bfloat16 or float16, not {dtype}; "
+                "use the torch attention backend for float32"
+            )
         if self.device.type != "cuda":
             raise ValueError(f"FlashInfer attention needs a CUDA device, not {self.device}")
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
         workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            **decode_wrapper_kwargs(workspace, num_heads, num_kv_heads))
+            **decode_wrapper_kwargs(workspace, num_heads, num_kv_heads)
+        )
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(**prefill_wrapper_kwargs(workspace))
-        self._planned: _Wrapper | None = None   # the wrapper planned for the current step
+        self._planned: _Wrapper | None = None  # the wrapper planned for the current step
         self._planned_num_tokens = 0
         self._plan_done = torch.cuda.Event()
 
     def plan(self, meta_host: AttentionMetadata) -> None:
         """Plan the step described by `meta_host` (host tensors, pinned); raises ValueError when the
         page table is malformed. Cannot run inside CUDA-graph capture."""
-        shapes = {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                  "page_size": self.page_size, "dtype": self.dtype}
         if is_decode_step(meta_host):
-            wrapper, kwargs = self._decode, decode_plan_kwargs(meta_host, **shapes)
+            wrapper, plan_kwargs = self._decode, decode_plan_kwargs
         else:
-            wrapper, kwargs = self._prefill, prefill_plan_kwargs(meta_host, **shapes)
+            wrapper, plan_kwargs = self._prefill, prefill_plan_kwargs
+        kwargs = plan_kwargs(
+            meta_host,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            page_size=self.page_size,
+            dtype=self.dtype,
+        )
         self._plan_done.synchronize()
         with torch.cuda.device(self.device):
             wrapper.plan(**kwargs)
@@ -172,6 +242,8 @@ class FlashInferAttention(AttentionBackend):
         if self._planned is None:
             raise RuntimeError("FlashInferAttention.attend before plan: call plan once per step first")
         if q.shape[0] != self._planned_num_tokens or q.dtype != self.dtype or kv_cache.dtype != self.dtype:
-            raise ValueError(f"attend got q {tuple(q.shape)} {q.dtype} and a {kv_cache.dtype} cache; the plan is "
-                             f"for {self._planned_num_tokens} tokens in {self.dtype}")
+            raise ValueError(
+                f"attend got q {tuple(q.shape)} {q.dtype} and a {kv_cache.dtype} cache; the plan is "
+                f"for {self._planned_num_tokens} tokens in {self.dtype}"
+            )
         return self._planned.run(q, kv_cache)

@@ -33,8 +33,8 @@ import torch
 
 from kernels.sampling import _SEED_MIX, Sampler, SamplingBatch, register_sampler
 
-MIN_TEMPERATURE = 1e-5   # as the torch sampler clamps it
-MIN_TOP_P = 1e-6         # top_p 0 means "the most likely token only"; FlashInfer needs a positive value
+MIN_TEMPERATURE = 1e-5  # as the torch sampler clamps it
+MIN_TOP_P = 1e-6  # top_p 0 means "the most likely token only"; FlashInfer needs a positive value
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,11 +62,18 @@ class RowFilters:
     has_top_p: bool
     has_min_p: bool
 
-    def row(self, i: int) -> "RowFilters":
+    def row(self, i: int) -> RowFilters:
         """Row i alone, as a batch of one."""
         rows = slice(i, i + 1)
-        return RowFilters(self.temperatures[rows], self.top_ks[rows], self.top_ps[rows], self.min_ps[rows],
-                          self.has_top_k, self.has_top_p, self.has_min_p)
+        return RowFilters(
+            self.temperatures[rows],
+            self.top_ks[rows],
+            self.top_ps[rows],
+            self.min_ps[rows],
+            self.has_top_k,
+            self.has_top_p,
+            self.has_min_p,
+        )
 
 
 def row_filters(batch: SamplingBatch, vocab_size: int) -> tuple[RowFilters, list[bool]]:
@@ -79,7 +86,10 @@ def row_filters(batch: SamplingBatch, vocab_size: int) -> tuple[RowFilters, list
         top_ks=top_ks.to(torch.int32),
         top_ps=batch.top_ps.float().clamp(min=MIN_TOP_P, max=1.0),
         min_ps=batch.min_ps.float(),
-        has_top_k=has_top_k, has_top_p=has_top_p, has_min_p=has_min_p)
+        has_top_k=has_top_k,
+        has_top_p=has_top_p,
+        has_min_p=has_min_p,
+    )
     return filters, flags[0].tolist()
 
 
@@ -102,9 +112,10 @@ def draw_call(filters: RowFilters, philox_seed: int | None) -> SamplingCall:
     if filters.has_min_p:
         return SamplingCall("min_p_sampling_from_probs", {"min_p": filters.min_ps, **rng})
     if filters.has_top_k or filters.has_top_p:
-        return SamplingCall("top_k_top_p_sampling_from_probs",
-                            {"top_k": filters.top_ks, "top_p": filters.top_ps, "filter_apply_order": "top_k_first",
-                             **rng})
+        return SamplingCall(
+            "top_k_top_p_sampling_from_probs",
+            {"top_k": filters.top_ks, "top_p": filters.top_ps, "filter_apply_order": "top_k_first", **rng},
+        )
     return SamplingCall("sampling_from_probs", rng)
 
 
@@ -137,6 +148,6 @@ class FlashInferSampler(Sampler):
                 sampled = draw_call(filters, None).apply(probs).long()
             for i, (greedy, seed, step) in enumerate(zip(is_greedy, batch.seeds, batch.steps)):
                 if not greedy and seed is not None:
-                    sampled[i] = draw_call(filters.row(i), philox_seed(seed, step)).apply(probs[i:i + 1])[0]
+                    sampled[i] = draw_call(filters.row(i), philox_seed(seed, step)).apply(probs[i : i + 1])[0]
             token_ids = torch.where(batch.is_greedy, token_ids, sampled)
         return token_ids, logprobs_all.gather(1, token_ids.unsqueeze(1)).squeeze(1)

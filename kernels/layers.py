@@ -7,8 +7,9 @@ fused C++ kernels (`kernels/csrc`) when they are built: one call where torch nee
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from types import ModuleType
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,7 @@ def _fused(*tensors: torch.Tensor) -> ModuleType | None:
     if not all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
         return None
     from kernels import native
+
     return native.load() if native.is_available() else None
 
 
@@ -30,8 +32,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) for [T, H] rows; `residual` None means zero.
 
     Mutates `residual` in place (it becomes the sum); `x` is never changed."""
@@ -77,17 +80,31 @@ class RotaryEmbedding:
     """Precomputed cos/sin tables for positions [0, max_positions) on `device` (computed in fp32 on
     the host, so every device gets the same tables); applied in the input dtype."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: Mapping[str, Any], dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: Mapping[str, Any],
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(device=device, dtype=dtype)
         self.sin = emb.sin().to(device=device, dtype=dtype)
 
-    def apply_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                        kv_cache: torch.Tensor, write_pages: torch.Tensor, write_offsets: torch.Tensor
-                        ) -> torch.Tensor:
+    def apply_and_store(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        write_pages: torch.Tensor,
+        write_offsets: torch.Tensor,
+    ) -> torch.Tensor:
         """Rotate q [T, Hq, D] and k [T, Hkv, D], write k and v into `kv_cache` [P, 2, S, Hkv, D] at
         (write_pages, write_offsets), and return the rotated q. One C++ call for float32 on CPU."""
         if (fused := _fused(q, k, v, self.cos)) is not None and all(t.stride(-1) == 1 for t in (q, k, v)):

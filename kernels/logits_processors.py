@@ -37,14 +37,14 @@ def apply_penalties(logits: torch.Tensor, batch: PenaltyBatch) -> torch.Tensor:
     return torch.where(batch.seen, penalized, logits)
 
 
-def token_histories(histories: list[list[int]], vocab_size: int,
-                    device: torch.device | str = "cpu") -> torch.Tensor:
+def token_histories(histories: list[list[int]], vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Counts [B, V] (fp32, on `device`) of the token ids in each row's history."""
     counts = torch.zeros(len(histories), vocab_size, device=device)
     for row, ids in enumerate(histories):
         if ids:
-            counts[row].index_add_(0, torch.tensor(ids, dtype=torch.int64, device=device),
-                                   torch.ones(len(ids), device=device))
+            counts[row].index_add_(
+                0, torch.tensor(ids, dtype=torch.int64, device=device), torch.ones(len(ids), device=device)
+            )
     return counts
 
 

@@ -30,7 +30,7 @@ class KernelBuildError(RuntimeError):
 def _flags() -> list[str]:
     arch = os.environ.get("TANDEM_KERNEL_ARCH", "native")
     if arch == "x86-64-v3" and not _cpu_has("avx2", "fma"):
-        arch = "native"   # an image built for AVX2 on an older CPU: compile for this one, if a compiler is here
+        arch = "native"  # an image built for AVX2 on an older CPU: compile for this one, if a compiler is here
     return ["-O3", f"-march={arch}", "-fno-math-errno", "-std=c++17"]
 
 
@@ -39,7 +39,7 @@ def _cpu_has(*flags: str) -> bool:
         with open("/proc/cpuinfo") as f:
             line = next((line for line in f if line.startswith("flags")), "")
     except OSError:
-        return True   # not Linux: trust the configured architecture
+        return True  # not Linux: trust the configured architecture
     return all(flag in line.split() for flag in flags)
 
 
@@ -64,9 +64,10 @@ def load() -> ModuleType:
         logger.info("compiling Tandem's CPU kernels into %s (once per machine, about a minute)", build_dir)
     started = time.perf_counter()
     try:
-        module = cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=flags,
-                                    build_directory=str(build_dir), verbose=False)
-    except Exception as exc:   # compiler missing, headers missing, link errors: all mean "no kernels"
+        module = cpp_extension.load(
+            name=name, sources=[str(_SOURCE)], extra_cflags=flags, build_directory=str(build_dir), verbose=False
+        )
+    except Exception as exc:  # compiler missing, headers missing, link errors: all mean "no kernels"
         raise KernelBuildError(f"cannot build Tandem's CPU kernels ({type(exc).__name__}: {exc})") from exc
     if not is_built:
         logger.info("CPU kernels compiled in %.0f s", time.perf_counter() - started)

@@ -24,7 +24,7 @@ BLOCK = 32
 
 
 class QuantFormat(enum.Enum):
-    Q8_0 = 0      # values are the kernel's format codes
+    Q8_0 = 0  # values are the kernel's format codes
     Q4_0 = 1
     Q4_1 = 2
 
@@ -45,8 +45,9 @@ class QuantizedWeight:
     def __post_init__(self) -> None:
         n = self.qs.shape[0]
         if self.scales.shape != (n, self.in_features // BLOCK):
-            raise ValueError(f"{self.format.name}: scales {tuple(self.scales.shape)} do not fit qs "
-                             f"{tuple(self.qs.shape)}")
+            raise ValueError(
+                f"{self.format.name}: scales {tuple(self.scales.shape)} do not fit qs {tuple(self.qs.shape)}"
+            )
         if (self.mins is not None) != (self.format is QuantFormat.Q4_1):
             raise ValueError(f"{self.format.name}: mins are required for Q4_1 and only for it")
 
@@ -82,21 +83,28 @@ class QuantizedWeight:
             weight = weight + mins.unsqueeze(-1)
         return weight.reshape(n, -1)
 
-    def index_rows(self, rows: torch.Tensor) -> "QuantizedWeight":
+    def index_rows(self, rows: torch.Tensor) -> QuantizedWeight:
         """The same weight with its output rows reordered or selected (`rows` int64)."""
-        return QuantizedWeight(self.format, self.qs[rows].contiguous(), self.scales[rows].contiguous(),
-                               None if self.mins is None else self.mins[rows].contiguous())
+        return QuantizedWeight(
+            self.format,
+            self.qs[rows].contiguous(),
+            self.scales[rows].contiguous(),
+            None if self.mins is None else self.mins[rows].contiguous(),
+        )
 
     @staticmethod
-    def cat(parts: list["QuantizedWeight"]) -> "QuantizedWeight":
+    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """Stack the rows of weights of one format (fused projections)."""
         formats = {p.format for p in parts}
         if len(formats) != 1:
             raise ValueError(f"cannot fuse weights of formats {sorted(f.name for f in formats)}")
-        mins = [p.mins for p in parts]
-        return QuantizedWeight(parts[0].format, torch.cat([p.qs for p in parts]),
-                               torch.cat([p.scales for p in parts]),
-                               None if mins[0] is None else torch.cat(mins))   # type: ignore[arg-type]
+        mins = [p.mins for p in parts if p.mins is not None]  # all or none: one format
+        return QuantizedWeight(
+            parts[0].format,
+            torch.cat([p.qs for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            torch.cat(mins) if mins else None,
+        )
 
 
 def quantize(weight: torch.Tensor, fmt: QuantFormat) -> QuantizedWeight:
@@ -125,7 +133,7 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> QuantizedWeight:
         inv = torch.where(scales != 0, 1 / scales, torch.zeros_like(scales))
         q = torch.clamp(torch.floor((blocks - low.unsqueeze(-1)) * inv.unsqueeze(-1) + 0.5), 0, 15).to(torch.uint8)
         mins = low.contiguous()
-    packed = q[..., : BLOCK // 2] | (q[..., BLOCK // 2:] << 4)
+    packed = q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)
     return QuantizedWeight(fmt, packed.reshape(n, k // 2).contiguous(), scales.contiguous(), mins)
 
 
@@ -136,7 +144,8 @@ def quantized_matmul(x: torch.Tensor, weight: QuantizedWeight, int8_activations:
     `int8_activations` each activation row is first rounded to int8 blocks and the products are
     integer dot products, as llama.cpp computes (faster, less exact)."""
     from kernels import native
-    if not native.is_available():   # no compiler where these weights run: slow but correct
+
+    if not native.is_available():  # no compiler where these weights run: slow but correct
         return reference_matmul(x, weight).to(x.dtype)
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1]).float().contiguous()
@@ -154,8 +163,9 @@ class QuantizedLinear(nn.Module):
     """`nn.Linear` over a block-quantized weight; the bias (if any) stays in the activation dtype.
     `int8_activations` picks llama.cpp's arithmetic (see `quantized_matmul`)."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-                 int8_activations: bool = False) -> None:
+    def __init__(
+        self, weight: QuantizedWeight, bias: torch.Tensor | None = None, int8_activations: bool = False
+    ) -> None:
         super().__init__()
         self.quantized = weight
         self.int8_activations = int8_activations

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from typing import Callable, Generic, Mapping, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Generic, TypeVar
 
 import torch
 
@@ -33,6 +34,7 @@ class BackendRegistry(Generic[T]):
         def wrap(cls: type[T]) -> type[T]:
             self._classes[name] = cls
             return cls
+
         return wrap
 
     @property
@@ -57,8 +59,10 @@ class BackendRegistry(Generic[T]):
             except ImportError as exc:
                 raise ValueError(f"{_DISPLAY_NAMES.get(name, name)} {self.kind} backend not available: {exc}") from exc
             if name not in self._classes:
-                raise ValueError(f"{_DISPLAY_NAMES.get(name, name)} {self.kind} backend not available: {module} "
-                                 f"registers no {name!r}")
+                raise ValueError(
+                    f"{_DISPLAY_NAMES.get(name, name)} {self.kind} backend not available: {module} "
+                    f"registers no {name!r}"
+                )
         return self._classes[name]
 
 

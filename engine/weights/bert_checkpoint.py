@@ -11,9 +11,10 @@ import json
 import logging
 import re
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -82,10 +83,15 @@ def open_bert_checkpoint(path: str | Path) -> BertCheckpoint:
         raise ConfigError(f"{directory / CONFIG_FILE}: architectures {raw.get('architectures')!r} is not BertModel")
     try:
         config = BertConfig.from_hf_config(raw)
-    except (TypeError, ValueError) as exc:   # ConfigError is a ValueError
+    except (TypeError, ValueError) as exc:  # ConfigError is a ValueError
         raise ConfigError(f"{directory / CONFIG_FILE}: {exc}") from exc
     shapes, source = read_tensor_table(directory, lambda name: bool(_UNUSED.match(name)))
     check_shapes(shapes, expected_shapes(config), str(directory), f"BertModel with {config.num_layers} layers")
-    logger.info("opened BERT checkpoint %s: %d layers, hidden %d, %d tensors", directory, config.num_layers,
-                config.hidden_size, len(shapes))
+    logger.info(
+        "opened BERT checkpoint %s: %d layers, hidden %d, %d tensors",
+        directory,
+        config.num_layers,
+        config.hidden_size,
+        len(shapes),
+    )
     return BertCheckpoint(config, str(directory), len(shapes), source)

@@ -6,9 +6,9 @@ import hashlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from tqdm import tqdm
@@ -21,8 +21,9 @@ from kernels.quant import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
-_EXPECTED = ("a local HF directory (config.json plus *.safetensors), a .gguf file, "
-             "or a directory holding exactly one .gguf file")
+_EXPECTED = (
+    "a local HF directory (config.json plus *.safetensors), a .gguf file, or a directory holding exactly one .gguf file"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,11 +38,12 @@ class Checkpoint:
     path: str
     format: str
     num_tensors: int
-    identity: str   # `weights_identity` of the files the weights come from
+    identity: str  # `weights_identity` of the files the weights come from
     _source: TensorSource = field(repr=False, compare=False)
 
-    def tensors(self, progress: bool = True, keep_quantized: bool = False
-                ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    def tensors(
+        self, progress: bool = True, keep_quantized: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         """Yield `(HF parameter name, tensor)` for every parameter, one at a time, on CPU.
 
         Names are those of transformers' `state_dict()`; `lm_head.weight` is absent when
@@ -51,12 +53,11 @@ class Checkpoint:
         by the reader. `progress` shows a tqdm bar ("Loading weights") on stderr.
         """
         # only GGUF files hold packed blocks; other formats always yield floats
-        pairs = self._source.read(keep_quantized=True) if keep_quantized and self.format == "gguf" else self._source.read()
+        pairs = self._source.read(keep_quantized=keep_quantized)
         if not progress:
             yield from pairs
             return
-        with tqdm(pairs, total=self.num_tensors, desc="Loading weights", unit="tensor",
-                  file=sys.stderr) as bar:
+        with tqdm(pairs, total=self.num_tensors, desc="Loading weights", unit="tensor", file=sys.stderr) as bar:
             yield from bar
 
 
@@ -72,7 +73,8 @@ def open_checkpoint(path: str) -> Checkpoint:
     if not resolved.exists():
         raise FileNotFoundError(
             f"checkpoint path {path!r} does not exist locally (Tandem never downloads from the "
-            f"Hub); expected {_EXPECTED}")
+            f"Hub); expected {_EXPECTED}"
+        )
     if resolved.is_file():
         if resolved.suffix.lower() != ".gguf":
             raise ConfigError(f"{resolved} is not a .gguf file; expected {_EXPECTED}")
@@ -88,8 +90,7 @@ def open_checkpoint(path: str) -> Checkpoint:
     if len(ggufs) > 1:
         names = ", ".join(p.name for p in ggufs)
         raise ConfigError(f"{resolved} holds several .gguf files ({names}); pass one file's path")
-    raise ConfigError(f"{resolved} holds neither {CONFIG_FILE} nor a .gguf file; "
-                      f"expected {_EXPECTED}")
+    raise ConfigError(f"{resolved} holds neither {CONFIG_FILE} nor a .gguf file; expected {_EXPECTED}")
 
 
 def _open_gguf(path: Path) -> Checkpoint:
@@ -99,10 +100,23 @@ def _open_gguf(path: Path) -> Checkpoint:
 
 def _opened(config: ModelConfig, path: Path, fmt: str, source: TensorSource) -> Checkpoint:
     files = [path] if fmt == "gguf" else [path / CONFIG_FILE, *sorted(path.glob("*.safetensors"))]
-    checkpoint = Checkpoint(config=config, path=str(path), format=fmt, num_tensors=source.num_tensors,
-                            identity=weights_identity(files), _source=source)
-    logger.info("opened %s checkpoint %s: %s, %d layers, %d tensors, weights %s", fmt, path,
-                config.architecture.value, config.num_layers, checkpoint.num_tensors, checkpoint.identity)
+    checkpoint = Checkpoint(
+        config=config,
+        path=str(path),
+        format=fmt,
+        num_tensors=source.num_tensors,
+        identity=weights_identity(files),
+        _source=source,
+    )
+    logger.info(
+        "opened %s checkpoint %s: %s, %d layers, %d tensors, weights %s",
+        fmt,
+        path,
+        config.architecture.value,
+        config.num_layers,
+        checkpoint.num_tensors,
+        checkpoint.identity,
+    )
     return checkpoint
 
 
@@ -128,7 +142,7 @@ def weights_identity(files: list[Path]) -> str:
             if size <= _SAMPLES_PER_FILE * _SAMPLE_BYTES:
                 digest.update(f.read())
                 continue
-            for i in range(_SAMPLES_PER_FILE):   # the first sample starts the file, the last one ends it
+            for i in range(_SAMPLES_PER_FILE):  # the first sample starts the file, the last one ends it
                 f.seek(i * (size - _SAMPLE_BYTES) // (_SAMPLES_PER_FILE - 1))
                 digest.update(f.read(_SAMPLE_BYTES))
     return digest.hexdigest()[:16]

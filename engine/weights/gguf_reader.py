@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -72,12 +73,15 @@ def open_gguf_file(path: Path) -> tuple[ModelConfig, GGUFSource]:
         raise ConfigError(f"cannot read GGUF file {path}: {exc}") from exc
     arch_name = str(_field(reader, "general.architecture"))
     if arch_name not in _ARCHITECTURES:
-        raise ConfigError(f"{path}: unsupported GGUF architecture {arch_name!r}; "
-                          f"supported: {', '.join(_ARCHITECTURES)}")
+        raise ConfigError(
+            f"{path}: unsupported GGUF architecture {arch_name!r}; supported: {', '.join(_ARCHITECTURES)}"
+        )
     tensor_names = {tensor.name for tensor in reader.tensors}
     if "rope_freqs.weight" in tensor_names:
-        raise ConfigError(f"{path}: rope scaling stored as a rope_freqs tensor (Llama 3.1 style) "
-                          "is not supported for GGUF; use the HF safetensors checkpoint")
+        raise ConfigError(
+            f"{path}: rope scaling stored as a rope_freqs tensor (Llama 3.1 style) "
+            "is not supported for GGUF; use the HF safetensors checkpoint"
+        )
     config = _config_from_metadata(reader, _ARCHITECTURES[arch_name], tensor_names)
     refs, shapes = [], {}
     for tensor in reader.tensors:
@@ -90,15 +94,13 @@ def open_gguf_file(path: Path) -> tuple[ModelConfig, GGUFSource]:
     return config, GGUFSource(reader, tuple(refs))
 
 
-def _config_from_metadata(reader: GGUFReader, architecture: Architecture,
-                          tensor_names: set[str]) -> ModelConfig:
+def _config_from_metadata(reader: GGUFReader, architecture: Architecture, tensor_names: set[str]) -> ModelConfig:
     arch = "llama" if architecture is Architecture.LLAMA else "qwen2"
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
     eos = _field(reader, "tokenizer.ggml.eos_token_id", None)
     bos = _field(reader, "tokenizer.ggml.bos_token_id", None)
-    has_bias = {part: f"blk.0.{part}.bias" in tensor_names
-                for part in ("attn_q", "attn_k", "attn_v", "attn_output")}
+    has_bias = {part: f"blk.0.{part}.bias" in tensor_names for part in ("attn_q", "attn_k", "attn_v", "attn_output")}
     if len({has_bias["attn_q"], has_bias["attn_k"], has_bias["attn_v"]}) != 1:
         raise ConfigError(f"{reader.data.filename}: q, k and v must all have a bias or none")
     return ModelConfig(
@@ -127,8 +129,7 @@ def _rope_scaling(reader: GGUFReader, arch: str) -> tuple[tuple[str, Any], ...]:
     if kind == "none":
         return ()
     if kind == "linear":
-        return (("factor", float(_field(reader, f"{arch}.rope.scaling.factor"))),
-                ("rope_type", "linear"))
+        return (("factor", float(_field(reader, f"{arch}.rope.scaling.factor"))), ("rope_type", "linear"))
     raise ConfigError(f"{reader.data.filename}: unsupported GGUF rope scaling type {kind!r}")
 
 
@@ -138,8 +139,9 @@ def _vocab_size(reader: GGUFReader, arch: str) -> int:
         return int(size)
     tokens = reader.get_field("tokenizer.ggml.tokens")
     if tokens is None:
-        raise ConfigError(f"{reader.data.filename}: neither {arch}.vocab_size nor "
-                          "tokenizer.ggml.tokens gives the vocabulary size")
+        raise ConfigError(
+            f"{reader.data.filename}: neither {arch}.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size"
+        )
     return len(tokens.data)  # one entry per array element; avoids decoding every token
 
 
@@ -194,7 +196,7 @@ def _to_quantized(ref: GGUFTensorRef) -> QuantizedWeight:
     else:
         mins, qs = None, raw[..., 2:]
     weight = QuantizedWeight(fmt, qs.reshape(rows, -1).contiguous(), scales.contiguous(), mins)
-    if ref.unpermute_heads is not None:   # the permutation moves whole rows, so blocks move intact
+    if ref.unpermute_heads is not None:  # the permutation moves whole rows, so blocks move intact
         order = _unpermute_rope(torch.arange(rows), ref.unpermute_heads)
         weight = weight.index_rows(order)
     return weight

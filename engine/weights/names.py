@@ -8,12 +8,12 @@ minus `lm_head.weight` when the embeddings are tied.
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 from engine.config import Architecture, ConfigError, ModelConfig
 
 LM_HEAD = "lm_head.weight"
-SCORE = "score.weight"   # the head of *ForSequenceClassification, instead of lm_head
+SCORE = "score.weight"  # the head of *ForSequenceClassification, instead of lm_head
 
 # Buffers some older HF checkpoints saved next to the parameters; they carry no weights.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -47,9 +47,11 @@ def expected_shapes(config: ModelConfig) -> dict[str, Shape]:
     shapes: dict[str, Shape] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
     for i in range(config.num_layers):
         attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        for proj, rows, has_bias in (("q_proj", q_dim, config.qkv_bias),
-                                     ("k_proj", kv_dim, config.qkv_bias),
-                                     ("v_proj", kv_dim, config.qkv_bias)):
+        for proj, rows, has_bias in (
+            ("q_proj", q_dim, config.qkv_bias),
+            ("k_proj", kv_dim, config.qkv_bias),
+            ("v_proj", kv_dim, config.qkv_bias),
+        ):
             shapes[f"{attn}{proj}.weight"] = (rows, hidden)
             if has_bias:
                 shapes[f"{attn}{proj}.bias"] = (rows,)
@@ -71,8 +73,19 @@ def expected_shapes(config: ModelConfig) -> dict[str, Shape]:
 
 
 def _swiglu_shapes(prefix: str, hidden: int, inter: int) -> dict[str, Shape]:
-    return {f"{prefix}gate_proj.weight": (inter, hidden), f"{prefix}up_proj.weight": (inter, hidden),
-            f"{prefix}down_proj.weight": (hidden, inter)}
+    return {
+        f"{prefix}gate_proj.weight": (inter, hidden),
+        f"{prefix}up_proj.weight": (inter, hidden),
+        f"{prefix}down_proj.weight": (hidden, inter),
+    }
+
+
+def _mixtral_expert_shapes(prefix: str, hidden: int, inter: int) -> dict[str, Shape]:
+    return {
+        f"{prefix}w1.weight": (inter, hidden),
+        f"{prefix}w2.weight": (hidden, inter),
+        f"{prefix}w3.weight": (inter, hidden),
+    }
 
 
 def _moe_shapes(config: ModelConfig, layer: str) -> dict[str, Shape]:
@@ -82,13 +95,9 @@ def _moe_shapes(config: ModelConfig, layer: str) -> dict[str, Shape]:
     is_mixtral = config.architecture is Architecture.MIXTRAL
     block = f"{layer}block_sparse_moe." if is_mixtral else f"{layer}mlp."
     shapes: dict[str, Shape] = {f"{block}gate.weight": (config.num_experts, hidden)}
+    expert_shapes = _mixtral_expert_shapes if is_mixtral else _swiglu_shapes
     for e in range(config.num_experts):
-        expert = f"{block}experts.{e}."
-        if is_mixtral:
-            shapes.update({f"{expert}w1.weight": (width, hidden), f"{expert}w2.weight": (hidden, width),
-                           f"{expert}w3.weight": (width, hidden)})
-        else:
-            shapes.update(_swiglu_shapes(expert, hidden, width))
+        shapes.update(expert_shapes(f"{block}experts.{e}.", hidden, width))
     if config.shared_expert_intermediate_size:
         shapes.update(_swiglu_shapes(f"{block}shared_expert.", hidden, config.shared_expert_intermediate_size))
         shapes[f"{block}shared_expert_gate.weight"] = (1, hidden)
@@ -101,8 +110,7 @@ def check_tensors(found: Mapping[str, Shape], config: ModelConfig, where: str) -
     An unexpected tensor (an MLP bias, an MoE expert) means the checkpoint is not the
     architecture `config` describes, so it is an error rather than something to drop.
     """
-    check_shapes(found, expected_shapes(config), where,
-                 f"{config.architecture.value} with {config.num_layers} layers")
+    check_shapes(found, expected_shapes(config), where, f"{config.architecture.value} with {config.num_layers} layers")
 
 
 def check_shapes(found: Mapping[str, Shape], expected: Mapping[str, Shape], where: str, model: str) -> None:
@@ -114,9 +122,13 @@ def check_shapes(found: Mapping[str, Shape], expected: Mapping[str, Shape], wher
     unexpected = sorted(found.keys() - expected.keys())
     if missing or unexpected:
         raise ConfigError(
-            f"{where}: tensors do not match {model}; missing {_preview(missing)}; unexpected {_preview(unexpected)}")
-    wrong = [f"{name} {tuple(found[name])} (expected {shape})"
-             for name, shape in expected.items() if tuple(found[name]) != tuple(shape)]
+            f"{where}: tensors do not match {model}; missing {_preview(missing)}; unexpected {_preview(unexpected)}"
+        )
+    wrong = [
+        f"{name} {tuple(found[name])} (expected {shape})"
+        for name, shape in expected.items()
+        if tuple(found[name]) != tuple(shape)
+    ]
     if wrong:
         raise ConfigError(f"{where}: tensor shapes do not match the config: {_preview(wrong)}")
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -38,7 +39,9 @@ class SafetensorsSource:
     def num_tensors(self) -> int:
         return sum(len(shard.names) for shard in self.shards)
 
-    def read(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def read(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor in its stored dtype (safetensors hold no packed blocks: `keep_quantized`
+        changes nothing)."""
         for shard in self.shards:
             with safe_open(str(shard.path), framework="pt") as handle:
                 for name in shard.names:
@@ -53,7 +56,8 @@ def open_safetensors_dir(directory: Path) -> tuple[ModelConfig, SafetensorsSourc
     """
     config = _read_config(directory / CONFIG_FILE)
     shapes, source = read_tensor_table(
-        directory, lambda name: is_ignored(name) or (name == LM_HEAD and config.tie_word_embeddings))
+        directory, lambda name: is_ignored(name) or (name == LM_HEAD and config.tie_word_embeddings)
+    )
     check_tensors(shapes, config, str(directory))
     return config, source
 
@@ -104,13 +108,13 @@ def _shard_paths(directory: Path) -> list[Path]:
         if not paths:
             raise ConfigError(
                 f"{directory} has {CONFIG_FILE} but no *.safetensors weights "
-                f"(expected model.safetensors, or shards listed in {INDEX_FILE})")
+                f"(expected model.safetensors, or shards listed in {INDEX_FILE})"
+            )
         return paths
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         files = list(dict.fromkeys(weight_map.values()))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
-            AttributeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(f"cannot read the weight_map of {index}: {exc!r}") from exc
     paths = [directory / name for name in files]
     missing = [path.name for path in paths if not path.is_file()]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Protocol
+from collections.abc import Iterator
+from typing import Protocol
 
 import torch
+
+from kernels.quant import QuantizedWeight
 
 
 class TensorSource(Protocol):
@@ -13,7 +16,8 @@ class TensorSource(Protocol):
     `read()` yields `(HF name, tensor)` pairs one at a time, each tensor freshly materialized
     (owned by the caller, never a view into a file mapping), so a consumer that copies each
     tensor to its destination and drops it never holds the whole model twice. `read()` may
-    be called more than once; each call starts over.
+    be called more than once; each call starts over. With `keep_quantized`, a format that stores
+    packed blocks (GGUF) yields those matrices as `QuantizedWeight`s; the others ignore it.
     """
 
     @property
@@ -21,6 +25,6 @@ class TensorSource(Protocol):
         """How many pairs `read()` yields."""
         ...
 
-    def read(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def read(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         """Yield every parameter, in file order."""
         ...

@@ -13,8 +13,7 @@ from transformers import LlamaForCausalLM
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.errors import (CapacityError, ContextLengthExceededError, InvalidRequestError,
-                           RequestNotFoundError)
+from engine.errors import CapacityError, ContextLengthExceededError, InvalidRequestError, RequestNotFoundError
 from engine.page_allocator import pages_needed
 from engine.request import FinishReason, Request, SamplingParams, StepOutput
 from engine.runner import FaultHooks

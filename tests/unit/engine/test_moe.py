@@ -8,7 +8,7 @@ import torch
 
 from engine.config import Architecture, ConfigError, ModelConfig
 from engine.errors import InvalidRequestError
-from engine.model import CausalLM, MLP
+from engine.model import MLP, CausalLM
 from engine.moe import ExpertRecorder, MixtralExpert, SparseMoeBlock, route
 from engine.weight_loader import checkpoint_shapes
 from engine.weights.names import expected_shapes

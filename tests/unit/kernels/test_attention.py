@@ -5,13 +5,18 @@ backend registry per device, and the metadata's move to a device."""
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
 
-from kernels.attention import (AttentionMetadata, CpuPagedAttention, TorchAttention, create_attention_backend,
-                               resolve_attention_backend)
+from kernels.attention import (
+    AttentionMetadata,
+    CpuPagedAttention,
+    TorchAttention,
+    create_attention_backend,
+    resolve_attention_backend,
+)
 
 PAGE_SIZE = 4
 NUM_PAGES = 16

@@ -8,12 +8,13 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
-flashinfer = pytest.importorskip("flashinfer")
+pytest.importorskip("flashinfer")
 import flashinfer.sampling  # noqa: E402
 
 from kernels import flashinfer_attention as fa  # noqa: E402

@@ -11,8 +11,16 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from kernels.quant import (BLOCK, QuantFormat, QuantizedEmbedding, QuantizedLinear, QuantizedWeight, quantize,
-                           quantized_matmul, reference_matmul)
+from kernels.quant import (
+    BLOCK,
+    QuantFormat,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedWeight,
+    quantize,
+    quantized_matmul,
+    reference_matmul,
+)
 
 FORMATS = list(QuantFormat)
 _GGML = {QuantFormat.Q8_0: GGMLQuantizationType.Q8_0, QuantFormat.Q4_0: GGMLQuantizationType.Q4_0,

@@ -3,7 +3,7 @@ raw-logit logprobs, seeded reproducibility, and the sampler registry."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
