@@ -3,77 +3,65 @@
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import InvalidRequestError
 from engine.grammar_spec import GrammarSpec
+from tandem.limits import DEFAULT_MAX_NEW_TOKENS, LOGIT_BIAS, SAMPLING_RANGES
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"    # prompt KV not computed yet (or only its first chunks)
-    RUNNING = "running"    # has KV for every token but the last one; decodes each step
+    WAITING = "waiting"  # prompt KV not computed yet (or only its first chunks)
+    RUNNING = "running"  # has KV for every token but the last one; decodes each step
     FINISHED = "finished"
 
 
 class FinishReason(enum.Enum):
-    STOP = "stop"          # eos or a stop token id
-    LENGTH = "length"      # max_new_tokens or the context length
+    STOP = "stop"  # eos or a stop token id
+    LENGTH = "length"  # max_new_tokens or the context length
     ABORT = "abort"
-    ERROR = "error"        # this request's computation went wrong (non-finite logits); the batch goes on
+    ERROR = "error"  # this request's computation went wrong (non-finite logits); the batch goes on
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Resolved sampling settings (defaults already applied). temperature 0 means greedy."""
+    """Resolved sampling settings: these defaults are what a field left unset gets (by any gRPC client),
+    and the values must lie in `tandem.limits`' ranges, the gateway's too. temperature 0 means greedy."""
 
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0            # 0: disabled
+    top_k: int = 0  # 0 or -1: disabled
     min_p: float = 0.0
     seed: int | None = None
-    max_new_tokens: int = 128
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    min_new_tokens: int = 0               # eos and stop token ids are masked until this many
-    presence_penalty: float = 0.0         # OpenAI semantics, over generated tokens, in [-2, 2]
+    min_new_tokens: int = 0  # eos and stop token ids are masked until this many
+    presence_penalty: float = 0.0  # OpenAI semantics, over generated tokens, in [-2, 2]
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0       # HF semantics, over prompt and generated tokens, > 0
+    repetition_penalty: float = 1.0  # HF semantics, over prompt and generated tokens, > 0
     logit_bias: tuple[tuple[int, float], ...] = ()
-    top_logprobs_num: int = 0             # also return this many most likely tokens per position
-    token_ids_logprob: tuple[int, ...] = ()   # also return the logprobs of these ids per position
-    grammar: GrammarSpec | None = None        # constrain the output (JSON schema, regex, EBNF)
+    top_logprobs_num: int = 0  # also return this many most likely tokens per position
+    token_ids_logprob: tuple[int, ...] = ()  # also return the logprobs of these ids per position
+    grammar: GrammarSpec | None = None  # constrain the output (JSON schema, regex, EBNF)
 
     def __post_init__(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0 < self.top_p <= 1):
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not (0 <= self.min_p <= 1):
-            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_new_tokens < 1:
-            raise InvalidRequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.seed is not None and not (0 <= self.seed < 2**63):
-            raise InvalidRequestError(f"seed must be in [0, 2^63), got {self.seed}")
-        if not (0 <= self.min_new_tokens <= self.max_new_tokens):
+        for name, allowed in SAMPLING_RANGES.items():
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                raise InvalidRequestError(allowed.error(name, value))
+        if self.min_new_tokens > self.max_new_tokens:
             raise InvalidRequestError(
-                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not (-2 <= getattr(self, name) <= 2):
-                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not (0 < self.repetition_penalty <= 10):
-            raise InvalidRequestError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
-        if any(not (-100 <= bias <= 100) for _, bias in self.logit_bias):
-            raise InvalidRequestError("logit_bias values must be in [-100, 100]")
-        if not (0 <= self.top_logprobs_num <= 20):
-            raise InvalidRequestError(f"top_logprobs_num must be in [0, 20], got {self.top_logprobs_num}")
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}"
+            )
+        if any(bias not in LOGIT_BIAS for _, bias in self.logit_bias):
+            raise InvalidRequestError(f"logit_bias values {LOGIT_BIAS.rule}")
 
     @property
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
@@ -107,16 +95,16 @@ class Request:
     # Set by the scheduler for each prefill step: the runner computes prompt_ids[num_computed:
     # num_computed + num_new_tokens] (fewer than the rest of the prompt for a non-final chunk).
     num_new_tokens: int = 0
-    num_cached_tokens: int = 0    # prompt tokens whose KV came from the prefix cache
-    grammar_matcher: Any = None   # runtime state of `sampling.grammar` (engine.grammar)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    grammar_matcher: Any = None  # runtime state of `sampling.grammar` (engine.grammar)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     matched_token_id: int | None = None
-    abort_message: str = ""      # why it was aborted, or why it failed (FinishReason.ERROR)
-    prompt_logprob_start: int | None = None   # score the prompt from this position (None: don't)
-    prompt_logprobs: "PromptLogprobs | None" = None
-    prefill_started_at: float | None = None   # time.perf_counter() when its (first chunk's) prefill began
-    is_resuming: bool = False     # preempted: its KV is recomputed by a prefill of `prefill_ids`
+    abort_message: str = ""  # why it was aborted, or why it failed (FinishReason.ERROR)
+    prompt_logprob_start: int | None = None  # score the prompt from this position (None: don't)
+    prompt_logprobs: PromptLogprobs | None = None
+    prefill_started_at: float | None = None  # time.perf_counter() when its (first chunk's) prefill began
+    is_resuming: bool = False  # preempted: its KV is recomputed by a prefill of `prefill_ids`
 
     @property
     def prompt_len(self) -> int:
@@ -159,8 +147,12 @@ def join_prompt_logprobs(earlier: PromptLogprobs | None, later: PromptLogprobs |
         return later
     if later is None:
         return earlier
-    return PromptLogprobs(earlier.token_ids + later.token_ids, earlier.logprobs + later.logprobs,
-                          earlier.top + later.top, earlier.requested + later.requested)
+    return PromptLogprobs(
+        earlier.token_ids + later.token_ids,
+        earlier.logprobs + later.logprobs,
+        earlier.top + later.top,
+        earlier.requested + later.requested,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,10 +168,10 @@ class StepOutput:
     logprob: float | None
     finish_reason: FinishReason | None = None
     matched_token_id: int | None = None
-    abort_message: str = ""      # for ABORT and ERROR: why
+    abort_message: str = ""  # for ABORT and ERROR: why
     top_logprobs: tuple[tuple[int, float], ...] = ()
     token_ids_logprobs: tuple[tuple[int, float], ...] = ()
-    cached_tokens: int = 0       # set on a request's first token: prompt tokens served from the cache
-    weights_id: str = ""         # the engine's `weights_id` when this output was computed
-    prompt_logprobs: PromptLogprobs | None = None   # on the first token, when the request asked
-    prefill_started_at: float | None = None         # on the first token: when its prefill forward began
+    cached_tokens: int = 0  # set on a request's first token: prompt tokens served from the cache
+    weights_id: str = ""  # the engine's `weights_id` when this output was computed
+    prompt_logprobs: PromptLogprobs | None = None  # on the first token, when the request asked
+    prefill_started_at: float | None = None  # on the first token: when its prefill forward began

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from gateway.sampling_defaults import SamplingDefaults
 from tandem.internal_auth import InternalCredentials
+from tandem.limits import DEFAULT_MAX_NEW_TOKENS
 
 DEFAULT_MAX_QUEUED = 1024           # generations waiting for decode KV space (gateway/cluster/admission.py)
 DEFAULT_MAX_QUEUE_WAIT_S = 120.0
@@ -37,7 +38,7 @@ class GatewayConfig:
     max_queued_requests: int = DEFAULT_MAX_QUEUED      # generations waiting for decode KV space (admission)
     max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S   # ... and how long each may wait
     stall_timeout_s: float = 20.0         # a worker silent this long on a call is health-checked (gateway/cluster/handoff.py)
-    default_max_new_tokens: int = 128     # native /generate, as in SGLang
+    default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS   # native /generate, as in SGLang
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     # Bearer keys (gateway/api/auth.py): `api_key` opens every route but the open probes; `admin_api_key`,
     # when set, alone opens the admin routes. Kept out of repr so that no log line prints them.

@@ -8,40 +8,40 @@ from __future__ import annotations
 
 import json
 import logging
-import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+
+from tandem.limits import SAMPLING_RANGES
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingDefaults:
+    """None: no default (the workers' own applies). Each value must be one a request may send."""
+
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature is not None and not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"default temperature must be >= 0, got {self.temperature}")
-        if self.top_p is not None and not (0 < self.top_p <= 1):
-            raise ValueError(f"default top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and self.top_k < -1:
-            raise ValueError(f"default top_k must be >= -1, got {self.top_k}")
-        if self.min_p is not None and not (0 <= self.min_p <= 1):
-            raise ValueError(f"default min_p must be in [0, 1], got {self.min_p}")
+        for field in fields(self):
+            value, allowed = getattr(self, field.name), SAMPLING_RANGES[field.name]
+            if value is not None and value not in allowed:
+                raise ValueError("default " + allowed.error(field.name, value))
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> "SamplingDefaults":
+    def from_mapping(cls, values: Mapping[str, Any]) -> SamplingDefaults:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown default sampling keys {unknown}; known: {sorted(known)}")
         return cls(**values)
 
-    def overridden_by(self, other: "SamplingDefaults") -> "SamplingDefaults":
+    def overridden_by(self, other: SamplingDefaults) -> SamplingDefaults:
         return replace(self, **{f.name: getattr(other, f.name) for f in fields(other)
                                 if getattr(other, f.name) is not None})
 

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
@@ -22,6 +23,7 @@ class GatewayState:
     pool: WorkerPool
     metrics: GatewayMetrics
     generation: GenerationService
+    started_at: int = field(default_factory=lambda: int(time.time()))   # Unix time (the models' `created`)
 
     def check_model(self, model: str) -> None:
         """404 unless `model` names the served model (its served name or its path)."""

@@ -6,13 +6,16 @@ value for every prompt or a list with one per prompt, as in SGLang's batch reque
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
+from gateway.api.responses import LogprobTriple, NativeLogprobs
+from gateway.api.schemas import GenerateRequest
 from gateway.errors import bad_request
 from gateway.service.generation import GenerationRequest, GenerationResult
 from gateway.service.sampling import check_top_logprobs
-from gateway.api.schemas import GenerateRequest
+
 
 @dataclass(frozen=True, slots=True)
 class LogprobOptions:
@@ -57,23 +60,23 @@ def _per_prompt(value: Any, count: int, param: str) -> list:
 
 
 def logprob_fields(options: LogprobOptions, request: GenerationRequest, result: GenerationResult,
-                   token_text: Callable[[int], str] | None) -> dict:
+                   token_text: Callable[[int], str] | None) -> NativeLogprobs:
     """SGLang's shape: [logprob, token_id, text or None] triples per position (`token_text` gives the
     text when asked for). The input_* lists cover the prompt from logprob_start_len on (empty when
     it is -1); position 0 has no distribution, so its logprob is None and its top / requested
     entries are None."""
-    def triple(token_id: int, logprob: float | None) -> list:
-        return [logprob, token_id, token_text(token_id) if token_text else None]
+    def triple(token_id: int, logprob: float | None) -> LogprobTriple:
+        return logprob, token_id, token_text(token_id) if token_text else None
     scored = result.prompt_logprobs
     unscored = [request.prompt_ids[0]] if options.prompt_start == 0 else []   # position 0
-    fields = {"input_token_logprobs": [triple(t, None) for t in unscored] +
-                                      [triple(t.token_id, t.logprob) for t in scored],
-              "output_token_logprobs": [triple(t.token_id, t.logprob) for t in result.tokens]}
+    lists = NativeLogprobs(input_token_logprobs=[triple(t, None) for t in unscored] +
+                                                [triple(t.token_id, t.logprob) for t in scored],
+                           output_token_logprobs=[triple(t.token_id, t.logprob) for t in result.tokens])
     if options.top_num:
-        fields["input_top_logprobs"] = [None] * len(unscored) + [[triple(i, lp) for i, lp in t.top] for t in scored]
-        fields["output_top_logprobs"] = [[triple(i, lp) for i, lp in t.top] for t in result.tokens]
+        lists.input_top_logprobs = [None] * len(unscored) + [[triple(i, lp) for i, lp in t.top] for t in scored]
+        lists.output_top_logprobs = [[triple(i, lp) for i, lp in t.top] for t in result.tokens]
     if options.token_ids:
-        fields["input_token_ids_logprobs"] = [None] * len(unscored) + [
+        lists.input_token_ids_logprobs = [None] * len(unscored) + [
             [triple(i, lp) for i, lp in t.requested] for t in scored]
-        fields["output_token_ids_logprobs"] = [[triple(i, lp) for i, lp in t.requested] for t in result.tokens]
-    return fields
+        lists.output_token_ids_logprobs = [[triple(i, lp) for i, lp in t.requested] for t in result.tokens]
+    return lists

@@ -4,42 +4,42 @@ from __future__ import annotations
 
 import json
 import time
-from typing import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
 from gateway.api.disconnect import cancel_on_disconnect
 from gateway.errors import bad_request
-from gateway.service.generation import GenerationRequest, GenerationResult, TextDelta
+from gateway.service.generation import GenerationRequest, GenerationResult
 from gateway.api.json_route import JSONRoute
-from gateway.api.openai_format import (chat_logprobs, completion_logprobs, finish_name, join_completion_logprobs,
-                                   matched_stop, prompt_completion_logprobs, usage)
-from gateway.service.sampling import (SamplingFields, build_sampling, check_token_ids, check_top_logprobs, output_constraint,
-                              parse_logit_bias, stop_list)
-from gateway.api.schemas import ChatCompletionRequest, CompletionRequest, ToolCall
+from gateway.api.openai_format import (chat_choice, chat_logprobs, completion_logprobs, finish_name,
+                                       join_completion_logprobs, matched_stop, prompt_completion_logprobs, usage)
+from gateway.api.openai_stream import chat_chunks, completion_chunks
+from gateway.api.responses import ChatCompletion, Completion, CompletionChoice, ModelCard, ModelList
+from gateway.service.sampling import (SamplingFields, build_sampling, check_token_ids, check_top_logprobs,
+                                      output_constraint, parse_logit_bias, stop_list)
+from gateway.api.schemas import ChatCompletionRequest, ChatRole, CompletionRequest, ToolCall
 from gateway.api.sse import sse_response
 from gateway.state import GatewayState, gateway_state
 from gateway.text.text_input import encode_chat, encode_texts
-from gateway.text.reasoning import ReasoningSplitter, split_reasoning
-from gateway.text.tool_calls import ToolPlan, parse_tool_calls, plan_tools, tools_system_prompt
+from gateway.text.tool_calls import ToolPlan, plan_tools, tools_system_prompt
+from tandem.limits import MAX_N
 
 router = APIRouter(route_class=JSONRoute)
 
-MAX_N = 64
-
 
 @router.get("/v1/models")
-async def list_models(state: GatewayState = Depends(gateway_state)) -> dict:
-    return {"object": "list", "data": [_model_card(state)]}
+async def list_models(state: GatewayState = Depends(gateway_state)) -> ModelList:
+    return ModelList(data=[_model_card(state)])
 
 
 @router.get("/v1/models/{model_id:path}")
-async def get_model(model_id: str, state: GatewayState = Depends(gateway_state)) -> dict:
+async def get_model(model_id: str, state: GatewayState = Depends(gateway_state)) -> ModelCard:
     state.check_model(model_id)
     return _model_card(state)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", response_model=ChatCompletion)
 async def chat_completions(body: ChatCompletionRequest, http_request: Request,
                            state: GatewayState = Depends(gateway_state)):
     state.check_model(body.model)
@@ -47,7 +47,7 @@ async def chat_completions(body: ChatCompletionRequest, http_request: Request,
     tokenizer = state.require_tokenizer("messages")
     plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     messages, template_kwargs = _chat_prompt(body, plan, tokenizer.template_uses("tools"))
-    if body.continue_final_message and body.messages[-1].role != "assistant":
+    if body.continue_final_message and body.messages[-1].role is not ChatRole.ASSISTANT:
         raise bad_request("continue_final_message needs the last message to be the assistant's", "messages")
     prompt_ids = await encode_chat(tokenizer, messages, "messages", state.pool.limits().context_len,
                                    add_generation_prompt=not body.continue_final_message,
@@ -63,30 +63,21 @@ async def chat_completions(body: ChatCompletionRequest, http_request: Request,
     created, rid = int(time.time()), f"chatcmpl-{requests[0].request_id}"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        choices = await cancel_on_disconnect(http_request, state.generation.started_choices(requests))
-        return sse_response(_chat_chunks(state, requests, choices, body, rid, created, include_usage, num_top, plan))
+        started = await cancel_on_disconnect(http_request, state.generation.started_choices(requests))
+        return sse_response(chat_chunks(state, requests, started, body, rid, created, include_usage, num_top, plan))
     results = await cancel_on_disconnect(http_request, state.generation.gather(requests))
-    choices = []
-    for index, result in enumerate(results):
-        content, calls = parse_tool_calls(result.text, plan) if plan.parses_calls else (result.text, [])
-        reasoning = None
-        if body.separate_reasoning and content:
-            reasoning, content = split_reasoning(content)
-        choices.append({"index": index,
-                        "message": {"role": "assistant", "content": content, "reasoning_content": reasoning,
-                                    "tool_calls": [c.to_openai() for c in calls] or None},
-                        "logprobs": chat_logprobs(tokenizer, result.tokens, num_top) if body.logprobs else None,
-                        "finish_reason": "tool_calls" if calls else finish_name(result),
-                        "matched_stop": matched_stop(result)})
-    return {"id": rid, "object": "chat.completion", "created": created, "model": body.model, "choices": choices,
-            "usage": usage(len(prompt_ids), results, body.n)}
+    choices = [chat_choice(index, result, plan, body.separate_reasoning,
+                           chat_logprobs(tokenizer, result.tokens, num_top) if body.logprobs else None)
+               for index, result in enumerate(results)]
+    return ChatCompletion(id=rid, created=created, model=body.model, choices=choices,
+                          usage=usage(len(prompt_ids), results, body.n))
 
 
 def _chat_prompt(body: ChatCompletionRequest, plan: ToolPlan, template_takes_tools: bool) -> tuple[list[dict], dict]:
     """Messages (and template arguments) for the chat template, tools included one way or the other."""
     messages = []
     for m in body.messages:
-        message = {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+        message: dict[str, Any] = {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
         if m.tool_call_id:
             message["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
@@ -101,10 +92,10 @@ def _chat_prompt(body: ChatCompletionRequest, plan: ToolPlan, template_takes_too
     if plan.tools:
         if template_takes_tools:
             kwargs["tools"] = plan.tools
-        elif messages and messages[0]["role"] == "system":
+        elif messages and messages[0]["role"] is ChatRole.SYSTEM:
             messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + tools_system_prompt(plan.tools)}
         else:
-            messages.insert(0, {"role": "system", "content": tools_system_prompt(plan.tools)})
+            messages.insert(0, {"role": ChatRole.SYSTEM, "content": tools_system_prompt(plan.tools)})
     return messages, kwargs
 
 
@@ -116,7 +107,7 @@ def _arguments(call: ToolCall):
         return arguments
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", response_model=Completion)
 async def completions(body: CompletionRequest, http_request: Request, state: GatewayState = Depends(gateway_state)):
     state.check_model(body.model)
     state.require_generation()
@@ -142,11 +133,21 @@ async def completions(body: CompletionRequest, http_request: Request, state: Gat
               for ids in prompts]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        choices = await cancel_on_disconnect(http_request, state.generation.started_choices(requests))
-        return sse_response(_completion_chunks(state, requests, choices, body, rid, created, include_usage, echoes,
-                                               num_top, len(prompts)))
+        started = await cancel_on_disconnect(http_request, state.generation.started_choices(requests))
+        return sse_response(completion_chunks(state, requests, started, body, rid, created, include_usage, echoes,
+                                              num_top, len(prompts)))
     results = await cancel_on_disconnect(http_request, state.generation.gather(requests))
-    choices = []
+    choices = _completion_choices(state, body, prompts, results, best_of, echoes, num_top)
+    return Completion(id=rid, created=created, model=body.model, choices=choices,
+                      usage=usage(sum(len(ids) for ids in prompts), results, best_of))
+
+
+def _completion_choices(state: GatewayState, body: CompletionRequest, prompts: list[list[int]],
+                        results: list[GenerationResult], best_of: int, echoes: list[str],
+                        num_top: int) -> list[CompletionChoice]:
+    """Each prompt's `body.n` choices (the most likely of its `best_of` results), with the echoed prompt
+    and its logprobs when asked for."""
+    choices: list[CompletionChoice] = []
     for p, prompt_ids in enumerate(prompts):
         candidates = results[p * best_of:(p + 1) * best_of]
         if best_of > body.n:
@@ -156,15 +157,12 @@ async def completions(body: CompletionRequest, http_request: Request, state: Gat
             if body.logprobs is not None:
                 tokenizer = state.require_tokenizer("logprobs")
                 logprobs = completion_logprobs(tokenizer, result.tokens, num_top, len(echoes[p]))
-                if prompt_logprobs:
+                if body.echo:
                     logprobs = join_completion_logprobs(
                         prompt_completion_logprobs(tokenizer, prompt_ids, result.prompt_logprobs, num_top), logprobs)
-            choices.append({"index": len(choices), "text": echoes[p] + result.text, "logprobs": logprobs,
-                            "finish_reason": finish_name(result), "matched_stop": matched_stop(result)})
-    prompt_lens = sum(len(ids) for ids in prompts)
-    report = usage(prompt_lens, results, best_of)
-    return {"id": rid, "object": "text_completion", "created": created, "model": body.model, "choices": choices,
-            "usage": report}
+            choices.append(CompletionChoice(index=len(choices), text=echoes[p] + result.text, logprobs=logprobs,
+                                            finish_reason=finish_name(result), matched_stop=matched_stop(result)))
+    return choices
 
 
 async def _completion_prompts(state: GatewayState, prompt) -> list[list[int]]:
@@ -201,10 +199,9 @@ def _choice_requests(state: GatewayState, body, prompts: list[list[int]], n: int
         sampling = build_sampling(fields, len(prompt_ids), state.pool.limits(), state.config.sampling_defaults,
                                   max_tokens_param, "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
         for i in range(n):
-            choice_sampling = type(sampling)()
-            choice_sampling.CopyFrom(sampling)
+            choice_sampling = sampling
             if body.seed is not None and i:
-                choice_sampling.seed = (body.seed + i) % 2**63   # distinct but reproducible choices
+                choice_sampling = sampling.with_seed((body.seed + i) % 2**63)   # distinct but reproducible choices
             requests.append(GenerationRequest(
                 prompt_ids, choice_sampling, _stops(state, body.stop), body.skip_special_tokens,
                 spaces_between_special_tokens=body.spaces_between_special_tokens, no_stop_trim=body.no_stop_trim,
@@ -243,102 +240,8 @@ def _constraint(body, plan: ToolPlan | None = None) -> tuple[str, str] | None:
     return output_constraint(schema, body.regex, body.ebnf, json_object, "response_format")
 
 
-async def _chat_chunks(state: GatewayState, requests: list[GenerationRequest],
-                       choices: AsyncIterator[tuple[int, TextDelta]], body: ChatCompletionRequest, rid: str,
-                       created: int, include_usage: bool, num_top: int, plan: ToolPlan) -> AsyncIterator[dict]:
-    """Content streams as it comes; with tools, each choice's text is held until it finishes and then
-    sent as tool_calls deltas (or as content, if it holds no call)."""
-    def chunk(index: int, delta: dict, logprobs=None, finish: str | None = None, matched=None) -> dict:
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        if finish is not None:
-            choice["matched_stop"] = matched
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                "choices": [choice]}
-
-    tokenizer = state.tokenizer
-    for index in range(len(requests)):
-        yield chunk(index, {"role": "assistant", "content": ""})
-    results = [GenerationResult() for _ in requests]
-    splitters = [ReasoningSplitter() if body.separate_reasoning else None for _ in requests]
-    async for index, delta in choices:
-        result = results[index]
-        result.add(delta)
-        logprobs = chat_logprobs(tokenizer, delta.tokens, num_top) if body.logprobs else None
-        if plan.parses_calls:
-            if delta.finish is None:
-                continue
-            content, calls = parse_tool_calls(result.text, plan)
-            if calls:
-                yield chunk(index, {"tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]})
-            elif content:
-                yield chunk(index, {"content": content})
-            yield chunk(index, {}, None, "tool_calls" if calls else finish_name(result), matched_stop(result))
-            continue
-        reasoning, content = _split_delta(splitters[index], delta.text, delta.finish is not None)
-        if reasoning:
-            yield chunk(index, {"reasoning_content": reasoning})
-        if content or (logprobs and delta.finish is None):
-            yield chunk(index, {"content": content}, logprobs)
-            logprobs = None
-        if delta.finish is not None:
-            yield chunk(index, {}, logprobs, finish_name(result), matched_stop(result))
-    if include_usage:
-        yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model, "choices": [],
-               "usage": usage(len(requests[0].prompt_ids), results, body.n)}
-
-
-def _split_delta(splitter: ReasoningSplitter | None, text: str, is_last: bool) -> tuple[str, str]:
-    if splitter is None:
-        return "", text
-    reasoning, content = splitter.feed(text)
-    if is_last:
-        tail_reasoning, tail_content = splitter.flush()
-        reasoning, content = reasoning + tail_reasoning, content + tail_content
-    return reasoning, content
-
-
-async def _completion_chunks(state: GatewayState, requests: list[GenerationRequest],
-                             choices: AsyncIterator[tuple[int, TextDelta]], body: CompletionRequest, rid: str,
-                             created: int, include_usage: bool, echoes: list[str], num_top: int,
-                             num_prompts: int) -> AsyncIterator[dict]:
-    def chunk(index: int, text: str, logprobs=None, finish: str | None = None, matched=None) -> dict:
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        if finish is not None:
-            choice["matched_stop"] = matched
-        return {"id": rid, "object": "text_completion", "created": created, "model": body.model, "choices": [choice]}
-
-    per_prompt = len(requests) // num_prompts
-    # With logprobs, each echo waits for its choice's first token, which brings the prompt's logprobs.
-    echo_pending = [bool(echoes[i // per_prompt]) and body.logprobs is not None for i in range(len(requests))]
-    for index in range(len(requests)):
-        if echoes[index // per_prompt] and not echo_pending[index]:
-            yield chunk(index, echoes[index // per_prompt])
-    results = [GenerationResult() for _ in requests]
-    offsets = [len(echoes[i // per_prompt]) for i in range(len(requests))]
-    async for index, delta in choices:
-        results[index].add(delta)
-        if echo_pending[index]:
-            echo_pending[index] = False
-            yield chunk(index, echoes[index // per_prompt], prompt_completion_logprobs(
-                state.require_tokenizer("logprobs"), requests[index].prompt_ids, delta.prompt_logprobs, num_top))
-        logprobs = (completion_logprobs(state.require_tokenizer("logprobs"), delta.tokens, num_top, offsets[index])
-                    if body.logprobs is not None else None)
-        offsets[index] += len(delta.text)
-        finish = finish_name(results[index]) if delta.finish is not None else None
-        if delta.text or finish is not None or logprobs:
-            yield chunk(index, delta.text, logprobs, finish, matched_stop(results[index]) if finish else None)
-    if include_usage:
-        prompt_lens = sum(len(requests[p * per_prompt].prompt_ids) for p in range(num_prompts))
-        yield {"id": rid, "object": "text_completion", "created": created, "model": body.model, "choices": [],
-               "usage": usage(prompt_lens, results, per_prompt)}
-
-
-def _model_card(state: GatewayState) -> dict:
-    limits = state.pool.limits() if state.pool.is_ready else None
-    card = {"id": state.config.served_model_name, "object": "model", "created": 0, "owned_by": "tandem",
-            "root": state.config.model_path}
-    if limits is not None:
-        card["max_model_len"] = limits.context_len
-    return card
+def _model_card(state: GatewayState) -> ModelCard:
+    return ModelCard(id=state.config.served_model_name, created=state.started_at, root=state.config.model_path,
+                     max_model_len=state.pool.limits().context_len if state.pool.is_ready else None)
 
 

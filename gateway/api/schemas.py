@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, field_validator
 
 
 class TextPart(BaseModel):
@@ -26,9 +27,19 @@ class ToolCall(BaseModel):
     function: ToolCallFunction
 
 
+class ChatRole(enum.StrEnum):
+    """Who speaks in a chat message; the value is OpenAI's word."""
+
+    SYSTEM = "system"
+    DEVELOPER = "developer"
+    USER = "user"
+    ASSISTANT = "assistant"
+    TOOL = "tool"
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: ChatRole
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
@@ -98,9 +109,9 @@ class CompletionRequest(_SamplingFields):
 
 
 class NativeSamplingParams(BaseModel):
-    """One entry of /generate's `sampling_params` (SGLang's names), typed so that a wrong type is a
-    400 naming its field; validated by the route, which names unknown keys itself. Strict, so JSON's
-    types count as they are: `1` is not a flag and `"0.5"` not a number."""
+    """One entry of /generate's `sampling_params` (SGLang's names): an unknown key or a wrong type is a
+    400 naming `sampling_params.<key>`. Strict, so JSON's types count as they are: `1` is not a flag
+    and `"0.5"` not a number."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     n: int = 1
@@ -132,7 +143,7 @@ class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] = Field(default_factory=dict)
+    sampling_params: NativeSamplingParams | list[NativeSamplingParams] = Field(default_factory=NativeSamplingParams)
     stream: bool = False
     rid: str | list[str] | None = None
     # each of these four: one value for every prompt, or a list with one per prompt
@@ -141,6 +152,15 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int | list[int] = 0
     token_ids_logprob: list[int] | list[list[int]] | None = None
     return_text_in_logprobs: bool = False
+
+    @field_validator("sampling_params", mode="wrap")
+    @classmethod
+    def _sampling_params(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """One set for every prompt, or a list of one per prompt. Each set is validated alone, so that
+        an error's param is `sampling_params.<key>` (pydantic would name the union member too)."""
+        if isinstance(value, list):
+            return [NativeSamplingParams.model_validate(params) for params in value]
+        return NativeSamplingParams.model_validate(value)
 
 
 class EmbeddingRequest(BaseModel):

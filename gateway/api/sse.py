@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
 
 from gateway.errors import APIError
 
 
-def sse_response(events: AsyncIterator[dict]) -> StreamingResponse:
+def sse_response(events: AsyncIterator[BaseModel]) -> StreamingResponse:
     """`data: {json}` events ending in `data: [DONE]`; an error after the first byte becomes an error event."""
     async def body() -> AsyncIterator[str]:
         try:
             async for event in events:
-                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+                yield f"data: {json.dumps(event.model_dump(), ensure_ascii=False)}\n\n"
         except APIError as exc:
             yield f"data: {json.dumps(exc.body())}\n\n"
         yield "data: [DONE]\n\n"

@@ -1,16 +1,17 @@
-"""Turn HTTP sampling fields into a tandem.v1 SamplingParams, naming the offending param on error."""
+"""Turn HTTP sampling fields into the workers' `SamplingOptions`, naming the offending param on error."""
 
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 from dataclasses import dataclass
 
 from gateway.errors import APIError, bad_request, context_length_exceeded
 from gateway.sampling_defaults import SamplingDefaults
 from gateway.cluster.pool import ModelLimits
-from tandem.v1 import common_pb2
+from gateway.records import SamplingOptions
+from tandem.limits import (LOGIT_BIAS, MAX_NEW_TOKENS, MIN_NEW_TOKENS, MIN_P, PENALTY, REPETITION_PENALTY, SEED,
+                           TEMPERATURE, TOP_K, TOP_LOGPROBS_NUM, TOP_P, Range)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,69 +35,69 @@ class SamplingFields:
 
 
 def build_sampling(fields: SamplingFields, prompt_len: int, limits: ModelLimits, defaults: SamplingDefaults,
-                   max_tokens_param: str = "max_tokens", prompt_param: str = "prompt") -> common_pb2.SamplingParams:
+                   max_tokens_param: str = "max_tokens", prompt_param: str = "prompt") -> SamplingOptions:
     """Validate values and the context budget; unset max_new_tokens fills the rest of the context,
     unset temperature / top_p / top_k / min_p take the server's `defaults` (if any)."""
-    _check_range("temperature", fields.temperature, lambda v: math.isfinite(v) and 0 <= v <= 2,
-                 "must be between 0 and 2")
-    _check_range("top_p", fields.top_p, lambda v: 0 < v <= 1, "must be in (0, 1]")
-    _check_range("top_k", fields.top_k, lambda v: v >= -1, "must be -1 (disabled) or a positive integer")
-    _check_range("min_p", fields.min_p, lambda v: 0 <= v <= 1, "must be in [0, 1]")
-    _check_range(max_tokens_param, fields.max_new_tokens, lambda v: v >= 1, "must be >= 1")
-    _check_range("seed", fields.seed, lambda v: 0 <= v < 2**63, "must be in [0, 2^63)")
-    _check_range("presence_penalty", fields.presence_penalty, lambda v: -2 <= v <= 2, "must be in [-2, 2]")
-    _check_range("frequency_penalty", fields.frequency_penalty, lambda v: -2 <= v <= 2, "must be in [-2, 2]")
-    _check_range("repetition_penalty", fields.repetition_penalty, lambda v: 0 < v <= 10, "must be in (0, 10]")
-    _check_range("min_tokens", fields.min_new_tokens, lambda v: v >= 0, "must be >= 0")
+    _check_values(fields, limits, max_tokens_param)
+    room = _room(prompt_len, fields.max_new_tokens, limits, max_tokens_param, prompt_param)
+    top_k = _first_set(fields.top_k, defaults.top_k)
+    return SamplingOptions(
+        temperature=_first_set(fields.temperature, defaults.temperature),
+        top_p=_first_set(fields.top_p, defaults.top_p), top_k=top_k if top_k is not None and top_k > 0 else None,
+        min_p=_first_set(fields.min_p, defaults.min_p), seed=fields.seed,
+        max_new_tokens=fields.max_new_tokens or room, stop_token_ids=tuple(fields.stop_token_ids),
+        ignore_eos=fields.ignore_eos, min_new_tokens=fields.min_new_tokens, presence_penalty=fields.presence_penalty,
+        frequency_penalty=fields.frequency_penalty, repetition_penalty=fields.repetition_penalty,
+        logit_bias=tuple(fields.logit_bias), top_logprobs_num=fields.top_logprobs_num or None,
+        token_ids_logprob=tuple(fields.token_ids_logprob), **_constraint_options(fields.constraint))
+
+
+def _check_values(fields: SamplingFields, limits: ModelLimits, max_tokens_param: str) -> None:
+    """400 naming the HTTP param of the first value outside its `tandem.limits` range or the vocabulary."""
+    for param, value, allowed in (
+            ("temperature", fields.temperature, TEMPERATURE), ("top_p", fields.top_p, TOP_P),
+            ("top_k", fields.top_k, TOP_K), ("min_p", fields.min_p, MIN_P),
+            (max_tokens_param, fields.max_new_tokens, MAX_NEW_TOKENS), ("seed", fields.seed, SEED),
+            ("presence_penalty", fields.presence_penalty, PENALTY),
+            ("frequency_penalty", fields.frequency_penalty, PENALTY),
+            ("repetition_penalty", fields.repetition_penalty, REPETITION_PENALTY),
+            ("min_tokens", fields.min_new_tokens, MIN_NEW_TOKENS)):
+        _check_range(param, value, allowed)
     if fields.min_new_tokens and fields.max_new_tokens is not None and fields.min_new_tokens > fields.max_new_tokens:
         raise bad_request(f"min_tokens ({fields.min_new_tokens}) must not exceed the maximum number of tokens "
                           f"({fields.max_new_tokens})", "min_tokens")
     for token_id, bias in fields.logit_bias:
         if not (0 <= token_id < limits.vocab_size):
             raise bad_request(f"logit_bias: token id {token_id} is outside the vocabulary", "logit_bias")
-        if not (-100 <= bias <= 100):
-            raise bad_request(f"logit_bias: bias {bias} for token {token_id} is outside [-100, 100]", "logit_bias")
+        if bias not in LOGIT_BIAS:
+            raise bad_request(f"logit_bias: bias {bias} for token {token_id} is outside "
+                              f"[{LOGIT_BIAS.low:g}, {LOGIT_BIAS.high:g}]", "logit_bias")
     check_token_ids(list(fields.token_ids_logprob), limits, "token_ids_logprob")
     bad_id = next((t for t in fields.stop_token_ids if not (0 <= t < limits.vocab_size)), None)
     if bad_id is not None:
         raise bad_request(f"stop_token_ids: {bad_id} is outside the vocabulary", "stop_token_ids")
+
+
+def _room(prompt_len: int, max_new_tokens: int | None, limits: ModelLimits, max_tokens_param: str,
+          prompt_param: str) -> int:
+    """How many tokens the context leaves after the prompt: 400 when the prompt is empty or leaves none,
+    or when `max_new_tokens` asks for more."""
     if prompt_len == 0:
         raise bad_request("the prompt is empty", "prompt")
     room = limits.context_len - prompt_len
     if room < 1:
         raise context_length_exceeded(limits.context_len, prompt_len, None, prompt_param)
-    if fields.max_new_tokens is not None and fields.max_new_tokens > room:
-        raise context_length_exceeded(limits.context_len, prompt_len, fields.max_new_tokens, max_tokens_param)
-    params = common_pb2.SamplingParams(max_new_tokens=fields.max_new_tokens or room,
-                                       stop_token_ids=list(fields.stop_token_ids), ignore_eos=fields.ignore_eos,
-                                       logit_bias=dict(fields.logit_bias),
-                                       token_ids_logprob=list(fields.token_ids_logprob))
-    for name in ("min_new_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        if getattr(fields, name) is not None:
-            setattr(params, name, getattr(fields, name))
-    if fields.top_logprobs_num:
-        params.top_logprobs_num = fields.top_logprobs_num
-    if fields.constraint is not None:
-        kind, text = fields.constraint
-        if kind == "json_object":
-            params.json_object = True
-        else:
-            setattr(params, kind, text)
-    temperature = _first_set(fields.temperature, defaults.temperature)
-    top_p = _first_set(fields.top_p, defaults.top_p)
-    top_k = _first_set(fields.top_k, defaults.top_k)
-    min_p = _first_set(fields.min_p, defaults.min_p)
-    if temperature is not None:
-        params.temperature = temperature
-    if top_p is not None:
-        params.top_p = top_p
-    if top_k is not None and top_k > 0:
-        params.top_k = top_k
-    if min_p is not None:
-        params.min_p = min_p
-    if fields.seed is not None:
-        params.seed = fields.seed
-    return params
+    if max_new_tokens is not None and max_new_tokens > room:
+        raise context_length_exceeded(limits.context_len, prompt_len, max_new_tokens, max_tokens_param)
+    return room
+
+
+def _constraint_options(constraint: tuple[str, str] | None) -> dict[str, str | bool]:
+    """The SamplingOptions field that carries `constraint` (`output_constraint`'s kind and text)."""
+    if constraint is None:
+        return {}
+    kind, text = constraint
+    return {"json_object": True} if kind == "json_object" else {kind: text}
 
 
 def check_token_ids(token_ids: list[int], limits: ModelLimits, param: str) -> None:
@@ -105,13 +106,9 @@ def check_token_ids(token_ids: list[int], limits: ModelLimits, param: str) -> No
         raise bad_request(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})", param)
 
 
-MAX_TOP_LOGPROBS = 20
-
-
 def check_top_logprobs(num_top: int, param: str) -> None:
-    """400 naming `param` unless 0 <= num_top <= MAX_TOP_LOGPROBS (the engine's own limit too)."""
-    if not (0 <= num_top <= MAX_TOP_LOGPROBS):
-        raise bad_request(f"{param} must be between 0 and {MAX_TOP_LOGPROBS}, got {num_top}", param)
+    """400 naming `param` unless 0 <= num_top <= MAX_TOP_LOGPROBS (`tandem.limits`, the engine's limit too)."""
+    _check_range(param, num_top, TOP_LOGPROBS_NUM)
 
 
 def parse_logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
@@ -186,6 +183,6 @@ def _first_set(value, default):
     return value if value is not None else default
 
 
-def _check_range(param: str, value, is_valid, rule: str) -> None:
-    if value is not None and not is_valid(value):
-        raise APIError(400, f"{param} {rule}, got {value}", param=param)
+def _check_range(param: str, value: float | None, allowed: Range) -> None:
+    if value is not None and value not in allowed:
+        raise APIError(400, allowed.error(param, value), param=param)

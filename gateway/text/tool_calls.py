@@ -25,10 +25,6 @@ class ToolCall:
     arguments: str    # JSON text, as OpenAI sends it
     id: str
 
-    def to_openai(self, index: int | None = None) -> dict:
-        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-        return call if index is None else {"index": index, **call}
-
 
 @dataclass(frozen=True, slots=True)
 class ToolPlan:

@@ -1,5 +1,6 @@
 """The layering rules of the style guide (kernels -> engine -> kv_transfer -> server runtime -> servers;
-gateway on protos only), checked on every import statement, lazy ones inside functions included."""
+gateway on protos only; `tandem.limits`, the sampling ranges, shared by engine and gateway), checked on
+every import statement, lazy ones inside functions included."""
 
 from __future__ import annotations
 
@@ -105,16 +106,24 @@ def _never(package: str, forbidden: tuple[str, ...]) -> Rule:
 KV_TRANSFER_ENGINE_TYPES = ("engine.config", "engine.errors", "engine.kv_pool", "engine.request")
 ENGINE_FORBIDDEN = ("grpc", "grpc_health", "grpc_reflection", "fastapi", "starlette", "uvicorn", "pydantic",
                     "threading", "_thread", "concurrent", "asyncio", "socket", "mooncake")
+# The gRPC edge: the generated stubs and the gRPC libraries. In the gateway only the cluster wing, whose
+# `WorkerClient` converts to and from gateway records, imports them (tandem.internal_auth and
+# tandem.request_log are plain helpers, open to every wing).
+GRPC_EDGE = ("tandem.v1", "grpc", "grpc_health", "grpc_reflection", "google.protobuf")
 
 RULES: dict[str, Rule] = {
     "kernels imports no in-repo package": _only_in_repo("kernels", ()),
-    "engine imports only engine and kernels": _only_in_repo("engine", ("kernels",)),
+    # tandem.limits (standard library only) is the one table of sampling ranges the gateway checks too
+    "engine imports only engine, kernels and tandem.limits": _only_in_repo("engine", ("kernels", "tandem.limits")),
     "engine has no network, gRPC, HTTP or threads": _never("engine", ENGINE_FORBIDDEN),
     "kv_transfer imports only engine types": _only_in_repo("kv_transfer", KV_TRANSFER_ENGINE_TYPES),
     "server_runtime imports only engine, kernels, kv_transfer and protos":
         _only_in_repo("server_runtime", ("engine", "kernels", "kv_transfer", "tandem")),
     "gateway imports only protos and gateway": _only_in_repo("gateway", ("tandem",)),
     "gateway never imports torch": _never("gateway", ("torch",)),
+    "only gateway.cluster imports tandem.v1 stubs or grpc":
+        lambda imp: (_in_package(imp, "gateway") and not _in_package(imp, "gateway.cluster")
+                     and imp.is_under(*GRPC_EDGE)),
     "prefill_server does not import decode_server": _never("prefill_server", ("decode_server",)),
     "decode_server does not import prefill_server": _never("decode_server", ("prefill_server",)),
     "generated protos import no other in-repo package": _only_in_repo("tandem", ()),
@@ -238,6 +247,7 @@ def test_checker_reports_violations_with_file_and_line(tmp_path: Path) -> None:
     _write(tmp_path, "engine/runner.py", "")
     _write(tmp_path, "kernels/attention.py", "import torch\n\nfrom engine import errors\n")
     _write(tmp_path, "engine/loop.py", "import threading\nfrom . import errors\n\ndef f():\n    import grpc\n")
+    _write(tmp_path, "engine/request.py", "from tandem.limits import TOP_P\nfrom tandem.v1 import common_pb2\n")
     _write(tmp_path, "kv_transfer/ok.py", "from engine.kv_pool import KVLayout\nfrom engine import errors\n")
     _write(tmp_path, "kv_transfer/bad.py", "from engine.runner import ModelRunner\n")
     _write(tmp_path, "gateway/app.py", "import fastapi\nfrom tandem.v1 import common_pb2\nimport torch.nn\n")
@@ -246,16 +256,19 @@ def test_checker_reports_violations_with_file_and_line(tmp_path: Path) -> None:
     _write(tmp_path, "launcher/cli.py", "def main():\n    import mooncake.engine\n")
     _write(tmp_path, "gateway/errors.py", "")
     _write(tmp_path, "gateway/cluster/__init__.py", "")
-    _write(tmp_path, "gateway/cluster/pool.py", "from gateway.api import routes\nfrom gateway.errors import APIError\n")
+    _write(tmp_path, "gateway/cluster/pool.py", "from gateway.api import routes\nfrom gateway.errors import APIError\n"
+                                                 "import grpc\nfrom tandem.v1 import worker_pb2_grpc\n")
     _write(tmp_path, "gateway/api/__init__.py", "")
-    _write(tmp_path, "gateway/api/routes.py", "from gateway.cluster import pool\n")
+    _write(tmp_path, "gateway/api/routes.py", "from gateway.cluster import pool\nfrom tandem.internal_auth import x\n"
+                                              "\ndef f():\n    from grpc_health.v1 import health_pb2\n")
 
     found = find_violations(tmp_path)
     assert found["kernels imports no in-repo package"] == [
         "kernels/attention.py:3: kernels.attention imports engine.errors"]
     assert found["engine has no network, gRPC, HTTP or threads"] == [
         "engine/loop.py:1: engine.loop imports threading", "engine/loop.py:5: engine.loop imports grpc"]
-    assert found["engine imports only engine and kernels"] == []  # `from . import errors` is engine.errors
+    assert found["engine imports only engine, kernels and tandem.limits"] == [   # `from . import errors`: engine.errors
+        "engine/request.py:2: engine.request imports tandem.v1"]
     assert found["kv_transfer imports only engine types"] == [
         "kv_transfer/bad.py:1: kv_transfer.bad imports engine.runner"]
     assert found["gateway never imports torch"] == ["gateway/app.py:3: gateway.app imports torch.nn"]
@@ -267,6 +280,9 @@ def test_checker_reports_violations_with_file_and_line(tmp_path: Path) -> None:
     assert found["mooncake is imported only in kv_transfer/mooncake_backend.py"] == [
         "launcher/cli.py:2: launcher.cli imports mooncake.engine"]
     assert found["prefill_server does not import decode_server"] == []
+    assert found["only gateway.cluster imports tandem.v1 stubs or grpc"] == [
+        "gateway/api/routes.py:5: gateway.api.routes imports grpc_health.v1",
+        "gateway/app.py:2: gateway.app imports tandem.v1"]
     assert found["gateway modules never import a floor above their own"] == [
         "gateway/cluster/pool.py:1: gateway.cluster.pool imports gateway.api.routes"]
     assert find_cycles(collect_imports(tmp_path)) == [["gateway.api.routes", "gateway.cluster.pool"]]

@@ -9,6 +9,7 @@ import pytest
 
 from engine.errors import InvalidRequestError
 from engine.request import Request, RequestStatus, SamplingParams
+from tandem.limits import SAMPLING_RANGES
 
 
 def test_defaults_are_valid_and_not_greedy() -> None:
@@ -19,9 +20,9 @@ def test_defaults_are_valid_and_not_greedy() -> None:
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(temperature=-0.1), dict(temperature=math.nan), dict(temperature=math.inf),
+    dict(temperature=-0.1), dict(temperature=math.nan), dict(temperature=math.inf), dict(temperature=2.01),
     dict(top_p=0.0), dict(top_p=-0.5), dict(top_p=1.01),
-    dict(top_k=-1),
+    dict(top_k=-2),
     dict(min_p=-0.01), dict(min_p=1.5),
     dict(max_new_tokens=0), dict(max_new_tokens=-4),
     dict(seed=-1), dict(seed=2**63),
@@ -32,8 +33,8 @@ def test_invalid_values_raise_invalid_request(kwargs: dict) -> None:
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(temperature=0.0), dict(temperature=5.0), dict(top_p=1.0), dict(top_p=1e-9),
-    dict(top_k=1), dict(min_p=0.0), dict(min_p=1.0), dict(max_new_tokens=1),
+    dict(temperature=0.0), dict(temperature=2.0), dict(top_p=1.0), dict(top_p=1e-9),
+    dict(top_k=1), dict(top_k=-1), dict(min_p=0.0), dict(min_p=1.0), dict(max_new_tokens=1),
     dict(seed=0), dict(seed=2**63 - 1),
 ])
 def test_boundary_values_are_accepted(kwargs: dict) -> None:
@@ -73,3 +74,13 @@ def test_requests_do_not_share_mutable_defaults() -> None:
     a.output_ids.append(4)
     a.output_logprobs.append(-0.5)
     assert b.page_ids == [] and b.output_ids == [] and b.output_logprobs == []
+
+
+def test_every_range_of_tandem_limits_is_checked_by_sampling_params() -> None:
+    """The engine checks the gateway's table: each range names a field, and each refuses a value."""
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert set(SAMPLING_RANGES) <= fields
+    for name, allowed in SAMPLING_RANGES.items():
+        outside = allowed.low - 1 if allowed.low is not None else allowed.high + 1
+        with pytest.raises(InvalidRequestError, match=f"^{name} "):
+            SamplingParams(**{name: outside})

@@ -39,11 +39,11 @@ def test_overrides_and_validation() -> None:
 def test_request_values_win_and_unset_fields_take_the_defaults() -> None:
     defaults = SamplingDefaults(temperature=0.0, top_p=0.5)
     unset = build_sampling(SamplingFields(), 10, LIMITS, defaults)
-    assert unset.temperature == 0.0 and unset.HasField("temperature") and unset.top_p == 0.5
+    assert unset.temperature == 0.0 and unset.top_p == 0.5
     explicit = build_sampling(SamplingFields(temperature=1.0), 10, LIMITS, defaults)
     assert explicit.temperature == 1.0
     plain = build_sampling(SamplingFields(), 10, LIMITS, SamplingDefaults())
-    assert not plain.HasField("temperature") and not plain.HasField("top_p")
+    assert plain.temperature is None and plain.top_p is None   # unset: the workers' own defaults
     assert plain.max_new_tokens == 90   # unset max tokens fill the rest of the context
 
 
