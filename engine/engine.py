@@ -18,18 +18,13 @@ import time
 from typing import Literal, overload
 
 from engine.config import ConfigError, EngineConfig
-from engine.errors import (
-    CapacityError,
-    ContextLengthExceededError,
-    InvalidRequestError,
-    RequestAbortedError,
-    RequestNotFoundError,
-)
+from engine.errors import CapacityError, InvalidRequestError, RequestAbortedError, RequestNotFoundError
 from engine.grammar import GrammarBackend, accept_token
+from engine.outputs import append_token, finish_output, prefill_only_output, record_token, token_output
 from engine.page_allocator import PageAllocator, pages_needed
 from engine.page_pool import NoPrefixCache
 from engine.prefix_cache import PrefixCache
-from engine.request import FinishReason, Request, SamplingParams, StepOutput, join_prompt_logprobs
+from engine.request import FinishReason, PromptLimits, Request, SamplingParams, StepOutput, join_prompt_logprobs
 from engine.reservations import Reservation, Reservations
 from engine.runner import FaultHooks, ModelRunner, SampledToken
 from engine.scheduler import Scheduler
@@ -54,6 +49,7 @@ class Engine:
         self.model_config = mc
         self.config = config
         self.context_len = min(config.context_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.prompt_limits = PromptLimits(mc.vocab_size, self.context_len)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.grammar = GrammarBackend(checkpoint.path, mc.vocab_size)
         self.runner = ModelRunner(checkpoint, config, self.context_len, progress=progress, faults=faults)
@@ -71,14 +67,9 @@ class Engine:
 
     def add_request(self, req: Request) -> None:
         """Queue a prompt. Raises InvalidRequestError / ContextLengthExceededError / CapacityError."""
-        if req.request_id in self._reservations:
+        if self.holds(req.request_id):
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
-        self._validate(req.request_id, req.prompt_ids)
-        start = req.prompt_logprob_start
-        if start is not None and not (0 <= start < req.prompt_len):
-            raise InvalidRequestError(
-                f"logprob_start_len must be in [0, {req.prompt_len}) for a {req.prompt_len}-token prompt, got {start}"
-            )
+        self.prompt_limits.check_prompt(req.prompt_ids, logprob_start=req.prompt_logprob_start)
         self.scheduler.check_capacity(req.prompt_len)
         if req.sampling.grammar is not None:
             req.grammar_matcher = self.grammar.new_matcher(req.sampling.grammar)
@@ -92,12 +83,7 @@ class Engine:
         """
         if self.holds(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if prompt_len < 1:
-            raise InvalidRequestError("prompt_len must be >= 1")
-        if prompt_len >= self.context_len:
-            raise ContextLengthExceededError(
-                f"prompt has {prompt_len} tokens; the context length is {self.context_len}"
-            )
+        self.prompt_limits.check_prompt_len(prompt_len)
         needed = pages_needed(prompt_len, self.config.page_size)
         if needed > self.pages.num_pages:  # no wait would help: not a capacity error
             raise InvalidRequestError(
@@ -137,7 +123,9 @@ class Engine:
             )
         if len(prompt_ids) != reservation.prompt_len:
             raise InvalidRequestError(f"prompt has {len(prompt_ids)} tokens but {reservation.prompt_len} were reserved")
-        self._validate(request_id, prompt_ids + [first_token], allow_full_context=True)
+        if request_id in self._requests or request_id in self._held:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.prompt_limits.check_prompt(prompt_ids + [first_token], allow_full_context=True)
         matcher = None
         if sampling.grammar is not None:  # replay prefill's first token into our own matcher
             matcher = self.grammar.new_matcher(sampling.grammar)
@@ -170,7 +158,7 @@ class Engine:
         if req is None:
             return None
         self.scheduler.finish(req, FinishReason.ABORT, message)
-        return StepOutput(request_id, None, None, FinishReason.ABORT, abort_message=message)
+        return finish_output(req)
 
     def update_weights(self, checkpoint: Checkpoint) -> list[StepOutput]:
         """Load new weights in place: shapes must match exactly (checked before any byte is copied).
@@ -246,7 +234,7 @@ class Engine:
         no output; its first token (with its prompt logprobs, gathered over the chunks) comes with
         the step that computes the prompt's last chunk."""
         batch, evicted = self.scheduler.schedule()
-        outputs = [self._finished_output(self._requests.pop(r.request_id)) for r in evicted]
+        outputs = [finish_output(self._requests.pop(r.request_id)) for r in evicted]
         if batch is None:
             return outputs
         if not batch.is_decode:
@@ -278,24 +266,13 @@ class Engine:
         logger.error("request %s failed: %s", req.request_id, message)
         self.scheduler.finish(req, FinishReason.ERROR, message)
         del self._requests[req.request_id]
-        return StepOutput(req.request_id, None, None, FinishReason.ERROR, abort_message=message)
+        return finish_output(req)
 
     def _finish_prefill_only(self, req: Request, token: SampledToken) -> StepOutput:
-        req.output_ids.append(token.token_id)
-        req.output_logprobs.append(token.logprob)
+        record_token(req, token)
         self.scheduler.finish(req, None, keep_pages=True)
         self._held[req.request_id] = self._requests.pop(req.request_id)
-        return StepOutput(
-            req.request_id,
-            token.token_id,
-            token.logprob,
-            top_logprobs=token.top,
-            token_ids_logprobs=token.requested,
-            cached_tokens=req.num_cached_tokens,
-            weights_id=self.weights_id,
-            prompt_logprobs=req.prompt_logprobs,
-            prefill_started_at=req.prefill_started_at,
-        )
+        return prefill_only_output(req, token, self.weights_id)
 
     @overload
     def _append_token(self, req: Request, token: SampledToken, emit_token: Literal[True]) -> StepOutput: ...
@@ -308,53 +285,10 @@ class Engine:
         sampled by the prefill worker) one comes back only when the token finished it."""
         if emit_token and req.grammar_matcher is not None:
             accept_token(req.grammar_matcher, token.token_id)
-        req.output_ids.append(token.token_id)
-        req.output_logprobs.append(token.logprob)
-        reason = self._finish_reason(req, token.token_id)
+        reason = append_token(req, token, self.eos_token_ids, self.context_len)
         if reason is not None:
-            req.matched_token_id = token.token_id if reason is FinishReason.STOP else None
             self.scheduler.finish(req, reason)
             del self._requests[req.request_id]
-        if not emit_token:
-            if reason is None:
-                return None
-            return StepOutput(req.request_id, None, None, reason, matched_token_id=req.matched_token_id)
-        is_first = len(req.output_ids) == 1
-        return StepOutput(
-            req.request_id,
-            token.token_id,
-            token.logprob,
-            reason,
-            matched_token_id=req.matched_token_id,
-            top_logprobs=token.top,
-            token_ids_logprobs=token.requested,
-            cached_tokens=req.num_cached_tokens if is_first else 0,
-            prompt_logprobs=req.prompt_logprobs if is_first else None,
-            prefill_started_at=req.prefill_started_at if is_first else None,
-        )
-
-    def _finish_reason(self, req: Request, token_id: int) -> FinishReason | None:
-        params = req.sampling
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
-            return FinishReason.STOP
-        if len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.context_len:
-            return FinishReason.LENGTH
-        return None
-
-    def _finished_output(self, req: Request) -> StepOutput:
-        return StepOutput(req.request_id, None, None, req.finish_reason, abort_message=req.abort_message)
-
-    def _validate(self, request_id: str, token_ids: list[int], allow_full_context: bool = False) -> None:
-        if request_id in self._requests or request_id in self._held:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not (0 <= t < vocab)), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        limit = self.context_len if allow_full_context else self.context_len - 1
-        if len(token_ids) > limit:
-            raise ContextLengthExceededError(
-                f"prompt has {len(token_ids)} tokens; the context length is {self.context_len}"
-            )
+        if emit_token:
+            return token_output(req, token, reason)
+        return None if reason is None else finish_output(req)

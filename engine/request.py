@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import InvalidRequestError
+from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.grammar_spec import GrammarSpec
 from tandem.limits import DEFAULT_MAX_NEW_TOKENS, LOGIT_BIAS, SAMPLING_RANGES
 
@@ -126,6 +126,48 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLimits:
+    """What a prompt must fit: token ids in [0, `vocab_size`), at most `context_len` tokens with the
+    next one. The checks raise InvalidRequestError or ContextLengthExceededError."""
+
+    vocab_size: int
+    context_len: int
+
+    def check_prompt(
+        self, token_ids: list[int], allow_full_context: bool = False, logprob_start: int | None = None
+    ) -> None:
+        """Refuse an empty prompt, an id outside the vocabulary, a prompt leaving no room for a token
+        (with `allow_full_context`: longer than the context), or a `logprob_start` (None: the prompt
+        is not scored) that is no position of the prompt, in that order."""
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.vocab_size
+        bad = next((t for t in token_ids if not (0 <= t < vocab)), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        limit = self.context_len if allow_full_context else self.context_len - 1
+        if len(token_ids) > limit:
+            raise ContextLengthExceededError(
+                f"prompt has {len(token_ids)} tokens; the context length is {self.context_len}"
+            )
+        prompt_len = len(token_ids)
+        if logprob_start is not None and not (0 <= logprob_start < prompt_len):
+            raise InvalidRequestError(
+                f"logprob_start_len must be in [0, {prompt_len}) for a {prompt_len}-token prompt, got {logprob_start}"
+            )
+
+    def check_prompt_len(self, prompt_len: int) -> None:
+        """The checks of a prompt known only by its length (its KV is written from elsewhere):
+        at least one token, and room for one more."""
+        if prompt_len < 1:
+            raise InvalidRequestError("prompt_len must be >= 1")
+        if prompt_len >= self.context_len:
+            raise ContextLengthExceededError(
+                f"prompt has {prompt_len} tokens; the context length is {self.context_len}"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,17 +39,7 @@ def check_page_table(meta: AttentionMetadata, page_size: int) -> None:
     tensors; `qo_indptr` and `kv_indptr` start at 0 and step by each sequence's new tokens (>= 1) and
     pages (= ceil(seq_len / page_size)); `kv_indices` holds exactly `kv_indptr[-1]` page ids, none
     negative; `kv_last_page_len` is each sequence's tokens on its last page, in 1..page_size."""
-    tensors = {
-        "qo_indptr": meta.qo_indptr,
-        "kv_indptr": meta.kv_indptr,
-        "kv_indices": meta.kv_indices,
-        "kv_last_page_len": meta.kv_last_page_len,
-    }
-    for name, tensor in tensors.items():
-        if tensor.dtype != torch.int32:
-            raise ValueError(f"{name} must be int32 (FlashInfer misindexes other types), got {tensor.dtype}")
-        if tensor.device.type != "cpu":
-            raise ValueError(f"plan takes the step's metadata on the host, got {name} on {tensor.device}")
+    _check_host_int32(meta)
     num_seqs = meta.num_sequences
     if num_seqs == 0:
         raise ValueError("a step must hold at least one sequence")
@@ -86,6 +76,21 @@ def check_page_table(meta: AttentionMetadata, page_size: int) -> None:
         raise ValueError(f"kv_indices has {meta.kv_indices.numel()} page ids, kv_indptr ends at {kv_indptr[-1]}")
     if meta.kv_indices.numel() and int(meta.kv_indices.min()) < 0:
         raise ValueError("kv_indices holds a negative page id")
+
+
+def _check_host_int32(meta: AttentionMetadata) -> None:
+    """Raise ValueError unless each page table tensor of `meta` is int32 and on the host."""
+    tensors = {
+        "qo_indptr": meta.qo_indptr,
+        "kv_indptr": meta.kv_indptr,
+        "kv_indices": meta.kv_indices,
+        "kv_last_page_len": meta.kv_last_page_len,
+    }
+    for name, tensor in tensors.items():
+        if tensor.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32 (FlashInfer misindexes other types), got {tensor.dtype}")
+        if tensor.device.type != "cpu":
+            raise ValueError(f"plan takes the step's metadata on the host, got {name} on {tensor.device}")
 
 
 def is_decode_step(meta: AttentionMetadata) -> bool:
