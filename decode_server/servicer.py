@@ -27,30 +27,36 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.ctx = ctx
         self.grants = IssuedGrants(grant_key(ctx.config.kv_grant_secret))
 
-    async def Reserve(self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
-                      ) -> decode_pb2.ReserveResponse:
+    async def Reserve(
+        self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
+    ) -> decode_pb2.ReserveResponse:
         bind_request_id(request.request_id)
-        if self.ctx.is_draining:   # a gateway that has not seen NOT_SERVING yet; it may retry elsewhere
+        if self.ctx.is_draining:  # a gateway that has not seen NOT_SERVING yet; it may retry elsewhere
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode worker is shutting down")
         ttl_s, grace_s = self.ctx.config.reservation_ttl_s, self.ctx.config.write_grace_s
         try:
             page_ids = await self.ctx.loop.call(
-                lambda engine: engine.reserve(request.request_id, request.prompt_len, ttl_s, grace_s))
+                lambda engine: engine.reserve(request.request_id, request.prompt_len, ttl_s, grace_s)
+            )
         except EngineError as exc:
             await abort_with(context, exc)
-        except asyncio.CancelledError:   # the caller went away; its reservation, if made, was never granted
+        except asyncio.CancelledError:  # the caller went away; its reservation, if made, was never granted
             await asyncio.shield(self.ctx.loop.abort(request.request_id, "the caller went away", write_settled=True))
             raise
         facts = self.ctx.facts
-        target = common_pb2.KvTarget(session_id=self.ctx.transport.session_id, base_addr=facts.pool_base_addr,
-                                     layout=layout_to_proto(facts.layout), page_ids=page_ids)
+        target = common_pb2.KvTarget(
+            session_id=self.ctx.transport.session_id,
+            base_addr=facts.pool_base_addr,
+            layout=layout_to_proto(facts.layout),
+            page_ids=page_ids,
+        )
         self.grants.issue(request.request_id, target, ttl_s)
         return decode_pb2.ReserveResponse(request_id=request.request_id, kv_target=target, ttl_ms=int(ttl_s * 1000))
 
     async def Generate(self, request: decode_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
         bind_request_id(rid)
-        try:   # before anything else: a Generate without the grant must not touch the reservation
+        try:  # before anything else: a Generate without the grant must not touch the reservation
             self.grants.redeem(rid, request.kv_grant)
         except GrantError as exc:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
@@ -60,14 +66,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         try:
             try:
                 sampling = sampling_from_proto(request.sampling_params)
-                if sampling.grammar is not None:   # compile off the engine thread (see GrammarBackend)
-                    ttl_s = self.ctx.config.reservation_ttl_s   # a slow compile must not let the reservation expire
+                if sampling.grammar is not None:  # compile off the engine thread (see GrammarBackend)
+                    ttl_s = self.ctx.config.reservation_ttl_s  # a slow compile must not let the reservation expire
                     await self.ctx.loop.call(lambda engine: engine.touch_reservation(rid, ttl_s))
                     await self.ctx.loop.prepare_grammar(sampling.grammar, self.ctx.config.grammar_compile_timeout_s)
-                sink = await self.ctx.loop.admit(rid, list(request.prompt_token_ids), request.first_token.token_id,
-                                                 request.first_token.logprob, sampling, request.weights_id)
+                sink = await self.ctx.loop.admit(
+                    rid,
+                    list(request.prompt_token_ids),
+                    request.first_token.token_id,
+                    request.first_token.logprob,
+                    sampling,
+                    request.weights_id,
+                )
             except EngineError as exc:
-                await abort_with(context, exc)   # the finally below drops the reservation
+                await abort_with(context, exc)  # the finally below drops the reservation
             queue_ms = (time.perf_counter() - received) * 1000
             while not finished:
                 outputs = [await sink.get()]
@@ -78,13 +90,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 failure = outputs.pop() if outputs[-1].finish_reason is FinishReason.ERROR else None
                 if outputs:
                     response = _response(rid, outputs)
-                    if queue_ms is not None:   # the first message
+                    if queue_ms is not None:  # the first message
                         response.queue_ms, queue_ms = queue_ms, None
                     yield response
                 if failure is not None:
                     await abort_with(context, RequestFailedError(failure.abort_message))
         finally:
-            if not finished:     # rejected, or the client went away: free the request's pages now
+            if not finished:  # rejected, or the client went away: free the request's pages now
                 # Generate comes after the prefill answered, so its KV write has settled.
                 await asyncio.shield(self.ctx.loop.abort(rid, "client cancelled", write_settled=True))
 
@@ -92,8 +104,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 def _response(rid: str, outputs: list[StepOutput]) -> decode_pb2.GenerateResponse:
     last = outputs[-1]
     response = decode_pb2.GenerateResponse(
-        request_id=rid, tokens=[token_to_proto(o) for o in outputs if o.token_id is not None],
-        finish_reason=finish_to_proto(last.finish_reason), message=last.abort_message)
+        request_id=rid,
+        tokens=[token_to_proto(o) for o in outputs if o.token_id is not None],
+        finish_reason=finish_to_proto(last.finish_reason),
+        message=last.abort_message,
+    )
     if last.matched_token_id is not None:
         response.matched_token_id = last.matched_token_id
     return response

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import AsyncIterator
+import math
+from collections.abc import AsyncIterator
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -29,8 +30,17 @@ from gateway.state import GatewayState
 from gateway.text.tokenizer import load_tokenizer
 
 # Every router of the app, in the order they are mounted.
-ROUTERS = (openai.router, native.router, admin.router, vllm.router, files_routes.router, batches_routes.router,
-           embeddings.router, experts.router, metrics_routes.router)
+ROUTERS = (
+    openai.router,
+    native.router,
+    admin.router,
+    vllm.router,
+    files_routes.router,
+    batches_routes.router,
+    embeddings.router,
+    experts.router,
+    metrics_routes.router,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,30 +52,39 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        pool = WorkerPool(config.prefill_addrs, config.decode_addrs, credentials=config.internal,
-                          admission=Admission(config.max_queued_requests, config.max_queue_wait_s, gateway_metrics))
+        pool = WorkerPool(
+            config.prefill_addrs,
+            config.decode_addrs,
+            credentials=config.internal,
+            admission=Admission(config.max_queued_requests, config.max_queue_wait_s, gateway_metrics),
+        )
         gateway_metrics.watch_pool(pool.num_ready)
         generation = GenerationService(pool, config, tokenizer, gateway_metrics)
         app.state.gateway = GatewayState(config, tokenizer, pool, gateway_metrics, generation)
         await pool.probe_all()
         pool.start()
-        async with run_batches(app, config.data_dir, traffic, config.batch_concurrency, lambda: pool.is_ready,
-                               config.api_key):
+        async with run_batches(
+            app, config.data_dir, traffic, config.batch_concurrency, lambda: pool.is_ready, config.api_key
+        ):
             yield
         await pool.close()
 
     app = FastAPI(title="Tandem gateway", lifespan=lifespan)
     for router in ROUTERS:
         app.include_router(router)
-    app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
+    # Starlette types a handler as taking any Exception; each of these takes only the class it is registered for.
+    app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _unexpected_error)
-    app.add_middleware(MetricsMiddleware, metrics=gateway_metrics)   # first added: innermost, sees the route
+    app.add_middleware(MetricsMiddleware, metrics=gateway_metrics)  # first added: innermost, sees the route
     app.add_middleware(TrafficMiddleware, traffic=traffic)
     app.add_middleware(_JSONBodyMiddleware)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes,
-                       route_limits={"/v1/files": files_routes.MAX_UPLOAD_BODY_BYTES})
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=config.max_request_body_bytes,
+        route_limits={"/v1/files": files_routes.MAX_UPLOAD_BODY_BYTES},
+    )
     app.add_middleware(AuthMiddleware, api_key=config.api_key, admin_api_key=config.admin_api_key)  # outermost
     log_key_policy(config)
     return app
@@ -96,8 +115,12 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     if first.get("type") == "json_invalid":
         where = first.get("loc", ("body", None))[-1]
         reason = (first.get("ctx") or {}).get("error", "invalid JSON")
-        return JSONResponse(APIError(400, f"the request body is not valid JSON: {reason} (at character {where})",
-                                     code="invalid_json").body(), status_code=400)
+        return JSONResponse(
+            APIError(
+                400, f"the request body is not valid JSON: {reason} (at character {where})", code="invalid_json"
+            ).body(),
+            status_code=400,
+        )
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request body")
@@ -105,7 +128,7 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    if isinstance(exc, BodyTooLarge):   # the rest of the body stays unread: close rather than drain it
+    if isinstance(exc, BodyTooLarge):  # the rest of the body stays unread: close rather than drain it
         return JSONResponse(exc.body(), status_code=413, headers={"Connection": "close"})
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     return JSONResponse(APIError(exc.status_code, str(exc.detail), kind).body(), status_code=exc.status_code)
@@ -120,5 +143,10 @@ def serve_gateway(config: GatewayConfig) -> None:
     app = create_app(config)
     # On SIGTERM uvicorn closes the listening socket, lets the responses in flight finish (streams
     # included) for up to the drain timeout, then runs the lifespan's shutdown.
-    uvicorn.run(app, host=config.host, port=config.port, log_level="info",
-                timeout_graceful_shutdown=config.drain_timeout_s)
+    uvicorn.run(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level="info",
+        timeout_graceful_shutdown=math.ceil(config.drain_timeout_s),
+    )

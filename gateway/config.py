@@ -8,10 +8,10 @@ from gateway.sampling_defaults import SamplingDefaults
 from tandem.internal_auth import InternalCredentials
 from tandem.limits import DEFAULT_MAX_NEW_TOKENS
 
-DEFAULT_MAX_QUEUED = 1024           # generations waiting for decode KV space (gateway/cluster/admission.py)
+DEFAULT_MAX_QUEUED = 1024  # generations waiting for decode KV space (gateway/cluster/admission.py)
 DEFAULT_MAX_QUEUE_WAIT_S = 120.0
-DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024   # any JSON body; /v1/files uploads have their own limit
-DEFAULT_DRAIN_TIMEOUT_S = 30.0     # on SIGTERM, how long the gateway (and, from the CLI, each worker) drains
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024  # any JSON body; /v1/files uploads have their own limit
+DEFAULT_DRAIN_TIMEOUT_S = 30.0  # on SIGTERM, how long the gateway (and, from the CLI, each worker) drains
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,24 +35,24 @@ class GatewayConfig:
     reserve_timeout_s: float = 10.0
     prefill_timeout_s: float = 600.0
     request_timeout_s: float = 3600.0
-    max_queued_requests: int = DEFAULT_MAX_QUEUED      # generations waiting for decode KV space (admission)
-    max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S   # ... and how long each may wait
-    stall_timeout_s: float = 20.0         # a worker silent this long on a call is health-checked (gateway/cluster/handoff.py)
-    default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS   # native /generate, as in SGLang
+    max_queued_requests: int = DEFAULT_MAX_QUEUED  # generations waiting for decode KV space (admission)
+    max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S  # ... and how long each may wait
+    stall_timeout_s: float = 20.0  # a worker silent this long on a call is health-checked (gateway/cluster/handoff.py)
+    default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS  # native /generate, as in SGLang
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     # Bearer keys (gateway/api/auth.py): `api_key` opens every route but the open probes; `admin_api_key`,
     # when set, alone opens the admin routes. Kept out of repr so that no log line prints them.
     api_key: str | None = field(default=None, repr=False)
     admin_api_key: str | None = field(default=None, repr=False)
-    skip_tokenizer_init: bool = False     # no tokenizer: token ids in and out, no text
+    skip_tokenizer_init: bool = False  # no tokenizer: token ids in and out, no text
     batch_concurrency: int = 8
-    max_batch_requests: int = 256         # generations one HTTP request may start (prompts x n)
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES   # larger bodies get a 413 unread
-    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S   # on SIGTERM: longest wait for the responses in flight
+    max_batch_requests: int = 256  # generations one HTTP request may start (prompts x n)
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger bodies get a 413 unread
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # on SIGTERM: longest wait for the responses in flight
     batch_yield_threshold: int = 1
-    is_embedding: bool = False            # prefill workers serve an embedding model; no decode workers
-    expert_distribution_dir: str = "."    # where /dump_expert_distribution_record writes its CSV files
-    internal: InternalCredentials = InternalCredentials()   # what the workers' tandem.v1 calls need
+    is_embedding: bool = False  # prefill workers serve an embedding model; no decode workers
+    expert_distribution_dir: str = "."  # where /dump_expert_distribution_record writes its CSV files
+    internal: InternalCredentials = InternalCredentials()  # what the workers' tandem.v1 calls need
 
     def __post_init__(self) -> None:
         if not self.prefill_addrs or not (self.decode_addrs or self.is_embedding):
@@ -72,7 +72,12 @@ class GatewayConfig:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
-        for name in ("reserve_timeout_s", "prefill_timeout_s", "request_timeout_s", "stall_timeout_s",
-                     "max_queue_wait_s"):
+        for name in (
+            "reserve_timeout_s",
+            "prefill_timeout_s",
+            "request_timeout_s",
+            "stall_timeout_s",
+            "max_queue_wait_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")

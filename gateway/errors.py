@@ -18,11 +18,12 @@ logger = logging.getLogger(__name__)
 WORKER_RETRY_AFTER_S = 1
 
 _ADDRESS = re.compile(
-    r"\[[0-9A-Fa-f:.]*::[0-9A-Fa-f:.]*\](?::\d{1,5})?"         # [::1], [fe80::1]:31002 (not [19:08:57])
+    r"\[[0-9A-Fa-f:.]*::[0-9A-Fa-f:.]*\](?::\d{1,5})?"  # [::1], [fe80::1]:31002 (not [19:08:57])
     r"|\[(?:[0-9A-Fa-f]{1,4}:){7}[0-9A-Fa-f]{1,4}\](?::\d{1,5})?|\[[0-9A-Fa-f:.]+\]:\d{1,5}"
     r"|\b(?:ipv4|ipv6|dns|unix|unix-abstract):[^\s,;'\")]+"  # gRPC target and peer names
-    r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d{1,5})?\b"              # 10.0.0.7, 127.0.0.1:31002
-    r"|\b[A-Za-z][\w.-]*:\d{2,5}\b")                          # localhost:31002, decode-0.tandem:31002
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d{1,5})?\b"  # 10.0.0.7, 127.0.0.1:31002
+    r"|\b[A-Za-z][\w.-]*:\d{2,5}\b"
+)  # localhost:31002, decode-0.tandem:31002
 # Absolute paths of two segments or more, with a `:line` after them; the API's routes (/v1/...) are no secret.
 _PATH = re.compile(r"(?<![\w.~/-])/(?!v1/)[\w.@+~-]+(?:/[\w.@+~-]*)+(?::\d+)*")
 _EXCEPTION = re.compile(r"<class '[\w.]+'>:?\s*|Traceback \(most recent call last\)[^\n]*")
@@ -36,7 +37,7 @@ def public_message(text: str, keep: tuple[str, ...] = ()) -> str:
     if kept:
         pieces = re.split("(" + "|".join(re.escape(k) for k in kept) + ")", text)
         return "".join(p if i % 2 else public_message(p) for i, p in enumerate(pieces))
-    text = _PATH.sub("<path>", text)     # first: `file.cc:83` is a path's line, not a host and port
+    text = _PATH.sub("<path>", text)  # first: `file.cc:83` is a path's line, not a host and port
     text = _ADDRESS.sub("<address>", text)
     text = _EXCEPTION.sub("", text)
     return _EXCEPTION_REPR.sub(r"\2", text)
@@ -46,8 +47,15 @@ class APIError(Exception):
     """An error answered as `{"error": {"message", "type", "param", "code"}}` with `status`, and a
     `Retry-After` header when `retry_after_s` is set (503s of an overloaded gateway)."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, retry_after_s: int | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -65,21 +73,32 @@ class APIError(Exception):
         message = public_message(self.message)
         if message != self.message:
             logger.warning("error answered as %r; in full: %s", message, self.message)
-        return {"error": {"message": message, "type": self.type, "param": self.param,
-                          "code": self.code if self.code is not None else self.status}}
+        return {
+            "error": {
+                "message": message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code if self.code is not None else self.status,
+            }
+        }
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(HTTPStatus.BAD_REQUEST, message, "invalid_request_error", param, code)
 
 
-def context_length_exceeded(context_len: int, prompt_len: int, max_new_tokens: int | None,
-                            param: str = "prompt") -> APIError:
+def context_length_exceeded(
+    context_len: int, prompt_len: int, max_new_tokens: int | None, param: str = "prompt"
+) -> APIError:
     if max_new_tokens is None:
-        message = (f"This model's maximum context length is {context_len} tokens. However, your prompt has "
-                   f"{prompt_len} tokens, leaving no room for a completion.")
+        message = (
+            f"This model's maximum context length is {context_len} tokens. However, your prompt has "
+            f"{prompt_len} tokens, leaving no room for a completion."
+        )
     else:
-        message = (f"This model's maximum context length is {context_len} tokens. However, you requested "
-                   f"{prompt_len + max_new_tokens} tokens ({prompt_len} in the prompt, {max_new_tokens} in the "
-                   f"completion). Please reduce the prompt or the completion length.")
+        message = (
+            f"This model's maximum context length is {context_len} tokens. However, you requested "
+            f"{prompt_len + max_new_tokens} tokens ({prompt_len} in the prompt, {max_new_tokens} in the "
+            f"completion). Please reduce the prompt or the completion length."
+        )
     return bad_request(message, param=param, code="context_length_exceeded")

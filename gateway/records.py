@@ -11,9 +11,9 @@ class FinishReason(enum.StrEnum):
     """Why a generation ended, as the workers report it (mapped from the proto's enum in
     `gateway/cluster/client.py`); the value is the word the HTTP APIs answer."""
 
-    STOP = "stop"        # an eos or stop token, or a stop string the gateway matched
-    LENGTH = "length"    # max_new_tokens or the context
-    ABORT = "abort"      # aborted by the worker (the message says why)
+    STOP = "stop"  # an eos or stop token, or a stop string the gateway matched
+    LENGTH = "length"  # max_new_tokens or the context
+    ABORT = "abort"  # aborted by the worker (the message says why)
 
 
 class Role(enum.StrEnum):
@@ -43,17 +43,18 @@ class SamplingOptions:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()    # (token id, bias); a later pair for one id wins
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); a later pair for one id wins
     top_logprobs_num: int | None = None
     token_ids_logprob: tuple[int, ...] = ()
-    json_schema: str | None = None                    # JSON text
+    json_schema: str | None = None  # JSON text
     json_object: bool | None = None
     regex: str | None = None
     ebnf: str | None = None
 
     def __post_init__(self) -> None:
-        constraints = [name for name in ("json_schema", "json_object", "regex", "ebnf")
-                       if getattr(self, name) is not None]
+        constraints = [
+            name for name in ("json_schema", "json_object", "regex", "ebnf") if getattr(self, name) is not None
+        ]
         if len(constraints) > 1:
             raise ValueError(f"at most one output constraint may be set, got {', '.join(constraints)}")
 
@@ -97,8 +98,8 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     matched_token_id: int | None = None
     message: str = ""
-    timings: HandoffTimings | None = field(default=None)   # on the first event, again once decode_queue_ms is known
-    prompt_logprobs: list[GeneratedToken] = field(default_factory=list)   # first event, when asked for
+    timings: HandoffTimings | None = field(default=None)  # on the first event, again once decode_queue_ms is known
+    prompt_logprobs: list[GeneratedToken] = field(default_factory=list)  # first event, when asked for
 
     @property
     def token_ids(self) -> list[int]:

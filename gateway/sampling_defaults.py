@@ -42,8 +42,9 @@ class SamplingDefaults:
         return cls(**values)
 
     def overridden_by(self, other: SamplingDefaults) -> SamplingDefaults:
-        return replace(self, **{f.name: getattr(other, f.name) for f in fields(other)
-                                if getattr(other, f.name) is not None})
+        return replace(
+            self, **{f.name: getattr(other, f.name) for f in fields(other) if getattr(other, f.name) is not None}
+        )
 
 
 def load_generation_config(model_path: str) -> SamplingDefaults:

@@ -8,40 +8,53 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from gateway.cluster.pool import WorkerPool
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 from gateway.service.generation import GenerationService
 from gateway.text.tokenizer import Tokenizer
-from gateway.cluster.pool import WorkerPool
 
 
 @dataclass(slots=True)
 class GatewayState:
     config: GatewayConfig
-    tokenizer: Tokenizer | None       # None with --skip-tokenizer-init: token ids in, token ids out
+    tokenizer: Tokenizer | None  # None with --skip-tokenizer-init: token ids in, token ids out
     pool: WorkerPool
     metrics: GatewayMetrics
     generation: GenerationService
-    started_at: int = field(default_factory=lambda: int(time.time()))   # Unix time (the models' `created`)
+    started_at: int = field(default_factory=lambda: int(time.time()))  # Unix time (the models' `created`)
 
     def check_model(self, model: str) -> None:
         """404 unless `model` names the served model (its served name or its path)."""
         if model not in (self.config.served_model_name, self.config.model_path):
-            raise APIError(404, f"The model `{model}` does not exist. Served: `{self.config.served_model_name}`.",
-                           "not_found_error", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist. Served: `{self.config.served_model_name}`.",
+                "not_found_error",
+                param="model",
+                code="model_not_found",
+            )
 
     def require_generation(self) -> None:
         """400 on generation routes when the served model is an embedding model."""
         if self.config.is_embedding:
-            raise APIError(400, f"`{self.config.served_model_name}` is an embedding model: use /v1/embeddings or "
-                                "/encode", param="model", code="model_not_generative")
+            raise APIError(
+                400,
+                f"`{self.config.served_model_name}` is an embedding model: use /v1/embeddings or /encode",
+                param="model",
+                code="model_not_generative",
+            )
 
     def require_tokenizer(self, param: str) -> Tokenizer:
         """The tokenizer, or a 400 naming `param` when the server runs without one."""
         if self.tokenizer is None:
-            raise APIError(400, f"`{param}` needs text, but the server runs with --skip-tokenizer-init: "
-                                "send token ids (`input_ids` / a token-id prompt) instead", param=param)
+            raise APIError(
+                400,
+                f"`{param}` needs text, but the server runs with --skip-tokenizer-init: "
+                "send token ids (`input_ids` / a token-id prompt) instead",
+                param=param,
+            )
         return self.tokenizer
 
 

@@ -57,16 +57,16 @@ class TransportConfig:
         if not self.hostname.strip() or any(c.isspace() for c in self.hostname):
             raise ConfigError(f"TransportConfig.hostname must be a host address, got {self.hostname!r}")
         if self.protocol not in PROTOCOLS:
-            raise ConfigError(
-                f"TransportConfig.protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
+            raise ConfigError(f"TransportConfig.protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
         if self.protocol == "tcp" and self.device_name:
             raise ConfigError(
-                f"TransportConfig.device_name names RDMA NICs and must be empty for tcp, "
-                f"got {self.device_name!r}")
+                f"TransportConfig.device_name names RDMA NICs and must be empty for tcp, got {self.device_name!r}"
+            )
         if not (self.transfer_timeout_s > 0 and math.isfinite(self.transfer_timeout_s)):
             raise ConfigError(
                 f"TransportConfig.transfer_timeout_s must be a positive number of seconds, "
-                f"got {self.transfer_timeout_s!r}")
+                f"got {self.transfer_timeout_s!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,8 +148,9 @@ class KVTransport(abc.ABC):
         `KVTransferError` for an invalid or overlapping range or if the backend refuses it."""
 
     @abc.abstractmethod
-    def write_pages(self, src_base_addr: int, src_page_ids: Sequence[int],
-                    dst: RemotePages) -> concurrent.futures.Future[TransferStats]:
+    def write_pages(
+        self, src_base_addr: int, src_page_ids: Sequence[int], dst: RemotePages
+    ) -> concurrent.futures.Future[TransferStats]:
         """Start copying local page `src_page_ids[k]` (of the pool at `src_base_addr`) to the
         peer's page `dst.page_ids[k]`, for every k; page size is `dst.page_bytes` on both sides.
 
@@ -221,6 +222,5 @@ def create_transport(config: TransportConfig) -> KVTransport:
     if factory is None:
         known = ", ".join(available_transports()) or "none"
         raise KVTransferError(f"unknown KV transport backend {config.backend!r}; known: {known}")
-    logger.info("creating KV transport %r (hostname=%s, protocol=%s)",
-                config.backend, config.hostname, config.protocol)
+    logger.info("creating KV transport %r (hostname=%s, protocol=%s)", config.backend, config.hostname, config.protocol)
     return factory(config)

@@ -59,11 +59,13 @@ class LocalTransport(KVTransport):
         if self._is_closed:
             raise KVTransferError(f"transport {self._session_id} is closed")
         region = self._regions.add(base_addr, num_bytes)
-        logger.info("local KV transport %s registered %d bytes at %#x",
-                    self._session_id, region.num_bytes, region.base_addr)
+        logger.info(
+            "local KV transport %s registered %d bytes at %#x", self._session_id, region.num_bytes, region.base_addr
+        )
 
-    def write_pages(self, src_base_addr: int, src_page_ids: Sequence[int],
-                    dst: RemotePages) -> concurrent.futures.Future[TransferStats]:
+    def write_pages(
+        self, src_base_addr: int, src_page_ids: Sequence[int], dst: RemotePages
+    ) -> concurrent.futures.Future[TransferStats]:
         return settled_write(lambda: self._copy(src_base_addr, src_page_ids, dst))
 
     def _copy(self, src_base_addr: int, src_page_ids: Sequence[int], dst: RemotePages) -> TransferStats:

@@ -52,7 +52,8 @@ logger = logging.getLogger(__name__)
 INSTALL_HINT = (
     "the Mooncake transfer engine is not importable; install `mooncake-transfer-engine-non-cuda` "
     "(CPU) or `mooncake-transfer-engine` (CUDA) with pip, and the Debian/Ubuntu package "
-    "`libibverbs1` (apt-get install libibverbs1)")
+    "`libibverbs1` (apt-get install libibverbs1)"
+)
 
 # batch_transfer_async_write returns 0 when it cannot submit; older releases returned -1, which
 # pybind11 hands over as the unsigned 2**64 - 1.
@@ -88,22 +89,26 @@ def _set_mooncake_environment(config: TransportConfig) -> None:
     os.environ.setdefault("MC_LOG_LEVEL", "INFO" if logger.isEnabledFor(logging.DEBUG) else "WARNING")
 
 
-def _run_batch(engine: Any, session_id: str, plan: WritePlan, write: concurrent.futures.Future[TransferStats],
-               start: float) -> None:
+def _run_batch(
+    engine: Any, session_id: str, plan: WritePlan, write: concurrent.futures.Future[TransferStats], start: float
+) -> None:
     """Helper-thread body: submit `plan` as one async batch, wait for it, settle `write` (its
     seconds count from `start`, the `perf_counter` of the call that asked for it)."""
     try:
         batch_id = engine.batch_transfer_async_write(
-            session_id, list(plan.src_addrs), list(plan.dst_addrs), list(plan.lengths))
+            session_id, list(plan.src_addrs), list(plan.dst_addrs), list(plan.lengths)
+        )
         if batch_id in _INVALID_BATCH_IDS:
             raise KVTransferError(
                 f"Mooncake could not submit a write to {session_id} (peer unreachable, "
-                f"handshake failed, or the batch was rejected)")
+                f"handshake failed, or the batch was rejected)"
+            )
         status = engine.get_batch_transfer_status([batch_id])
         if status != 0:
             raise KVTransferError(
                 f"Mooncake write of {plan.num_bytes} bytes to {session_id} failed (status {status}):"
-                f" destination not registered on the peer, peer gone, or Mooncake's timeout hit")
+                f" destination not registered on the peer, peer gone, or Mooncake's timeout hit"
+            )
     except KVTransferError as exc:
         logger.warning("KV write to %s failed: %s", session_id, exc)
         write.set_exception(exc)
@@ -114,8 +119,9 @@ def _run_batch(engine: Any, session_id: str, plan: WritePlan, write: concurrent.
         write.set_exception(error)
     else:
         seconds = time.perf_counter() - start
-        logger.debug("wrote %d bytes in %d runs to %s in %.3f ms",
-                      plan.num_bytes, plan.num_writes, session_id, seconds * 1e3)
+        logger.debug(
+            "wrote %d bytes in %d runs to %s in %.3f ms", plan.num_bytes, plan.num_writes, session_id, seconds * 1e3
+        )
         write.set_result(TransferStats(num_bytes=plan.num_bytes, seconds=seconds, num_writes=plan.num_writes))
 
 
@@ -135,25 +141,28 @@ class MooncakeTransport(KVTransport):
         listening: contextlib.AbstractContextManager[None]
         if bind_address is None:
             listening = contextlib.nullcontext()
-            logger.warning("KV host %s is a wildcard: Mooncake listens on every interface",
-                           config.hostname)
+            logger.warning("KV host %s is a wildcard: Mooncake listens on every interface", config.hostname)
         else:
             listening = wildcard_binds_redirected(_engine_library_dir(), bind_address)
         with listening:
             engine = engine_class()
-            rc = engine.initialize(config.hostname, "P2PHANDSHAKE", config.protocol,
-                                   config.device_name)
+            rc = engine.initialize(config.hostname, "P2PHANDSHAKE", config.protocol, config.device_name)
         if rc != 0:
             hint = " (an IPv6 KV address needs MC_USE_IPV6=1)" if ":" in (bind_address or "") else ""
             raise KVTransferError(
                 f"Mooncake TransferEngine.initialize({config.hostname!r}, P2PHANDSHAKE, "
-                f"{config.protocol!r}, {config.device_name!r}) failed with code {rc}{hint}")
+                f"{config.protocol!r}, {config.device_name!r}) failed with code {rc}{hint}"
+            )
         self._engine: Any = engine
         self._session_id = f"{config.hostname}:{engine.get_rpc_port()}"
         self._regions = MemoryRegions()
         self._lock = threading.Lock()
-        logger.info("Mooncake KV transport %s started (protocol=%s, listening on %s)",
-                    self._session_id, config.protocol, bind_address or "every interface")
+        logger.info(
+            "Mooncake KV transport %s started (protocol=%s, listening on %s)",
+            self._session_id,
+            config.protocol,
+            bind_address or "every interface",
+        )
 
     @property
     def session_id(self) -> str:
@@ -172,15 +181,17 @@ class MooncakeTransport(KVTransport):
         if rc != 0:
             self._regions.remove(region)
             raise KVTransferError(
-                f"Mooncake register_memory({region.base_addr:#x}, {region.num_bytes}) failed "
-                f"with code {rc}")
-        logger.info("Mooncake KV transport %s registered %d bytes at %#x",
-                    self._session_id, region.num_bytes, region.base_addr)
+                f"Mooncake register_memory({region.base_addr:#x}, {region.num_bytes}) failed with code {rc}"
+            )
+        logger.info(
+            "Mooncake KV transport %s registered %d bytes at %#x", self._session_id, region.num_bytes, region.base_addr
+        )
 
-    def write_pages(self, src_base_addr: int, src_page_ids: Sequence[int],
-                    dst: RemotePages) -> concurrent.futures.Future[TransferStats]:
+    def write_pages(
+        self, src_base_addr: int, src_page_ids: Sequence[int], dst: RemotePages
+    ) -> concurrent.futures.Future[TransferStats]:
         write: concurrent.futures.Future[TransferStats] = concurrent.futures.Future()
-        write.set_running_or_notify_cancel()   # so a caller that stops waiting cannot cancel it
+        write.set_running_or_notify_cancel()  # so a caller that stops waiting cannot cancel it
         try:
             engine = self._live_engine()
             plan = plan_page_writes(src_base_addr, src_page_ids, dst)
@@ -191,8 +202,12 @@ class MooncakeTransport(KVTransport):
         if plan.num_writes == 0:
             write.set_result(TransferStats(num_bytes=0, seconds=0.0, num_writes=0))
             return write
-        threading.Thread(target=_run_batch, args=(engine, dst.session_id, plan, write, time.perf_counter()),
-                         name=f"kv-write-{dst.session_id}", daemon=True).start()
+        threading.Thread(
+            target=_run_batch,
+            args=(engine, dst.session_id, plan, write, time.perf_counter()),
+            name=f"kv-write-{dst.session_id}",
+            daemon=True,
+        ).start()
         return write
 
     def close(self) -> None:
@@ -205,6 +220,5 @@ class MooncakeTransport(KVTransport):
         for region in self._regions.clear():
             rc = engine.unregister_memory(region.base_addr)
             if rc != 0:
-                logger.warning("Mooncake unregister_memory(%#x) failed with code %d",
-                               region.base_addr, rc)
+                logger.warning("Mooncake unregister_memory(%#x) failed with code %d", region.base_addr, rc)
         logger.info("Mooncake KV transport %s closed", self._session_id)

@@ -34,15 +34,14 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 from kv_transfer.base import KVTransferError
 
 logger = logging.getLogger(__name__)
 
-_BindFunction = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32,
-                                 use_errno=True)
+_BindFunction = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32, use_errno=True)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 # ELF relocation types that fill a GOT slot with a function's address (GLOB_DAT, JUMP_SLOT).
@@ -64,7 +63,7 @@ def resolve_bind_address(hostname: str) -> str | None:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         raise KVTransferError(f"KV host {hostname!r} does not resolve: {exc}") from exc
-    addresses = sorted(dict.fromkeys(info[4][0] for info in infos), key=lambda a: ":" in a)
+    addresses = sorted(dict.fromkeys(str(info[4][0]) for info in infos), key=lambda a: ":" in a)
     if any(ipaddress.ip_address(address).is_unspecified for address in addresses):
         return None
     for address in addresses:
@@ -72,7 +71,8 @@ def resolve_bind_address(hostname: str) -> str | None:
             return address
     raise KVTransferError(
         f"KV host {hostname!r} resolves to {', '.join(addresses)}, none of them an address of this "
-        f"machine; Mooncake listens on the KV address, so it must be one of this machine's")
+        f"machine; Mooncake listens on the KV address, so it must be one of this machine's"
+    )
 
 
 def _strip_port(hostname: str) -> str:
@@ -104,16 +104,17 @@ def wildcard_binds_redirected(library_dir: Path, address: str) -> Iterator[None]
     it short. Raises `KVTransferError` if no `bind` call site is found (an unsupported build)."""
     with _PATCH_LOCK:
         slots = [slot for path in _loaded_libraries(library_dir) for slot in _bind_slots(path)]
-        originals = {ctypes.c_void_p.from_address(slot).value for slot in slots}
+        originals = {_non_null(ctypes.c_void_p.from_address(slot).value, "a `bind` slot") for slot in slots}
         if len(originals) != 1:
             raise KVTransferError(
                 f"cannot pin Mooncake's listeners to {address}: found {len(slots)} `bind` call "
                 f"sites in {library_dir} resolving to {len(originals)} functions; this Mooncake "
-                f"build is not supported")
+                f"build is not supported"
+            )
         original = _BindFunction(originals.pop())
         hook = _BindFunction(_WildcardRedirect(address, original))
-        hook_address = ctypes.cast(hook, ctypes.c_void_p).value
-        original_address = ctypes.cast(original, ctypes.c_void_p).value
+        hook_address = _non_null(ctypes.cast(hook, ctypes.c_void_p).value, "the bind hook")
+        original_address = _non_null(ctypes.cast(original, ctypes.c_void_p).value, "the original bind")
         patched = []
         try:
             for slot in slots:
@@ -171,8 +172,9 @@ def _loaded_libraries(library_dir: Path) -> list[str]:
             if not path.startswith("/"):
                 continue
             folder = Path(path).parent
-            is_wheel_libs = (folder.parent == root.parent and folder.name.startswith("mooncake")
-                             and folder.name.endswith(".libs"))
+            is_wheel_libs = (
+                folder.parent == root.parent and folder.name.startswith("mooncake") and folder.name.endswith(".libs")
+            )
             if folder == root or is_wheel_libs:
                 paths.add(path)
     return sorted(paths)
@@ -189,8 +191,7 @@ def _bind_slots(path: str) -> list[int]:
     section_offset = struct.unpack_from("<Q", data, 0x28)[0]
     entry_size, num_sections = struct.unpack_from("<HH", data, 0x3A)
     # (sh_name, sh_type, sh_flags, sh_addr, sh_offset, sh_size, sh_link, ...)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", data, section_offset + i * entry_size)
-                for i in range(num_sections)]
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, section_offset + i * entry_size) for i in range(num_sections)]
     offsets = []
     for section in sections:
         if section[1] != _SHT_RELA:
@@ -203,7 +204,7 @@ def _bind_slots(path: str) -> list[int]:
             if info & 0xFFFFFFFF not in relocation_types or symbol == 0:
                 continue
             name_start = names[4] + struct.unpack_from("<I", data, symbols[4] + symbol * 24)[0]
-            if data[name_start:data.index(b"\0", name_start)] == b"bind":
+            if data[name_start : data.index(b"\0", name_start)] == b"bind":
                 offsets.append(offset)
     if not offsets:
         return []
@@ -220,7 +221,14 @@ def _load_bias(path: str) -> int:
     dlinfo = ctypes.CDLL("libdl.so.2").dlinfo
     if dlinfo(ctypes.c_void_p(handle), _RTLD_DI_LINKMAP, ctypes.byref(link_map)) != 0:
         raise KVTransferError(f"dlinfo(RTLD_DI_LINKMAP) failed for {path}")
-    return _LinkMap.from_address(link_map.value).l_addr
+    return _LinkMap.from_address(_non_null(link_map.value, f"the link map of {path}")).l_addr
+
+
+def _non_null(pointer: int | None, what: str) -> int:
+    """`pointer` (a ctypes pointer's value, None when NULL), refused when NULL."""
+    if not pointer:
+        raise KVTransferError(f"{what} is a null pointer")
+    return pointer
 
 
 def _write_pointer(address: int, value: int) -> None:

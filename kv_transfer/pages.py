@@ -3,8 +3,8 @@ turning runs into byte-level writes. No I/O, no torch."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from kv_transfer.base import KVTransferError, RemotePages
 
@@ -46,8 +46,7 @@ def coalesce_page_runs(src_page_ids: Sequence[int], dst_page_ids: Sequence[int])
     differ in length, an id is negative, or a destination id repeats (two sources for one page).
     """
     if len(src_page_ids) != len(dst_page_ids):
-        raise KVTransferError(
-            f"got {len(src_page_ids)} source pages but {len(dst_page_ids)} destination pages")
+        raise KVTransferError(f"got {len(src_page_ids)} source pages but {len(dst_page_ids)} destination pages")
     pairs = sorted(zip((int(p) for p in src_page_ids), (int(p) for p in dst_page_ids)))
     if any(src < 0 or dst < 0 for src, dst in pairs):
         raise KVTransferError("page ids must be non-negative")
@@ -56,8 +55,7 @@ def coalesce_page_runs(src_page_ids: Sequence[int], dst_page_ids: Sequence[int])
     runs: list[PageRun] = []
     for src, dst in pairs:
         last = runs[-1] if runs else None
-        if (last is not None and src == last.src_page_id + last.num_pages
-                and dst == last.dst_page_id + last.num_pages):
+        if last is not None and src == last.src_page_id + last.num_pages and dst == last.dst_page_id + last.num_pages:
             runs[-1] = PageRun(last.src_page_id, last.dst_page_id, last.num_pages + 1)
         else:
             runs.append(PageRun(src, dst, 1))

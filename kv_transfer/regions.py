@@ -36,8 +36,7 @@ class MemoryRegions:
         """Record a region; raises `KVTransferError` if it is empty, starts at a non-positive
         address, or overlaps a region already recorded."""
         if base_addr <= 0 or num_bytes <= 0:
-            raise KVTransferError(
-                f"cannot register base_addr={base_addr} num_bytes={num_bytes}: both must be positive")
+            raise KVTransferError(f"cannot register base_addr={base_addr} num_bytes={num_bytes}: both must be positive")
         region = MemoryRegion(base_addr, num_bytes)
         with self._lock:
             for other in self._regions:
@@ -63,7 +62,8 @@ class MemoryRegions:
         for addr, num_bytes in zip(addrs, lengths):
             if not self.covers(addr, num_bytes):
                 raise KVTransferError(
-                    f"{what} range [{addr:#x}, {addr + num_bytes:#x}) is not inside registered memory")
+                    f"{what} range [{addr:#x}, {addr + num_bytes:#x}) is not inside registered memory"
+                )
 
     def snapshot(self) -> tuple[MemoryRegion, ...]:
         """The registered regions, in registration order."""

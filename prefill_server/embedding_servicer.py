@@ -25,8 +25,9 @@ class EmbeddingServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, ctx: EmbeddingContext) -> None:
         self.ctx = ctx
 
-    async def Embed(self, request: prefill_pb2.EmbedRequest, context: grpc.aio.ServicerContext
-                    ) -> prefill_pb2.EmbedResponse:
+    async def Embed(
+        self, request: prefill_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.EmbedResponse:
         bind_request_id(request.request_id)
         token_lists = [list(item.token_ids) for item in request.inputs]
         dimensions = request.dimensions if request.HasField("dimensions") else None
@@ -38,12 +39,18 @@ class EmbeddingServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return prefill_pb2.EmbedResponse(
             request_id=request.request_id,
             embeddings=[prefill_pb2.Embedding(values=row) for row in result.vectors.tolist()],
-            num_tokens=result.num_tokens, queue_ms=result.queue_ms, compute_ms=result.compute_ms)
+            num_tokens=result.num_tokens,
+            queue_ms=result.queue_ms,
+            compute_ms=result.compute_ms,
+        )
 
-    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
-                      ) -> prefill_pb2.PrefillResponse:
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                            "this worker serves an embedding model (--is-embedding): it answers Embed, not Prefill")
+    async def Prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.PrefillResponse:
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "this worker serves an embedding model (--is-embedding): it answers Embed, not Prefill",
+        )
 
 
 def add_embedding_servicer(server: grpc.aio.Server, ctx: EmbeddingContext) -> str:

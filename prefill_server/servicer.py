@@ -29,15 +29,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
         self.grants = GrantChecker(grant_key(ctx.config.kv_grant_secret))
-        self._running: dict[str, asyncio.Event] = {}   # grant -> set once that Prefill's write is over
+        self._running: dict[str, asyncio.Event] = {}  # grant -> set once that Prefill's write is over
 
-    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
-                      ) -> prefill_pb2.PrefillResponse:
+    async def Prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.PrefillResponse:
         bind_request_id(request.request_id)
-        if self.ctx.is_draining:   # a gateway that has not seen NOT_SERVING yet; it may retry elsewhere
+        if self.ctx.is_draining:  # a gateway that has not seen NOT_SERVING yet; it may retry elsewhere
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill worker is shutting down")
         grant = request.kv_target.grant
-        try:   # first: a target without the decode server's grant for these pages gets no compute either
+        try:  # first: a target without the decode server's grant for these pages gets no compute either
             self.grants.check(request.request_id, request.kv_target)
         except GrantError as exc:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
@@ -52,19 +53,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             del self._running[grant]
             over.set()
 
-    async def CancelPrefill(self, request: prefill_pb2.CancelPrefillRequest, context: grpc.aio.ServicerContext
-                            ) -> prefill_pb2.CancelPrefillResponse:
+    async def CancelPrefill(
+        self, request: prefill_pb2.CancelPrefillRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.CancelPrefillResponse:
         rid, target = request.request_id, request.kv_target
         bind_request_id(rid)
-        try:   # verified before anything is stopped; spent, so no Prefill can start with it from now on
+        try:  # verified before anything is stopped; spent, so no Prefill can start with it from now on
             self.grants.revoke(rid, target)
         except GrantError as exc:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         over = self._running.get(target.grant)
-        if over is None:   # never started, or already over
+        if over is None:  # never started, or already over
             return prefill_pb2.CancelPrefillResponse(was_running=False)
         await self.ctx.loop.stop_compute(rid, "cancelled by the gateway")
-        await over.wait()   # the Prefill's finally waits for a running write before it sets this
+        await over.wait()  # the Prefill's finally waits for a running write before it sets this
         return prefill_pb2.CancelPrefillResponse(was_running=True)
 
     async def _prefill(self, request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
@@ -72,38 +74,46 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         check_layout_matches(layout, target.layout)
         num_pages = pages_needed(len(request.token_ids), layout.page_size)
         if len(target.page_ids) < num_pages:
-            raise InvalidRequestError(
-                f"kv_target has {len(target.page_ids)} pages; the prompt needs {num_pages}")
+            raise InvalidRequestError(f"kv_target has {len(target.page_ids)} pages; the prompt needs {num_pages}")
         received = time.perf_counter()
         sampling = sampling_from_proto(request.sampling_params)
-        if sampling.grammar is not None:   # compile off the engine thread, so running requests never wait
+        if sampling.grammar is not None:  # compile off the engine thread, so running requests never wait
             await self.ctx.loop.prepare_grammar(sampling.grammar, self.ctx.config.grammar_compile_timeout_s)
-        req = Request(rid, list(request.token_ids), sampling, is_prefill_only=True,
-                      prompt_logprob_start=(request.logprob_start_len if request.HasField("logprob_start_len")
-                                            else None))
+        req = Request(
+            rid,
+            list(request.token_ids),
+            sampling,
+            is_prefill_only=True,
+            prompt_logprob_start=(request.logprob_start_len if request.HasField("logprob_start_len") else None),
+        )
         transfer: asyncio.Task | None = None
         try:
-            sink = await self.ctx.loop.submit(req)   # inside the try: a cancel right after still cleans up
+            sink = await self.ctx.loop.submit(req)  # inside the try: a cancel right after still cleans up
             output = await sink.get()
             computed = time.perf_counter()
             if output.finish_reason is FinishReason.ABORT:
                 raise RequestAbortedError(f"prefill aborted: {output.abort_message}")
             if output.finish_reason is FinishReason.ERROR:
                 raise RequestFailedError(output.abort_message)
-            if target.grant_expires_unix_ms <= time.time() * 1000:   # the decode side may have let the pages go
+            if target.grant_expires_unix_ms <= time.time() * 1000:  # the decode side may have let the pages go
                 raise KVTransferError("the decode reservation expired before the prompt's KV was ready")
             src_pages = (await self.ctx.loop.call(lambda engine: engine.held_pages(rid)))[:num_pages]
-            dst = RemotePages(target.session_id, target.base_addr, layout.page_bytes,
-                              tuple(target.page_ids[:num_pages]))
-            transfer = asyncio.ensure_future(write_pages(self.ctx.transport, self.ctx.facts.pool_base_addr, src_pages,
-                                                         dst, self._transfer_timeout_s(request)))
+            dst = RemotePages(
+                target.session_id, target.base_addr, layout.page_bytes, tuple(target.page_ids[:num_pages])
+            )
+            transfer = asyncio.ensure_future(
+                write_pages(
+                    self.ctx.transport, self.ctx.facts.pool_base_addr, src_pages, dst, self._transfer_timeout_s(request)
+                )
+            )
             stats = await asyncio.shield(transfer)
         finally:
             if transfer is not None and not transfer.done():
                 await asyncio.wait([transfer])  # never free pages a write is still reading
             await asyncio.shield(self.ctx.loop.abort(rid))
-        self.ctx.loop.metrics.record_prefill(len(request.token_ids), output.cached_tokens, stats.num_bytes,
-                                             stats.seconds)
+        self.ctx.loop.metrics.record_prefill(
+            len(request.token_ids), output.cached_tokens, stats.num_bytes, stats.seconds
+        )
         started = output.prefill_started_at or received
         return prefill_pb2.PrefillResponse(
             request_id=rid,
@@ -123,11 +133,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             return request.transfer_timeout_ms / 1000
         return self.ctx.config.transport.transfer_timeout_s
 
-    async def Embed(self, request: prefill_pb2.EmbedRequest, context: grpc.aio.ServicerContext
-                    ) -> prefill_pb2.EmbedResponse:
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                            "this worker serves a generation model; embeddings need a worker started with "
-                            "--is-embedding")
+    async def Embed(
+        self, request: prefill_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.EmbedResponse:
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "this worker serves a generation model; embeddings need a worker started with --is-embedding",
+        )
 
 
 def add_prefill_servicer(server: grpc.aio.Server, ctx: WorkerContext) -> str:

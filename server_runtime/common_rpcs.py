@@ -58,16 +58,19 @@ class WorkerInfoServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, ctx: EmbeddingContext) -> None:
         self.ctx = ctx
 
-    async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
-                           ) -> common_pb2.GetModelInfoResponse:
+    async def GetModelInfo(
+        self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.GetModelInfoResponse:
         return embedding_model_info_to_proto(self.ctx.info, self.ctx.config.model_path, self.ctx.version)
 
-    async def GetLoad(self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
-                      ) -> common_pb2.GetLoadResponse:
+    async def GetLoad(
+        self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.GetLoadResponse:
         return load_to_proto(self.ctx.stats())
 
-    async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
-                    ) -> common_pb2.AbortResponse:
+    async def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.AbortResponse:
         return common_pb2.AbortResponse(found=False)
 
 
@@ -78,34 +81,43 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
 
-    async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
-                           ) -> common_pb2.GetModelInfoResponse:
+    async def GetModelInfo(
+        self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.GetModelInfoResponse:
         ctx = self.ctx
         return model_info_to_proto(ctx.facts, ctx.config.model_path, ctx.config.role, ctx.version, ctx.weights_id)
 
-    async def GetLoad(self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
-                      ) -> common_pb2.GetLoadResponse:
+    async def GetLoad(
+        self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.GetLoadResponse:
         return load_to_proto(await self.ctx.stats())
 
-    async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
-                    ) -> common_pb2.AbortResponse:
+    async def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.AbortResponse:
         bind_request_id(request.request_id)
-        return common_pb2.AbortResponse(found=await self.ctx.loop.abort(request.request_id, "aborted by client",
-                                                                        request.kv_write_settled))
+        return common_pb2.AbortResponse(
+            found=await self.ctx.loop.abort(request.request_id, "aborted by client", request.kv_write_settled)
+        )
 
-    async def FlushCache(self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
-                         ) -> common_pb2.FlushCacheResponse:
+    async def FlushCache(
+        self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.FlushCacheResponse:
         def flush(engine) -> common_pb2.FlushCacheResponse:
             if engine.has_work:
                 return common_pb2.FlushCacheResponse(
-                    success=False, message="requests are running or waiting; the cache was not flushed")
+                    success=False, message="requests are running or waiting; the cache was not flushed"
+                )
             freed = engine.flush_prefix_cache()
-            return common_pb2.FlushCacheResponse(success=True, message=f"freed {freed} cached pages",
-                                                 num_freed_pages=freed)
+            return common_pb2.FlushCacheResponse(
+                success=True, message=f"freed {freed} cached pages", num_freed_pages=freed
+            )
+
         return await self.ctx.loop.call(flush)
 
-    async def UpdateWeights(self, request: common_pb2.UpdateWeightsRequest, context: grpc.aio.ServicerContext
-                            ) -> common_pb2.UpdateWeightsResponse:
+    async def UpdateWeights(
+        self, request: common_pb2.UpdateWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.UpdateWeightsResponse:
         path = request.model_path
         if not any(is_within(path, directory) for directory in self.ctx.weights_dirs):
             # SGLang's answer for a missing model, whether or not the path exists: the RPC cannot probe files.
@@ -121,8 +133,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             self.ctx.weights_id = await self.ctx.loop.update_weights(checkpoint)
         except InvalidRequestError as exc:
             return self._failed(str(exc))
-        return common_pb2.UpdateWeightsResponse(success=True, message="Succeeded to update model weights.",
-                                                weights_id=self.ctx.weights_id)
+        return common_pb2.UpdateWeightsResponse(
+            success=True, message="Succeeded to update model weights.", weights_id=self.ctx.weights_id
+        )
 
     def _failed(self, message: str) -> common_pb2.UpdateWeightsResponse:
         """No update: the weights served are still `ctx.weights_id`."""
@@ -130,21 +143,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     # The expert counts live in the model runner and are touched only on the engine thread.
 
-    async def StartExpertDistributionRecord(self, request: common_pb2.StartExpertDistributionRecordRequest,
-                                            context: grpc.aio.ServicerContext
-                                            ) -> common_pb2.StartExpertDistributionRecordResponse:
+    async def StartExpertDistributionRecord(
+        self, request: common_pb2.StartExpertDistributionRecordRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.StartExpertDistributionRecordResponse:
         await self._on_recorder(context, lambda recorder: recorder.start())
         return common_pb2.StartExpertDistributionRecordResponse()
 
-    async def StopExpertDistributionRecord(self, request: common_pb2.StopExpertDistributionRecordRequest,
-                                           context: grpc.aio.ServicerContext
-                                           ) -> common_pb2.StopExpertDistributionRecordResponse:
+    async def StopExpertDistributionRecord(
+        self, request: common_pb2.StopExpertDistributionRecordRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.StopExpertDistributionRecordResponse:
         await self._on_recorder(context, lambda recorder: recorder.stop())
         return common_pb2.StopExpertDistributionRecordResponse()
 
-    async def DumpExpertDistributionRecord(self, request: common_pb2.DumpExpertDistributionRecordRequest,
-                                           context: grpc.aio.ServicerContext
-                                           ) -> common_pb2.DumpExpertDistributionRecordResponse:
+    async def DumpExpertDistributionRecord(
+        self, request: common_pb2.DumpExpertDistributionRecordRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.DumpExpertDistributionRecordResponse:
         return expert_distribution_to_proto(await self._on_recorder(context, lambda recorder: recorder.dump()))
 
     async def _on_recorder(self, context: grpc.aio.ServicerContext, fn: Callable[[ExpertRecorder], T]) -> T:

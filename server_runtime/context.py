@@ -28,23 +28,23 @@ _DRAIN_POLL_S = 0.1
 class WorkerConfig:
     """Everything a prefill or decode server process needs."""
 
-    role: str                        # "prefill" or "decode"
+    role: str  # "prefill" or "decode"
     model_path: str
     host: str
-    port: int                        # 0: any free port (tests; `RunningWorker.address` tells which)
+    port: int  # 0: any free port (tests; `RunningWorker.address` tells which)
     engine: EngineConfig
-    transport: TransportConfig       # its transfer_timeout_s: prefill's longest KV write before the request fails
+    transport: TransportConfig  # its transfer_timeout_s: prefill's longest KV write before the request fails
     torch_threads: int
-    reservation_ttl_s: float = 30.0   # decode: pages held for a prefill that never comes
-    write_grace_s: float = 30.0       # decode: unused reservation pages rest this long before reuse
-    is_embedding: bool = False        # prefill: serve Embed from an embedding model; no engine, KV or decode
-    metrics_port: int = 0             # HTTP port serving Prometheus text; 0: no metrics endpoint
-    credentials: InternalCredentials = InternalCredentials()   # the token (and TLS) every tandem.v1 call needs
+    reservation_ttl_s: float = 30.0  # decode: pages held for a prefill that never comes
+    write_grace_s: float = 30.0  # decode: unused reservation pages rest this long before reuse
+    is_embedding: bool = False  # prefill: serve Embed from an embedding model; no engine, KV or decode
+    metrics_port: int = 0  # HTTP port serving Prometheus text; 0: no metrics endpoint
+    credentials: InternalCredentials = InternalCredentials()  # the token (and TLS) every tandem.v1 call needs
     # Keys KV write grants (kv_grants.py); the workers' alone, never the gateway's. None: an open plane's public key.
     kv_grant_secret: str | None = field(default=None, repr=False)
-    weights_dirs: tuple[str, ...] = ()   # UpdateWeights loads only from under these; (): the model's directory
-    grammar_compile_timeout_s: float = 5.0   # a request's grammar that takes longer to compile is refused
-    drain_timeout_s: float = 30.0     # on SIGTERM/SIGINT: longest wait for the requests in flight to finish
+    weights_dirs: tuple[str, ...] = ()  # UpdateWeights loads only from under these; (): the model's directory
+    grammar_compile_timeout_s: float = 5.0  # a request's grammar that takes longer to compile is refused
+    drain_timeout_s: float = 30.0  # on SIGTERM/SIGINT: longest wait for the requests in flight to finish
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -66,8 +66,10 @@ class WorkerConfig:
         if self.engine.device != "cpu" and not self.is_embedding:
             # The transports read and write the pool as host memory (memmove, Mooncake's CPU build): a
             # device pointer there would crash the process or move garbage.
-            raise ValueError(f"KV transfer from {self.engine.device} memory is not supported yet: run prefill "
-                             "and decode workers with --device cpu (embedding workers may use a GPU)")
+            raise ValueError(
+                f"KV transfer from {self.engine.device} memory is not supported yet: run prefill "
+                "and decode workers with --device cpu (embedding workers may use a GPU)"
+            )
 
     @property
     def kind_name(self) -> str:
@@ -83,20 +85,26 @@ class EngineFacts:
     architecture: str
     context_len: int
     vocab_size: int
-    eos_token_ids: tuple[int, ...]   # sorted
+    eos_token_ids: tuple[int, ...]  # sorted
     layout: KVLayout
     num_pages: int
-    pool_base_addr: int              # the KV pool, as registered with the transport
+    pool_base_addr: int  # the KV pool, as registered with the transport
     pool_num_bytes: int
 
     @classmethod
     def read(cls, engine: Engine) -> EngineFacts:
         """Read `engine`; only while no engine thread runs it."""
         pool = engine.runner.kv_pool
-        return cls(architecture=engine.model_config.architecture.value, context_len=engine.context_len,
-                   vocab_size=engine.model_config.vocab_size, eos_token_ids=tuple(sorted(engine.eos_token_ids)),
-                   layout=engine.runner.layout, num_pages=pool.num_pages, pool_base_addr=pool.base_addr,
-                   pool_num_bytes=pool.num_bytes)
+        return cls(
+            architecture=engine.model_config.architecture.value,
+            context_len=engine.context_len,
+            vocab_size=engine.model_config.vocab_size,
+            eos_token_ids=tuple(sorted(engine.eos_token_ids)),
+            layout=engine.runner.layout,
+            num_pages=pool.num_pages,
+            pool_base_addr=pool.base_addr,
+            pool_num_bytes=pool.num_bytes,
+        )
 
 
 @dataclass(slots=True)
@@ -109,8 +117,8 @@ class WorkerContext:
     transport: KVTransport
     facts: EngineFacts
     version: str
-    weights_id: str               # the served weights; set from each UpdateWeights' result
-    is_draining: bool = False     # shutting down: new requests (Reserve, Prefill) are refused, those in flight end
+    weights_id: str  # the served weights; set from each UpdateWeights' result
+    is_draining: bool = False  # shutting down: new requests (Reserve, Prefill) are refused, those in flight end
 
     @property
     def weights_dirs(self) -> tuple[str, ...]:
@@ -131,8 +139,11 @@ class WorkerContext:
         """Refuse new requests, then wait until the engine holds nothing, `deadline` (monotonic)
         passes or `stop` is set. True when the engine is idle."""
         self.is_draining = True
-        logger.info("%s server draining: up to %g s for the requests in flight (--drain-timeout)", self.config.role,
-                    self.config.drain_timeout_s)
+        logger.info(
+            "%s server draining: up to %g s for the requests in flight (--drain-timeout)",
+            self.config.role,
+            self.config.drain_timeout_s,
+        )
         while not await self.loop.call(lambda engine: engine.is_idle):
             if stop.is_set() or time.monotonic() >= deadline:
                 return False

@@ -19,27 +19,44 @@ _FINISH_TO_PROTO = {
 }
 
 
-_ROLE_TO_PROTO = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER_ROLE_DECODE}
+_ROLE_TO_PROTO: dict[str, common_pb2.WorkerRole] = {
+    "prefill": common_pb2.WORKER_ROLE_PREFILL,
+    "decode": common_pb2.WORKER_ROLE_DECODE,
+}
 
 
-def role_to_proto(role: str) -> int:
-    """"prefill" / "decode" (WorkerConfig.role) -> common_pb2.WorkerRole."""
+def role_to_proto(role: str) -> common_pb2.WorkerRole:
+    """ "prefill" / "decode" (WorkerConfig.role) -> common_pb2.WorkerRole."""
     return _ROLE_TO_PROTO[role]
 
 
 # The `optional` scalars of tandem.v1.SamplingParams: each is passed on only when set, so that an unset
 # one takes SamplingParams' default (the defaults live there alone).
-_OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_new_tokens", "ignore_eos",
-                    "min_new_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                    "top_logprobs_num")
+_OPTIONAL_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "max_new_tokens",
+    "ignore_eos",
+    "min_new_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "top_logprobs_num",
+)
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     """The fields that are set, over SamplingParams' defaults; invalid values raise InvalidRequestError."""
     return SamplingParams(
         **{name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)},
-        stop_token_ids=tuple(msg.stop_token_ids), logit_bias=tuple(sorted(msg.logit_bias.items())),
-        token_ids_logprob=tuple(msg.token_ids_logprob), grammar=_grammar_from_proto(msg))
+        stop_token_ids=tuple(msg.stop_token_ids),
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        token_ids_logprob=tuple(msg.token_ids_logprob),
+        grammar=_grammar_from_proto(msg),
+    )
 
 
 def _grammar_from_proto(msg: common_pb2.SamplingParams) -> GrammarSpec | None:
@@ -52,9 +69,14 @@ def _grammar_from_proto(msg: common_pb2.SamplingParams) -> GrammarSpec | None:
 
 
 def layout_to_proto(layout: KVLayout) -> common_pb2.KvLayout:
-    return common_pb2.KvLayout(num_layers=layout.num_layers, page_size=layout.page_size,
-                               num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-                               dtype=str(layout.dtype).removeprefix("torch."), page_bytes=layout.page_bytes)
+    return common_pb2.KvLayout(
+        num_layers=layout.num_layers,
+        page_size=layout.page_size,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        dtype=str(layout.dtype).removeprefix("torch."),
+        page_bytes=layout.page_bytes,
+    )
 
 
 def check_layout_matches(local: KVLayout, remote: common_pb2.KvLayout) -> None:
@@ -62,15 +84,22 @@ def check_layout_matches(local: KVLayout, remote: common_pb2.KvLayout) -> None:
     mine = layout_to_proto(local)
     if mine != remote:
         raise InvalidRequestError(
-            f"KV layout mismatch between prefill and decode: local {_describe(mine)}, remote {_describe(remote)}")
+            f"KV layout mismatch between prefill and decode: local {_describe(mine)}, remote {_describe(remote)}"
+        )
 
 
 def finish_to_proto(reason: FinishReason | None) -> int:
-    return _FINISH_TO_PROTO.get(reason, common_pb2.FINISH_REASON_UNSPECIFIED) if reason else \
-        common_pb2.FINISH_REASON_UNSPECIFIED
+    return (
+        _FINISH_TO_PROTO.get(reason, common_pb2.FINISH_REASON_UNSPECIFIED)
+        if reason
+        else common_pb2.FINISH_REASON_UNSPECIFIED
+    )
 
 
 def token_to_proto(output: StepOutput) -> common_pb2.TokenOutput:
+    """The token of an output that carries one (a finish-only output has none)."""
+    if output.token_id is None or output.logprob is None:
+        raise ValueError(f"the output of {output.request_id} carries no token")
     return _token_output(output.token_id, output.logprob, output.top_logprobs, output.token_ids_logprobs)
 
 
@@ -78,49 +107,79 @@ def prompt_logprobs_to_proto(scored: PromptLogprobs | None) -> list[common_pb2.T
     """One TokenOutput per scored prompt position (see PrefillResponse.prompt_logprobs)."""
     if scored is None:
         return []
-    return [_token_output(*position)
-            for position in zip(scored.token_ids, scored.logprobs, scored.top, scored.requested)]
+    return [
+        _token_output(*position) for position in zip(scored.token_ids, scored.logprobs, scored.top, scored.requested)
+    ]
 
 
-def _token_output(token_id: int, logprob: float, top: tuple[tuple[int, float], ...],
-                  requested: tuple[tuple[int, float], ...]) -> common_pb2.TokenOutput:
+def _token_output(
+    token_id: int, logprob: float, top: tuple[tuple[int, float], ...], requested: tuple[tuple[int, float], ...]
+) -> common_pb2.TokenOutput:
     return common_pb2.TokenOutput(
-        token_id=token_id, logprob=logprob,
+        token_id=token_id,
+        logprob=logprob,
         top_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in top],
-        token_ids_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in requested])
+        token_ids_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in requested],
+    )
 
 
-def model_info_to_proto(facts: EngineFacts, model_path: str, role: str, version: str,
-                        weights_id: str) -> common_pb2.GetModelInfoResponse:
+def model_info_to_proto(
+    facts: EngineFacts, model_path: str, role: str, version: str, weights_id: str
+) -> common_pb2.GetModelInfoResponse:
     """An engine worker's GetModelInfo answer."""
     return common_pb2.GetModelInfoResponse(
-        model_path=model_path, architecture=facts.architecture, context_len=facts.context_len,
-        vocab_size=facts.vocab_size, eos_token_ids=list(facts.eos_token_ids), kv_layout=layout_to_proto(facts.layout),
-        num_pages=facts.num_pages, role=role_to_proto(role), version=version, weights_id=weights_id)
+        model_path=model_path,
+        architecture=facts.architecture,
+        context_len=facts.context_len,
+        vocab_size=facts.vocab_size,
+        eos_token_ids=list(facts.eos_token_ids),
+        kv_layout=layout_to_proto(facts.layout),
+        num_pages=facts.num_pages,
+        role=role_to_proto(role),
+        version=version,
+        weights_id=weights_id,
+    )
 
 
-def embedding_model_info_to_proto(info: EmbeddingModelInfo, model_path: str,
-                                  version: str) -> common_pb2.GetModelInfoResponse:
+def embedding_model_info_to_proto(
+    info: EmbeddingModelInfo, model_path: str, version: str
+) -> common_pb2.GetModelInfoResponse:
     """An embedding worker's GetModelInfo answer: a prefill role, no KV."""
     return common_pb2.GetModelInfoResponse(
-        model_path=model_path, architecture=info.architecture, context_len=info.context_len,
-        vocab_size=info.vocab_size, role=common_pb2.WORKER_ROLE_PREFILL, version=version, is_embedding=True,
-        embedding_dim=info.embedding_dim, is_matryoshka=info.is_matryoshka,
-        matryoshka_dimensions=list(info.matryoshka_dimensions))
+        model_path=model_path,
+        architecture=info.architecture,
+        context_len=info.context_len,
+        vocab_size=info.vocab_size,
+        role=common_pb2.WORKER_ROLE_PREFILL,
+        version=version,
+        is_embedding=True,
+        embedding_dim=info.embedding_dim,
+        is_matryoshka=info.is_matryoshka,
+        matryoshka_dimensions=list(info.matryoshka_dimensions),
+    )
 
 
 def load_to_proto(stats: EngineStats) -> common_pb2.GetLoadResponse:
     return common_pb2.GetLoadResponse(
-        num_running=stats.num_running, num_waiting=stats.num_waiting, num_free_pages=stats.num_free_pages,
-        num_total_pages=stats.num_total_pages, num_cached_pages=stats.num_cached_pages)
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        num_free_pages=stats.num_free_pages,
+        num_total_pages=stats.num_total_pages,
+        num_cached_pages=stats.num_cached_pages,
+    )
 
 
 def expert_distribution_to_proto(record: ExpertDistribution) -> common_pb2.DumpExpertDistributionRecordResponse:
     return common_pb2.DumpExpertDistributionRecordResponse(
-        layer_ids=record.layer_ids, num_experts=record.num_experts, num_experts_per_tok=record.num_experts_per_tok,
-        counts=[count for row in record.counts for count in row])
+        layer_ids=record.layer_ids,
+        num_experts=record.num_experts,
+        num_experts_per_tok=record.num_experts_per_tok,
+        counts=[count for row in record.counts for count in row],
+    )
 
 
 def _describe(layout: common_pb2.KvLayout) -> str:
-    return (f"layers={layout.num_layers} page_size={layout.page_size} kv_heads={layout.num_kv_heads} "
-            f"head_dim={layout.head_dim} dtype={layout.dtype}")
+    return (
+        f"layers={layout.num_layers} page_size={layout.page_size} kv_heads={layout.num_kv_heads} "
+        f"head_dim={layout.head_dim} dtype={layout.dtype}"
+    )

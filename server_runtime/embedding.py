@@ -23,7 +23,7 @@ from server_runtime.engine_loop import BlockingWork, Lane
 
 @dataclass(frozen=True, slots=True)
 class EmbedResult:
-    vectors: torch.Tensor    # [num_inputs, dimensions] float32, rows in input order
+    vectors: torch.Tensor  # [num_inputs, dimensions] float32, rows in input order
     num_tokens: int
     queue_ms: float
     compute_ms: float
@@ -40,7 +40,7 @@ class EmbeddingContext:
     version: str
     info: EmbeddingModelInfo = field(init=False)
     _lane: Lane = field(init=False)
-    _num_in_flight: int = 0   # Embed calls running or queued for the lane
+    _num_in_flight: int = 0  # Embed calls running or queued for the lane
 
     def __post_init__(self) -> None:
         self.info = self.embedder.info
@@ -69,14 +69,21 @@ class EmbeddingContext:
         finally:
             self._num_in_flight -= 1
         done = time.perf_counter()
-        return EmbedResult(vectors, sum(len(t) for t in token_lists), (started - submitted) * 1000,
-                           (done - started) * 1000)
+        return EmbedResult(
+            vectors, sum(len(t) for t in token_lists), (started - submitted) * 1000, (done - started) * 1000
+        )
 
     def stats(self) -> EngineStats:
         """Calls in flight: one running (on the lane), the rest waiting for it; no pages."""
         num_running = min(self._num_in_flight, 1)
-        return EngineStats(num_running=num_running, num_waiting=self._num_in_flight - num_running, num_free_pages=0,
-                           num_total_pages=0, num_cached_pages=0, num_preemptions=0)
+        return EngineStats(
+            num_running=num_running,
+            num_waiting=self._num_in_flight - num_running,
+            num_free_pages=0,
+            num_total_pages=0,
+            num_cached_pages=0,
+            num_preemptions=0,
+        )
 
     async def drain(self, deadline: float, stop: asyncio.Event) -> bool:
         """Nothing to wait for here: the gRPC server's grace covers the Embed calls in flight."""

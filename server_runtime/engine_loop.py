@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _EXPIRY_INTERVAL_S = 0.25
-_BLOCKING_THREADS = 4   # a grammar compile, an embedder batch and checkpoint opens at once, with room
+_BLOCKING_THREADS = 4  # a grammar compile, an embedder batch and checkpoint opens at once, with room
 
 
 class BlockingWork:
@@ -87,11 +87,12 @@ class Lane:
     def _release(self, call: asyncio.Future) -> None:
         self._free.release()
         if not call.cancelled():
-            call.exception()   # collected here: a caller that stopped waiting has had its answer
+            call.exception()  # collected here: a caller that stopped waiting has had its answer
 
 
-async def write_pages(transport: KVTransport, src_base_addr: int, src_page_ids: Sequence[int], dst: RemotePages,
-                      timeout_s: float) -> TransferStats:
+async def write_pages(
+    transport: KVTransport, src_base_addr: int, src_page_ids: Sequence[int], dst: RemotePages, timeout_s: float
+) -> TransferStats:
     """One KV write (`KVTransport.write_pages`), awaited up to `timeout_s`: its stats, its
     KVTransferError, or KVTransferTimeout past the deadline (the write may go on: the destination
     pages are then undefined; see `KVTransport`). A caller cancelled while waiting leaves the
@@ -103,8 +104,9 @@ async def write_pages(transport: KVTransport, src_base_addr: int, src_page_ids: 
     except TimeoutError:
         num_bytes = len(dst.page_ids) * dst.page_bytes
         logger.warning("KV write of %d bytes to %s timed out after %.3f s", num_bytes, dst.session_id, timeout_s)
-        raise KVTransferTimeout(f"write of {num_bytes} bytes to {dst.session_id} did not complete within "
-                                f"{timeout_s} s") from None
+        raise KVTransferTimeout(
+            f"write of {num_bytes} bytes to {dst.session_id} did not complete within {timeout_s} s"
+        ) from None
 
 
 class EngineLoop:
@@ -113,14 +115,14 @@ class EngineLoop:
 
     def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, metrics: WorkerMetrics | None = None) -> None:
         self.engine = engine
-        self.metrics = metrics or WorkerMetrics("unknown")   # steps and pool state: written on the engine thread
+        self.metrics = metrics or WorkerMetrics("unknown")  # steps and pool state: written on the engine thread
         self.work = BlockingWork(loop)
         self._loop = loop
         # (command, future for its result); None: nobody waits for it
         self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future | None]] = queue.SimpleQueue()
-        self._sinks: dict[str, asyncio.Queue] = {}   # touched only on the engine thread
+        self._sinks: dict[str, asyncio.Queue] = {}  # touched only on the engine thread
         self._stopped = threading.Event()
-        self._grammar = engine.grammar   # its load and compile may run off the engine thread
+        self._grammar = engine.grammar  # its load and compile may run off the engine thread
         self._grammar_lane = self.work.lane()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.num_steps = 0
@@ -157,8 +159,10 @@ class EngineLoop:
         try:
             compiled = await self._grammar_lane.run(self._grammar.compile, spec, timeout_s=timeout_s)
         except TimeoutError:
-            raise InvalidRequestError(f"the {spec.kind.value} is too complex: compiling it took over {timeout_s:g} s "
-                                      "(--grammar-compile-timeout)") from None
+            raise InvalidRequestError(
+                f"the {spec.kind.value} is too complex: compiling it took over {timeout_s:g} s "
+                "(--grammar-compile-timeout)"
+            ) from None
         # Not awaited: commands run in order, so the request this grammar is for, submitted next, finds it.
         self._commands.put((lambda engine: engine.grammar.store(spec, compiled), None))
 
@@ -169,11 +173,19 @@ class EngineLoop:
         def add(engine: Engine) -> None:
             engine.add_request(req)
             self._sinks[req.request_id] = sink
+
         await self.call(add)
         return sink
 
-    async def admit(self, request_id: str, prompt_ids: list[int], first_token: int, first_logprob: float,
-                    sampling: SamplingParams, weights_id: str | None = None) -> asyncio.Queue:
+    async def admit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        first_token: int,
+        first_logprob: float,
+        sampling: SamplingParams,
+        weights_id: str | None = None,
+    ) -> asyncio.Queue:
         """Start decoding a reserved request; its outputs arrive on the returned queue."""
         sink: asyncio.Queue = asyncio.Queue()
 
@@ -182,12 +194,14 @@ class EngineLoop:
             if output is None:
                 self._sinks[request_id] = sink
             else:
-                sink.put_nowait(output)    # safe: the queue is not shared with the loop yet
+                sink.put_nowait(output)  # safe: the queue is not shared with the loop yet
+
         await self.call(admit)
         return sink
 
     async def abort(self, request_id: str, message: str = "aborted", write_settled: bool = False) -> bool:
         """Abort a request (its stream gets a final ABORT output) or drop what it holds."""
+
         def abort(engine: Engine) -> bool:
             held = request_id in self._sinks or engine.holds(request_id)
             output = engine.abort(request_id, message, write_settled)
@@ -195,23 +209,28 @@ class EngineLoop:
                 self._deliver(output)
             self._sinks.pop(request_id, None)
             return held or output is not None
+
         return await self.call(abort)
 
     async def stop_compute(self, request_id: str, message: str) -> None:
         """Abort a request still waiting or running. Pages it already holds for a KV transfer stay
         held: the write may be reading them, and its owner releases them when it is over."""
+
         def stop(engine: Engine) -> None:
             if not engine.is_awaiting_release(request_id) and (output := engine.abort(request_id, message)):
                 self._deliver(output)
+
         await self.call(stop)
 
     async def update_weights(self, checkpoint) -> str:
         """Swap weights between steps; the aborted requests' streams get their final outputs.
         Returns the new `weights_id`."""
+
         def update(engine: Engine) -> str:
             for output in engine.update_weights(checkpoint):
                 self._deliver(output)
             return engine.weights_id
+
         return await self.call(update)
 
     # ---- engine thread -------------------------------------------------------------------
@@ -259,12 +278,17 @@ class EngineLoop:
             logger.exception("engine step failed; aborting the requests it held")
             for request_id in list(self._sinks):
                 output = self.engine.abort(request_id, "internal error in the engine step")
-                self._deliver(output or StepOutput(request_id, None, None, FinishReason.ABORT,
-                                                   abort_message="internal error in the engine step"))
+                self._deliver(
+                    output
+                    or StepOutput(
+                        request_id, None, None, FinishReason.ABORT, abort_message="internal error in the engine step"
+                    )
+                )
             return
         self.num_steps += 1
-        self.metrics.observe_step(time.perf_counter() - started, len(outputs),
-                                  sum(o.token_id is not None for o in outputs))
+        self.metrics.observe_step(
+            time.perf_counter() - started, len(outputs), sum(o.token_id is not None for o in outputs)
+        )
         for output in outputs:
             self._deliver(output)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import grpc
 
 from engine import errors as e
@@ -34,9 +36,10 @@ def status_for(exc: BaseException) -> grpc.StatusCode | None:
     return None
 
 
-async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
     """End the RPC with the status mapped from `exc`; unknown exceptions propagate (INTERNAL)."""
     code = status_for(exc)
     if code is None:
         raise exc
     await context.abort(code, str(exc))
+    raise AssertionError("unreachable: ServicerContext.abort raises")  # its stub does not say so

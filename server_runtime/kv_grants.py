@@ -36,8 +36,15 @@ def grant_key(secret: str | None) -> bytes:
 
 
 def _mac(key: bytes, request_id: str, target: common_pb2.KvTarget) -> str:
-    text = "\n".join((request_id, target.session_id, str(target.base_addr),
-                      ",".join(map(str, target.page_ids)), str(target.grant_expires_unix_ms)))
+    text = "\n".join(
+        (
+            request_id,
+            target.session_id,
+            str(target.base_addr),
+            ",".join(map(str, target.page_ids)),
+            str(target.grant_expires_unix_ms),
+        )
+    )
     return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
 
 
@@ -53,7 +60,7 @@ class GrantChecker:
     replayed one is refused. Touched only from the event loop."""
 
     key: bytes
-    _used: dict[str, int] = field(default_factory=dict)   # grant -> expiry (unix ms)
+    _used: dict[str, int] = field(default_factory=dict)  # grant -> expiry (unix ms)
 
     def check(self, request_id: str, target: common_pb2.KvTarget) -> None:
         """Raises GrantError unless `target.grant` is the decode server's grant for exactly this
@@ -80,11 +87,15 @@ class GrantChecker:
         self._used = {g: expiry for g, expiry in self._used.items() if expiry > now_ms}
         expected = _mac(self.key, request_id, target)
         if not target.grant or not hmac.compare_digest(target.grant, expected):
-            logger.warning("refused a KV grant for %s: it does not cover the pages it names (forged, another "
-                           "request's, or signed by a decode worker with another --kv-grant-secret-file)",
-                           request_id)
-            raise GrantError("the KV target's grant is not valid for this request (the prefill and decode "
-                             "workers must share one KV grant secret)")
+            logger.warning(
+                "refused a KV grant for %s: it does not cover the pages it names (forged, another "
+                "request's, or signed by a decode worker with another --kv-grant-secret-file)",
+                request_id,
+            )
+            raise GrantError(
+                "the KV target's grant is not valid for this request (the prefill and decode "
+                "workers must share one KV grant secret)"
+            )
         return now_ms
 
 
@@ -94,7 +105,7 @@ class IssuedGrants:
     Touched only from the event loop."""
 
     key: bytes
-    _issued: dict[str, tuple[str, int]] = field(default_factory=dict)   # request id -> (grant, expiry ms)
+    _issued: dict[str, tuple[str, int]] = field(default_factory=dict)  # request id -> (grant, expiry ms)
 
     def issue(self, request_id: str, target: common_pb2.KvTarget, ttl_s: float) -> None:
         now_ms = int(time.time() * 1000)

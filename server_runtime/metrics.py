@@ -13,7 +13,8 @@ Nothing here is logged: per-step numbers go to these metrics only.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 _STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 30.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-_SERVICE_PREFIX = "/tandem."   # the worker's own RPCs; health checks and reflection are not counted
+_SERVICE_PREFIX = "/tandem."  # the worker's own RPCs; health checks and reflection are not counted
 
 
 class WorkerMetrics:
@@ -37,31 +38,59 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         Info("tandem_worker", "What this worker serves", registry=r).info(
-            {"role": role, "model_path": model_path, "version": version})
-        self.requests = Counter("tandem_worker_requests", "tandem.v1 RPCs answered, by method and gRPC status code",
-                                ["method", "code"], registry=r)
+            {"role": role, "model_path": model_path, "version": version}
+        )
+        self.requests = Counter(
+            "tandem_worker_requests",
+            "tandem.v1 RPCs answered, by method and gRPC status code",
+            ["method", "code"],
+            registry=r,
+        )
         self.num_running = Gauge("tandem_worker_num_requests_running", "Requests in the running batch", registry=r)
         self.num_waiting = Gauge("tandem_worker_num_requests_waiting", "Requests queued for prefill", registry=r)
-        self.kv_pages = Gauge("tandem_worker_kv_pages", "KV pages by state: used (held by requests or reservations), "
-                              "cached (kept only by the prefix cache), free", ["state"], registry=r)
+        self.kv_pages = Gauge(
+            "tandem_worker_kv_pages",
+            "KV pages by state: used (held by requests or reservations), cached (kept only by the prefix cache), free",
+            ["state"],
+            registry=r,
+        )
         self.kv_pages_capacity = Gauge("tandem_worker_kv_pages_capacity", "KV pages in the pool", registry=r)
         self.prompt_tokens = Counter("tandem_worker_prompt_tokens", "Prompt tokens prefilled", registry=r)
-        self.cached_prompt_tokens = Counter("tandem_worker_cached_prompt_tokens",
-                                            "Prompt tokens whose KV came from the prefix cache", registry=r)
-        self.prefix_cache_hit_rate = Gauge("tandem_worker_prefix_cache_hit_rate",
-                                           "Cached prompt tokens / prompt tokens since start", registry=r)
-        self.kv_transfer_bytes = Counter("tandem_worker_kv_transfer_bytes", "KV bytes written to decode servers",
-                                         registry=r)
-        self.kv_transfer_seconds = Histogram("tandem_worker_kv_transfer_seconds", "Time of one request's KV write",
-                                             buckets=_TRANSFER_BUCKETS_S, registry=r)
-        self.step_seconds = Histogram("tandem_worker_step_seconds", "Time of one engine step (its count: the steps)",
-                                      buckets=_STEP_BUCKETS_S, registry=r)
-        self.step_batch_size = Histogram("tandem_worker_step_batch_size", "Requests with an output in one engine step",
-                                         buckets=_BATCH_BUCKETS, registry=r)
-        self.generation_tokens = Counter("tandem_worker_generation_tokens", "Tokens sampled by this worker's engine",
-                                         registry=r)
-        self.preemptions = Gauge("tandem_worker_preemptions", "Running requests paused for lack of KV pages "
-                                 "(recomputed later) since start", registry=r)
+        self.cached_prompt_tokens = Counter(
+            "tandem_worker_cached_prompt_tokens", "Prompt tokens whose KV came from the prefix cache", registry=r
+        )
+        self.prefix_cache_hit_rate = Gauge(
+            "tandem_worker_prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens since start", registry=r
+        )
+        self.kv_transfer_bytes = Counter(
+            "tandem_worker_kv_transfer_bytes", "KV bytes written to decode servers", registry=r
+        )
+        self.kv_transfer_seconds = Histogram(
+            "tandem_worker_kv_transfer_seconds",
+            "Time of one request's KV write",
+            buckets=_TRANSFER_BUCKETS_S,
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "tandem_worker_step_seconds",
+            "Time of one engine step (its count: the steps)",
+            buckets=_STEP_BUCKETS_S,
+            registry=r,
+        )
+        self.step_batch_size = Histogram(
+            "tandem_worker_step_batch_size",
+            "Requests with an output in one engine step",
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "tandem_worker_generation_tokens", "Tokens sampled by this worker's engine", registry=r
+        )
+        self.preemptions = Gauge(
+            "tandem_worker_preemptions",
+            "Running requests paused for lack of KV pages (recomputed later) since start",
+            registry=r,
+        )
         self._num_prompt_tokens = 0
         self._num_cached_tokens = 0
 
@@ -82,8 +111,9 @@ class WorkerMetrics:
         self.kv_pages.labels("used").set(stats.num_total_pages - stats.num_free_pages - stats.num_cached_pages)
         self.preemptions.set(stats.num_preemptions)
 
-    def record_prefill(self, num_prompt_tokens: int, num_cached_tokens: int, kv_bytes: int,
-                       transfer_seconds: float) -> None:
+    def record_prefill(
+        self, num_prompt_tokens: int, num_cached_tokens: int, kv_bytes: int, transfer_seconds: float
+    ) -> None:
         """One prefill request done: its prompt, its cache hits and its KV write. Event loop only."""
         self._num_prompt_tokens += num_prompt_tokens
         self._num_cached_tokens += num_cached_tokens
@@ -110,11 +140,13 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
             return handler
         method = handler_call_details.method.rsplit("/", 1)[-1]
         if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(self._unary(method, handler.unary_unary),
-                                                       handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(
+                self._unary(method, handler.unary_unary), handler.request_deserializer, handler.response_serializer
+            )
         if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(self._stream(method, handler.unary_stream),
-                                                        handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(
+                self._stream(method, handler.unary_stream), handler.request_deserializer, handler.response_serializer
+            )
         return handler
 
     def _unary(self, method: str, behavior: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
@@ -126,6 +158,7 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
                 raise
             self._count(method, context, None)
             return response
+
         return counted
 
     def _stream(self, method: str, behavior: Callable[..., AsyncIterator]) -> Callable[..., AsyncIterator]:
@@ -137,6 +170,7 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
                 self._count(method, context, exc)
                 raise
             self._count(method, context, None)
+
         return counted
 
     def _count(self, method: str, context: grpc.aio.ServicerContext, exc: BaseException | None) -> None:

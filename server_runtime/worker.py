@@ -50,7 +50,7 @@ class Runtime(Protocol):
     def config(self) -> WorkerConfig: ...
 
     @property
-    def description(self) -> str: ...   # for the "ready" log line
+    def description(self) -> str: ...  # for the "ready" log line
 
     async def drain(self, deadline: float, stop: asyncio.Event) -> bool:
         """Refuse new work; wait until none is in flight (True), `deadline` passes or `stop` is set."""
@@ -68,7 +68,7 @@ class WorkerKind(Generic[R]):
     `prefill_server.servicer.PREFILL`, `prefill_server.embedding_servicer.EMBEDDING`,
     `decode_server.servicer.DECODE`."""
 
-    name: str   # WorkerConfig.kind_name: "prefill", "decode" or "embedding"
+    name: str  # WorkerConfig.kind_name: "prefill", "decode" or "embedding"
     start: Callable[[WorkerConfig, WorkerMetrics], R]
     servicers: tuple[Callable[[grpc.aio.Server, R], str], ...]
 
@@ -81,7 +81,7 @@ class RunningWorker(Generic[R]):
     config: WorkerConfig
     context: R
     server: grpc.aio.Server
-    address: str                    # host:port, with the port bound (config.port may be 0)
+    address: str  # host:port, with the port bound (config.port may be 0)
     service_names: tuple[str, ...]
     health: health.aio.HealthServicer
     metrics_server: WSGIServer | None
@@ -99,10 +99,13 @@ class RunningWorker(Generic[R]):
         stop.clear()
         deadline = time.monotonic() + self.config.drain_timeout_s
         if not await self.context.drain(deadline, stop):
-            logger.warning("%s server stops with requests still in flight (%s)", self.config.role,
-                           "a second signal" if stop.is_set() else "the drain timeout")
+            logger.warning(
+                "%s server stops with requests still in flight (%s)",
+                self.config.role,
+                "a second signal" if stop.is_set() else "the drain timeout",
+            )
             return 0.0
-        return 0.0 if stop.is_set() else max(1.0, deadline - time.monotonic())   # the last answers still go out
+        return 0.0 if stop.is_set() else max(1.0, deadline - time.monotonic())  # the last answers still go out
 
     async def close(self, grace_s: float | None = None) -> None:
         """Stop the gRPC server (calls in flight get `grace_s`; None: cancelled at once), the metrics
@@ -128,16 +131,22 @@ async def build_worker(config: WorkerConfig, kind: WorkerKind[R]) -> RunningWork
         service_names = tuple(add(server, context) for add in kind.servicers)
         health_servicer = _add_health_and_reflection(server, service_names)
         address = _listen(server, config)
-        metrics_server = (serve_metrics(metrics.registry, config.host, config.metrics_port) if config.metrics_port
-                          else None)
+        metrics_server = (
+            serve_metrics(metrics.registry, config.host, config.metrics_port) if config.metrics_port else None
+        )
     except BaseException:
         context.close()
         raise
     await server.start()
     for name in ("", *service_names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    logger.info("%s server ready on %s (%s; metrics %s)", config.role, address, context.description,
-                f"on http://{config.host}:{config.metrics_port}/metrics" if metrics_server else "off")
+    logger.info(
+        "%s server ready on %s (%s; metrics %s)",
+        config.role,
+        address,
+        context.description,
+        f"on http://{config.host}:{config.metrics_port}/metrics" if metrics_server else "off",
+    )
     return RunningWorker(config, context, server, address, service_names, health_servicer, metrics_server)
 
 
@@ -161,7 +170,7 @@ def start_engine_worker(config: WorkerConfig, metrics: WorkerMetrics) -> WorkerC
     """Load the model into an `Engine`, register its KV pool with a new transport and start the
     engine thread (a prefill or decode worker's runtime)."""
     engine = build_engine(config)
-    facts, weights_id = EngineFacts.read(engine), engine.weights_id   # before the engine thread starts
+    facts, weights_id = EngineFacts.read(engine), engine.weights_id  # before the engine thread starts
     transport = create_transport(config.transport)
     try:
         transport.register(facts.pool_base_addr, facts.pool_num_bytes)
@@ -200,19 +209,24 @@ def _set_torch_threads(config: WorkerConfig) -> None:
 
 
 def _grpc_server(config: WorkerConfig, metrics: WorkerMetrics) -> grpc.aio.Server:
-    return grpc.aio.server(interceptors=[*config.credentials.server_interceptors(), metrics.interceptor()],
-                           options=[("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-                                    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-                                    # the gateway pings every 10 s, with or without calls (gateway/cluster/pool.py)
-                                    ("grpc.keepalive_permit_without_calls", 1),
-                                    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000)])
+    return grpc.aio.server(
+        interceptors=[*config.credentials.server_interceptors(), metrics.interceptor()],
+        options=[
+            ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+            # the gateway pings every 10 s, with or without calls (gateway/cluster/pool.py)
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+        ],
+    )
 
 
 def _add_health_and_reflection(server: grpc.aio.Server, service_names: tuple[str, ...]) -> health.aio.HealthServicer:
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+        (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
     return health_servicer
 
 

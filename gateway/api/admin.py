@@ -32,8 +32,11 @@ _UPDATE_TIMEOUT_S = 600.0
 @router.get("/get_model_info")
 async def get_model_info(state: GatewayState = Depends(gateway_state)) -> dict:
     """Exactly the keys SGLang answers with (its notebook asserts the key set)."""
-    return {"model_path": state.config.model_path, "tokenizer_path": state.config.model_path,
-            "is_generation": not state.config.is_embedding}
+    return {
+        "model_path": state.config.model_path,
+        "tokenizer_path": state.config.model_path,
+        "is_generation": not state.config.is_embedding,
+    }
 
 
 # Never in a response: the keys, and the internal plane's token and TLS file paths.
@@ -52,20 +55,30 @@ async def _worker_info(worker: Worker) -> dict:
     entry = {"role": worker.role, "address": worker.address, "ready": worker.is_ready}
     info = worker.info
     if info is not None:
-        entry.update(version=info.version, model_path=info.model_path, context_len=info.context_len,
-                     page_size=info.kv_layout.page_size, max_total_num_tokens=info.num_pages * info.kv_layout.page_size,
-                     kv_pool_bytes=info.num_pages * info.kv_layout.page_bytes, kv_dtype=info.kv_layout.dtype,
-                     weights_id=info.weights_id)
+        entry.update(
+            version=info.version,
+            model_path=info.model_path,
+            context_len=info.context_len,
+            page_size=info.kv_layout.page_size,
+            max_total_num_tokens=info.num_pages * info.kv_layout.page_size,
+            kv_pool_bytes=info.num_pages * info.kv_layout.page_bytes,
+            kv_dtype=info.kv_layout.dtype,
+            weights_id=info.weights_id,
+        )
     try:
         load = await worker.client.load(timeout_s=_INFO_TIMEOUT_S)
     except WorkerError as exc:
-        entry["error"] = exc.detail   # an admin view: the worker's own words
+        entry["error"] = exc.detail  # an admin view: the worker's own words
         return entry
     num_unused = load.num_free_pages + load.num_cached_pages
-    entry.update(num_running_reqs=load.num_running, num_waiting_reqs=load.num_waiting,
-                 num_free_pages=load.num_free_pages, num_cached_pages=load.num_cached_pages,
-                 num_total_pages=load.num_total_pages,
-                 kv_pool_usage=round(1 - num_unused / max(1, load.num_total_pages), 4))
+    entry.update(
+        num_running_reqs=load.num_running,
+        num_waiting_reqs=load.num_waiting,
+        num_free_pages=load.num_free_pages,
+        num_cached_pages=load.num_cached_pages,
+        num_total_pages=load.num_total_pages,
+        kv_pool_usage=round(1 - num_unused / max(1, load.num_total_pages), 4),
+    )
     return entry
 
 
@@ -96,18 +109,22 @@ async def _health_embed(state: GatewayState) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-_FLUSH_NOTE = ("Please check backend logs for more details. (When there are running or waiting requests, "
-               "the operation will not be performed.)")
+_FLUSH_NOTE = (
+    "Please check backend logs for more details. (When there are running or waiting requests, "
+    "the operation will not be performed.)"
+)
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(state: GatewayState = Depends(gateway_state)):
     """Flush every worker's prefix cache; refused (400) while any worker has requests in flight."""
+
     async def flush(worker: Worker) -> FlushResult:
-        try:   # an embedding worker keeps no cache: its answer is a success, "no cache"
+        try:  # an embedding worker keeps no cache: its answer is a success, "no cache"
             return await worker.client.flush_cache(timeout_s=_INFO_TIMEOUT_S)
         except APIError as exc:
             return FlushResult(success=False, message=exc.message)
+
     replies = await asyncio.gather(*(flush(w) for w in state.pool.all_workers()))
     if all(r.success for r in replies):
         return PlainTextResponse(f"Cache flushed.\n{_FLUSH_NOTE}\n")
@@ -125,15 +142,17 @@ class UpdateWeightsBody(BaseModel):
 async def update_weights_from_disk(body: UpdateWeightsBody, state: GatewayState = Depends(gateway_state)):
     """Every worker reloads its weights from `model_path` in place. Requests in flight are aborted
     (they fail cleanly, never mixing weights); answers SGLang's {"success", "message"}."""
+
     async def update(worker: Worker) -> UpdateResult:
         try:
             return await worker.client.update_weights(body.model_path, timeout_s=_UPDATE_TIMEOUT_S)
         except APIError as exc:
             return UpdateResult(success=False, message=exc.message)
+
     replies = await asyncio.gather(*(update(w) for w in state.pool.all_workers()))
     failed = [r for r in replies if not r.success]
     if failed:
         logger.warning("update_weights_from_disk failed: %s", "; ".join(r.message for r in failed))
-        message = public_message(failed[0].message, keep=(body.model_path,))   # the client's own path may stay
+        message = public_message(failed[0].message, keep=(body.model_path,))  # the client's own path may stay
         return JSONResponse({"success": False, "message": message}, status_code=400)
     return {"success": True, "message": "Succeeded to update model weights."}

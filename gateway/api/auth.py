@@ -26,10 +26,16 @@ from tandem.internal_auth import is_loopback_host
 logger = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})
-ADMIN_PATHS = frozenset({
-    "/flush_cache", "/update_weights_from_disk", "/get_server_info",
-    "/start_expert_distribution_record", "/stop_expert_distribution_record", "/dump_expert_distribution_record",
-})
+ADMIN_PATHS = frozenset(
+    {
+        "/flush_cache",
+        "/update_weights_from_disk",
+        "/get_server_info",
+        "/start_expert_distribution_record",
+        "/stop_expert_distribution_record",
+        "/dump_expert_distribution_record",
+    }
+)
 
 
 class AuthMiddleware:
@@ -41,7 +47,7 @@ class AuthMiddleware:
         self.app = app
         user = (_bearer(api_key),) if api_key else ()
         admin = (_bearer(admin_api_key),) if admin_api_key else ()
-        self._user_route_keys = user + admin if user else ()   # no user key: user routes are open
+        self._user_route_keys = user + admin if user else ()  # no user key: user routes are open
         self._admin_route_keys = admin or user
 
     async def __call__(self, scope, receive, send) -> None:
@@ -50,8 +56,12 @@ class AuthMiddleware:
             return
         given = [value for name, value in scope["headers"] if name == b"authorization"]
         if len(given) > 1:
-            error = APIError(400, "More than one Authorization header was sent; send exactly one.",
-                             param="Authorization", code="duplicate_authorization_header")
+            error = APIError(
+                400,
+                "More than one Authorization header was sent; send exactly one.",
+                param="Authorization",
+                code="duplicate_authorization_header",
+            )
             await JSONResponse(error.body(), status_code=400)(scope, receive, send)
             return
         accepted = self._keys_for(scope["path"])
@@ -81,9 +91,12 @@ def _matches_any(given: bytes, accepted: tuple[bytes, ...]) -> bool:
 def log_key_policy(config: GatewayConfig) -> None:
     """Say at start-up what the keys leave open."""
     if config.api_key and not config.admin_api_key:
-        logger.warning("admin routes (%s) share the user API key; set --admin-api-key to give them their own",
-                       ", ".join(sorted(ADMIN_PATHS)))
+        logger.warning(
+            "admin routes (%s) share the user API key; set --admin-api-key to give them their own",
+            ", ".join(sorted(ADMIN_PATHS)),
+        )
     if not config.api_key and not is_loopback_host(config.host):
         what = "every route" if not config.admin_api_key else "every route but the admin routes"
-        logger.warning("the gateway listens on %s with no --api-key: anyone who can reach it can use %s",
-                       config.host, what)
+        logger.warning(
+            "the gateway listens on %s with no --api-key: anyone who can reach it can use %s", config.host, what
+        )

@@ -54,6 +54,7 @@ class BodyLimitMiddleware:
                 if num_bytes > limit:
                     raise BodyTooLarge(limit)
             return message
+
         await self.app(scope, counted, send)
 
 
@@ -63,5 +64,5 @@ def _content_length(scope: Scope) -> int:
             try:
                 return int(value)
             except ValueError:
-                return 0   # the server refuses a malformed length itself
+                return 0  # the server refuses a malformed length itself
     return 0

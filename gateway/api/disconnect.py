@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, TypeVar
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from fastapi import Request
 
@@ -28,7 +29,7 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
         done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:   # the endpoint itself was cancelled
+    except asyncio.CancelledError:  # the endpoint itself was cancelled
         watcher.cancel()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -32,17 +32,17 @@ from gateway.cluster.worker_records import Embeddings
 from gateway.errors import bad_request
 from gateway.service.sampling import check_token_ids
 from gateway.state import GatewayState, gateway_state
-from gateway.text.text_input import encode_texts
+from gateway.text.text_input import encode_texts, token_id_lists
 
 router = APIRouter(route_class=JSONRoute)
 
-MAX_INPUTS = 2048         # OpenAI's limit on inputs per request
-INPUTS_PER_CALL = 32      # inputs per Embed RPC: keeps each reply far below gRPC's 4 MiB default
+MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
+INPUTS_PER_CALL = 32  # inputs per Embed RPC: keeps each reply far below gRPC's 4 MiB default
 
 
 @dataclass(frozen=True, slots=True)
 class Embedded:
-    vectors: list[list[float]]   # one per input, in input order
+    vectors: list[list[float]]  # one per input, in input order
     num_tokens: int
 
 
@@ -52,8 +52,10 @@ async def create_embeddings(body: EmbeddingRequest, state: GatewayState = Depend
     limits = embedding_limits(state, "/v1/embeddings")
     token_lists = await _openai_inputs(state, body.input, limits)
     result = await embed(state, token_lists, check_dimensions(body.dimensions, limits), "input")
-    data = [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
-            for i, v in enumerate(result.vectors)]
+    data = [
+        {"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
+        for i, v in enumerate(result.vectors)
+    ]
     usage = {"prompt_tokens": result.num_tokens, "total_tokens": result.num_tokens}
     return JSONResponse({"object": "list", "data": data, "model": body.model, "usage": usage})
 
@@ -81,18 +83,26 @@ async def _encode(body: EncodeRequest, state: GatewayState, route: str) -> JSONR
         texts = body.text if isinstance(body.text, list) else [body.text]
         token_lists = await encode_texts(state.require_tokenizer("input"), texts, "text", limits.context_len)
     else:
-        is_batch, param = bool(body.input_ids) and isinstance(body.input_ids[0], list), "input_ids"
-        token_lists = [list(ids) for ids in body.input_ids] if is_batch else [list(body.input_ids)]
+        param = "input_ids"
+        token_lists, is_batch = token_id_lists(body.input_ids or [])
         for ids in token_lists:
             check_token_ids(ids, limits, param)
     _check_inputs(token_lists, limits, param)
     rids = _rids(body.rid, len(token_lists), is_batch)
     result = await embed(state, token_lists, check_dimensions(body.dimensions, limits), param)
     latency = time.perf_counter() - started
-    outputs = [{"embedding": vector,
-                "meta_info": {"id": rid, "finish_reason": {"type": "length", "length": 0},
-                              "prompt_tokens": len(ids), "e2e_latency": latency}}
-               for vector, rid, ids in zip(result.vectors, rids, token_lists)]
+    outputs = [
+        {
+            "embedding": vector,
+            "meta_info": {
+                "id": rid,
+                "finish_reason": {"type": "length", "length": 0},
+                "prompt_tokens": len(ids),
+                "e2e_latency": latency,
+            },
+        }
+        for vector, rid, ids in zip(result.vectors, rids, token_lists)
+    ]
     return JSONResponse(outputs if is_batch else outputs[0])
 
 
@@ -100,9 +110,12 @@ def embedding_limits(state: GatewayState, route: str) -> ModelLimits:
     """The served model's limits; 400 when it is a generation model."""
     limits = state.pool.limits()
     if not limits.is_embedding:
-        raise bad_request(f"{route} needs an embedding model, but `{state.config.served_model_name}` is a generation "
-                          "model; serve an embedding model with `tandem serve --is-embedding`", "model",
-                          "model_not_embedding")
+        raise bad_request(
+            f"{route} needs an embedding model, but `{state.config.served_model_name}` is a generation "
+            "model; serve an embedding model with `tandem serve --is-embedding`",
+            "model",
+            "model_not_embedding",
+        )
     return limits
 
 
@@ -111,11 +124,17 @@ def check_dimensions(dimensions: int | None, limits: ModelLimits) -> int | None:
     if dimensions is None or dimensions == limits.embedding_dim:
         return None
     if not limits.is_matryoshka:
-        raise bad_request(f"This model does not support `dimensions` other than its full size "
-                          f"{limits.embedding_dim}: it declares no Matryoshka training.", "dimensions")
+        raise bad_request(
+            f"This model does not support `dimensions` other than its full size "
+            f"{limits.embedding_dim}: it declares no Matryoshka training.",
+            "dimensions",
+        )
     if limits.matryoshka_dimensions and dimensions not in limits.matryoshka_dimensions:
-        raise bad_request(f"`dimensions` must be one of {sorted(limits.matryoshka_dimensions)} or "
-                          f"{limits.embedding_dim} for this model, got {dimensions}", "dimensions")
+        raise bad_request(
+            f"`dimensions` must be one of {sorted(limits.matryoshka_dimensions)} or "
+            f"{limits.embedding_dim} for this model, got {dimensions}",
+            "dimensions",
+        )
     if not 1 <= dimensions <= limits.embedding_dim:
         raise bad_request(f"`dimensions` must be between 1 and {limits.embedding_dim}, got {dimensions}", "dimensions")
     return dimensions
@@ -124,15 +143,17 @@ def check_dimensions(dimensions: int | None, limits: ModelLimits) -> int | None:
 async def embed(state: GatewayState, token_lists: list[list[int]], dimensions: int | None, param: str) -> Embedded:
     """Embed `token_lists` on the prefill workers, `INPUTS_PER_CALL` per call, all calls at once."""
     request_id = uuid.uuid4().hex
-    pieces = [token_lists[i:i + INPUTS_PER_CALL] for i in range(0, len(token_lists), INPUTS_PER_CALL)]
-    replies = await asyncio.gather(*(_embed_piece(state, f"{request_id}-{n}", piece, dimensions)
-                                     for n, piece in enumerate(pieces)))
+    pieces = [token_lists[i : i + INPUTS_PER_CALL] for i in range(0, len(token_lists), INPUTS_PER_CALL)]
+    replies = await asyncio.gather(
+        *(_embed_piece(state, f"{request_id}-{n}", piece, dimensions) for n, piece in enumerate(pieces))
+    )
     vectors = [vector for reply in replies for vector in reply.vectors]
     return Embedded(vectors, sum(reply.num_tokens for reply in replies))
 
 
-async def _embed_piece(state: GatewayState, request_id: str, token_lists: list[list[int]],
-                       dimensions: int | None) -> Embeddings:
+async def _embed_piece(
+    state: GatewayState, request_id: str, token_lists: list[list[int]], dimensions: int | None
+) -> Embeddings:
     worker = state.pool.pick("prefill")
     return await worker.client.embed(request_id, token_lists, dimensions, timeout_s=state.config.prefill_timeout_s)
 
@@ -160,9 +181,13 @@ def _check_inputs(token_lists: list[list[int]], limits: ModelLimits, param: str)
         if not ids:
             raise bad_request(f"`{param}` item {i} is empty", param)
         if len(ids) > limits.context_len:
-            raise bad_request(f"This model's maximum context length is {limits.context_len} tokens. However, you "
-                              f"requested {len(ids)} tokens in the input for embedding generation. Please reduce "
-                              "the length of the input.", param, "context_length_exceeded")
+            raise bad_request(
+                f"This model's maximum context length is {limits.context_len} tokens. However, you "
+                f"requested {len(ids)} tokens in the input for embedding generation. Please reduce "
+                "the length of the input.",
+                param,
+                "context_length_exceeded",
+            )
 
 
 def _rids(rid: str | list[str] | None, num_inputs: int, is_batch: bool) -> list[str]:

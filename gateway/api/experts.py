@@ -84,7 +84,9 @@ async def _on_every_worker(state: GatewayState, op: ExpertRecordOp) -> list[Expe
     """`op` on every worker at once (the dump's counts; None for start and stop); the first failure
     becomes the HTTP error."""
     if state.config.is_embedding:
-        raise bad_request("the expert distribution needs a mixture-of-experts generation model; this server "
-                          "runs an embedding model")
-    return list(await asyncio.gather(*(w.client.expert_record(op, timeout_s=_TIMEOUT_S)
-                                       for w in state.pool.all_workers())))
+        raise bad_request(
+            "the expert distribution needs a mixture-of-experts generation model; this server runs an embedding model"
+        )
+    return list(
+        await asyncio.gather(*(w.client.expert_record(op, timeout_s=_TIMEOUT_S) for w in state.pool.all_workers()))
+    )

@@ -9,7 +9,8 @@ searched only when the bytes hold one) turns that into a 400 before any route co
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Coroutine
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
@@ -28,17 +29,18 @@ class JSONRoute(APIRoute):
 
         async def checked(request: Request) -> Response:
             if request.headers.get("content-type", "").startswith("application/json"):
-                body = await request.body()   # read once: FastAPI reuses it
+                body = await request.body()  # read once: FastAPI reuses it
                 if _SURROGATE_ESCAPE.search(body):
                     _check_unicode(await _parsed(request))
             return await handle(request)
+
         return checked
 
 
 async def _parsed(request: Request) -> Any:
     try:
         return await request.json()
-    except ValueError:   # not JSON: FastAPI's own parse answers that with a 400
+    except ValueError:  # not JSON: FastAPI's own parse answers that with a 400
         return None
 
 
@@ -51,13 +53,17 @@ def _check_unicode(document: Any) -> None:
         if isinstance(value, str):
             problem = unicode_problem(value)
             if problem is not None:
-                raise bad_request(f"`{path or 'body'}` is not valid Unicode text: {problem}", path or None,
-                                  "invalid_value")
+                raise bad_request(
+                    f"`{path or 'body'}` is not valid Unicode text: {problem}", path or None, "invalid_value"
+                )
         elif isinstance(value, dict):
             bad_key = next((k for k in value if unicode_problem(k) is not None), None)
             if bad_key is not None:
-                raise bad_request(f"a key in `{path or 'body'}` is not valid Unicode text: {unicode_problem(bad_key)}",
-                                  path or None, "invalid_value")
+                raise bad_request(
+                    f"a key in `{path or 'body'}` is not valid Unicode text: {unicode_problem(bad_key)}",
+                    path or None,
+                    "invalid_value",
+                )
             pending += reversed([(_join(path, k), v) for k, v in value.items()])
         elif isinstance(value, list):
             pending += reversed([(_join(path, str(i)), v) for i, v in enumerate(value)])

@@ -12,7 +12,7 @@ from gateway.state import gateway_state
 
 router = APIRouter()
 
-_UNMATCHED_ROUTE = "unmatched"   # 404s and anything no route claimed: one label, whatever the path
+_UNMATCHED_ROUTE = "unmatched"  # 404s and anything no route claimed: one label, whatever the path
 
 
 class MetricsMiddleware:

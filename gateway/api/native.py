@@ -3,24 +3,31 @@
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from gateway.api.disconnect import cancel_on_disconnect
+from gateway.api.json_route import JSONRoute
+from gateway.api.native_logprobs import LogprobOptions, logprob_fields, logprob_options
+from gateway.api.responses import (
+    AbortFinish,
+    GenerateResponse,
+    LengthFinish,
+    MetaInfo,
+    NativeLogprobs,
+    StopFinish,
+    TandemTimings,
+)
+from gateway.api.schemas import GenerateRequest, NativeSamplingParams
+from gateway.api.sse import sse_response
 from gateway.errors import bad_request
 from gateway.records import FinishReason
 from gateway.service.generation import Finish, GenerationRequest, GenerationResult, TextDelta
-from gateway.api.json_route import JSONRoute
-from gateway.api.native_logprobs import LogprobOptions, logprob_fields, logprob_options
-from gateway.api.responses import (AbortFinish, GenerateResponse, LengthFinish, MetaInfo, NativeLogprobs,
-                                    StopFinish, TandemTimings)
 from gateway.service.sampling import SamplingFields, build_sampling, check_token_ids, output_constraint, stop_list
-from gateway.api.schemas import GenerateRequest, NativeSamplingParams
-from gateway.api.sse import sse_response
 from gateway.state import GatewayState, gateway_state
-from gateway.text.text_input import encode_texts
+from gateway.text.text_input import encode_texts, token_id_lists
 from tandem.limits import MAX_N
 
 router = APIRouter(route_class=JSONRoute)
@@ -42,8 +49,9 @@ async def generate(body: GenerateRequest, http_request: Request, state: GatewayS
     state.require_generation()
     limits = state.pool.limits()
     prompts, is_batch = await _prompts(body, state, limits)
-    param_sets = (body.sampling_params if isinstance(body.sampling_params, list)
-                  else [body.sampling_params] * len(prompts))
+    param_sets = (
+        body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params] * len(prompts)
+    )
     if len(param_sets) != len(prompts):
         raise bad_request(f"{len(param_sets)} sampling_params for {len(prompts)} prompts", "sampling_params")
     rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
@@ -71,65 +79,113 @@ async def _prompts(body: GenerateRequest, state: GatewayState, limits) -> tuple[
         texts = body.text if isinstance(body.text, list) else [body.text]
         prompts = await encode_texts(state.require_tokenizer("text"), texts, "text", limits.context_len)
         return prompts, isinstance(body.text, list)
-    input_ids = body.input_ids or []
-    is_batch = bool(input_ids) and isinstance(input_ids[0], list)
-    prompts = [list(ids) for ids in input_ids] if is_batch else [list(input_ids)]
+    prompts, is_batch = token_id_lists(body.input_ids or [])
     for ids in prompts:
         check_token_ids(ids, limits, "input_ids")
     return prompts, is_batch
 
 
-def _requests_for(state: GatewayState, body: GenerateRequest, limits, prompt_ids: list[int],
-                  p: NativeSamplingParams, rid: str | None, logprobs: LogprobOptions,
-                  arrived_at: float) -> list[GenerationRequest]:
+def _requests_for(
+    state: GatewayState,
+    body: GenerateRequest,
+    limits,
+    prompt_ids: list[int],
+    p: NativeSamplingParams,
+    rid: str | None,
+    logprobs: LogprobOptions,
+    arrived_at: float,
+) -> list[GenerationRequest]:
     n = p.n
     if not (1 <= n <= MAX_N):
         raise bad_request(f"sampling_params.n must be an integer between 1 and {MAX_N}", "sampling_params.n")
     max_new_tokens = p.max_new_tokens if "max_new_tokens" in p.model_fields_set else state.config.default_max_new_tokens
     fields = SamplingFields(
-        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-        seed=p.seed if p.seed is not None else p.sampling_seed, max_new_tokens=max_new_tokens,
-        stop_token_ids=tuple(p.stop_token_ids or ()), ignore_eos=p.ignore_eos,
-        min_new_tokens=p.min_new_tokens, presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
-        top_logprobs_num=logprobs.top_num, token_ids_logprob=logprobs.token_ids,
-        constraint=output_constraint(p.json_schema, p.regex, p.ebnf, schema_param="sampling_params.json_schema"))
-    sampling = build_sampling(fields, len(prompt_ids), limits, state.config.sampling_defaults,
-                              "sampling_params.max_new_tokens", "text" if body.text is not None else "input_ids")
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        seed=p.seed if p.seed is not None else p.sampling_seed,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=tuple(p.stop_token_ids or ()),
+        ignore_eos=p.ignore_eos,
+        min_new_tokens=p.min_new_tokens,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        top_logprobs_num=logprobs.top_num,
+        token_ids_logprob=logprobs.token_ids,
+        constraint=output_constraint(p.json_schema, p.regex, p.ebnf, schema_param="sampling_params.json_schema"),
+    )
+    sampling = build_sampling(
+        fields,
+        len(prompt_ids),
+        limits,
+        state.config.sampling_defaults,
+        "sampling_params.max_new_tokens",
+        "text" if body.text is not None else "input_ids",
+    )
     stops = stop_list(p.stop)
     if stops:
         state.require_tokenizer("sampling_params.stop")
     requests = []
     for i in range(n):
         ids = {"request_id": rid if n == 1 else f"{rid}-{i}"} if rid else {}
-        requests.append(GenerationRequest(
-            prompt_ids, sampling, stops, p.skip_special_tokens, **ids,
-            spaces_between_special_tokens=p.spaces_between_special_tokens, no_stop_trim=p.no_stop_trim,
-            arrived_at=arrived_at, prompt_logprob_start=logprobs.prompt_start))
+        requests.append(
+            GenerationRequest(
+                prompt_ids,
+                sampling,
+                stops,
+                p.skip_special_tokens,
+                **ids,
+                spaces_between_special_tokens=p.spaces_between_special_tokens,
+                no_stop_trim=p.no_stop_trim,
+                arrived_at=arrived_at,
+                prompt_logprob_start=logprobs.prompt_start,
+            )
+        )
     return requests
 
 
-async def _stream(state: GatewayState, body: GenerateRequest, requests: list[GenerationRequest],
-                  choices: AsyncIterator[tuple[int, TextDelta]], options: list[LogprobOptions], started: float,
-                  with_index: bool) -> AsyncIterator[GenerateResponse]:
+async def _stream(
+    state: GatewayState,
+    body: GenerateRequest,
+    requests: list[GenerationRequest],
+    choices: AsyncIterator[tuple[int, TextDelta]],
+    options: list[LogprobOptions],
+    started: float,
+    with_index: bool,
+) -> AsyncIterator[GenerateResponse]:
     """Each event carries the cumulative text of its prompt so far, as SGLang's stream does
     (plus `index` when several generations share the stream)."""
     results = [GenerationResult() for _ in requests]
     async for index, delta in choices:
         results[index].add(delta)
         if delta.text or delta.finish is not None:
-            yield _response(state, body, requests[index], options[index], results[index], started,
-                            index if with_index else None)
+            yield _response(
+                state, body, requests[index], options[index], results[index], started, index if with_index else None
+            )
 
 
-def _response(state: GatewayState, body: GenerateRequest, request: GenerationRequest, logprobs: LogprobOptions,
-              result: GenerationResult, started: float, index: int | None = None) -> GenerateResponse:
-    meta = MetaInfo(id=request.request_id, finish_reason=_finish_reason(result.finish, len(result.output_ids)),
-                    prompt_tokens=len(request.prompt_ids), completion_tokens=len(result.output_ids),
-                    cached_tokens=result.timings.cached_tokens if result.timings else 0,
-                    e2e_latency=time.perf_counter() - started, tandem_timings=_timings(result),
-                    **dict(_logprobs(state, body, request, logprobs, result)))
-    if state.tokenizer is None:   # tokenizer-free servers answer ids only, as SGLang does
+def _response(
+    state: GatewayState,
+    body: GenerateRequest,
+    request: GenerationRequest,
+    logprobs: LogprobOptions,
+    result: GenerationResult,
+    started: float,
+    index: int | None = None,
+) -> GenerateResponse:
+    meta = MetaInfo(
+        id=request.request_id,
+        finish_reason=_finish_reason(result.finish, len(result.output_ids)),
+        prompt_tokens=len(request.prompt_ids),
+        completion_tokens=len(result.output_ids),
+        cached_tokens=result.timings.cached_tokens if result.timings else 0,
+        e2e_latency=time.perf_counter() - started,
+        tandem_timings=_timings(result),
+        **dict(_logprobs(state, body, request, logprobs, result)),
+    )
+    if state.tokenizer is None:  # tokenizer-free servers answer ids only, as SGLang does
         return GenerateResponse(token_ids=result.output_ids, output_ids=result.output_ids, meta_info=meta, index=index)
     return GenerateResponse(text=result.text, output_ids=result.output_ids, meta_info=meta, index=index)
 
@@ -137,14 +193,25 @@ def _response(state: GatewayState, body: GenerateRequest, request: GenerationReq
 def _timings(result: GenerationResult) -> TandemTimings | None:
     if (t := result.timings) is None:
         return None
-    return TandemTimings(gateway_queue_ms=t.gateway_queue_ms, reserve_ms=t.reserve_ms,
-                         prefill_queue_ms=t.prefill_queue_ms, prefill_compute_ms=t.prefill_compute_ms,
-                         kv_transfer_ms=t.transfer_ms, kv_bytes=t.kv_bytes, decode_queue_ms=t.decode_queue_ms,
-                         first_token_ms=t.gateway_queue_ms + t.first_token_ms)
+    return TandemTimings(
+        gateway_queue_ms=t.gateway_queue_ms,
+        reserve_ms=t.reserve_ms,
+        prefill_queue_ms=t.prefill_queue_ms,
+        prefill_compute_ms=t.prefill_compute_ms,
+        kv_transfer_ms=t.transfer_ms,
+        kv_bytes=t.kv_bytes,
+        decode_queue_ms=t.decode_queue_ms,
+        first_token_ms=t.gateway_queue_ms + t.first_token_ms,
+    )
 
 
-def _logprobs(state: GatewayState, body: GenerateRequest, request: GenerationRequest, logprobs: LogprobOptions,
-              result: GenerationResult) -> NativeLogprobs:
+def _logprobs(
+    state: GatewayState,
+    body: GenerateRequest,
+    request: GenerationRequest,
+    logprobs: LogprobOptions,
+    result: GenerationResult,
+) -> NativeLogprobs:
     if not logprobs.is_on:
         return NativeLogprobs()
     token_text = None

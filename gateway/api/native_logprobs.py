@@ -45,8 +45,11 @@ def logprob_options(body: GenerateRequest, prompts: list[list[int]]) -> list[Log
             options.append(LogprobOptions())
             continue
         if not (-1 <= start < len(prompt_ids)):
-            raise bad_request(f"logprob_start_len ({start}) must be -1 (output logprobs only) or a position in "
-                              f"the prompt (0 to {len(prompt_ids) - 1})", "logprob_start_len")
+            raise bad_request(
+                f"logprob_start_len ({start}) must be -1 (output logprobs only) or a position in "
+                f"the prompt (0 to {len(prompt_ids) - 1})",
+                "logprob_start_len",
+            )
         options.append(LogprobOptions(True, start if start >= 0 else None, top, tuple(wanted)))
     return options
 
@@ -59,24 +62,32 @@ def _per_prompt(value: Any, count: int, param: str) -> list:
     return value
 
 
-def logprob_fields(options: LogprobOptions, request: GenerationRequest, result: GenerationResult,
-                   token_text: Callable[[int], str] | None) -> NativeLogprobs:
+def logprob_fields(
+    options: LogprobOptions,
+    request: GenerationRequest,
+    result: GenerationResult,
+    token_text: Callable[[int], str] | None,
+) -> NativeLogprobs:
     """SGLang's shape: [logprob, token_id, text or None] triples per position (`token_text` gives the
     text when asked for). The input_* lists cover the prompt from logprob_start_len on (empty when
     it is -1); position 0 has no distribution, so its logprob is None and its top / requested
     entries are None."""
+
     def triple(token_id: int, logprob: float | None) -> LogprobTriple:
         return logprob, token_id, token_text(token_id) if token_text else None
+
     scored = result.prompt_logprobs
-    unscored = [request.prompt_ids[0]] if options.prompt_start == 0 else []   # position 0
-    lists = NativeLogprobs(input_token_logprobs=[triple(t, None) for t in unscored] +
-                                                [triple(t.token_id, t.logprob) for t in scored],
-                           output_token_logprobs=[triple(t.token_id, t.logprob) for t in result.tokens])
+    unscored = [request.prompt_ids[0]] if options.prompt_start == 0 else []  # position 0
+    lists = NativeLogprobs(
+        input_token_logprobs=[triple(t, None) for t in unscored] + [triple(t.token_id, t.logprob) for t in scored],
+        output_token_logprobs=[triple(t.token_id, t.logprob) for t in result.tokens],
+    )
     if options.top_num:
         lists.input_top_logprobs = [None] * len(unscored) + [[triple(i, lp) for i, lp in t.top] for t in scored]
         lists.output_top_logprobs = [[triple(i, lp) for i, lp in t.top] for t in result.tokens]
     if options.token_ids:
         lists.input_token_ids_logprobs = [None] * len(unscored) + [
-            [triple(i, lp) for i, lp in t.requested] for t in scored]
+            [triple(i, lp) for i, lp in t.requested] for t in scored
+        ]
         lists.output_token_ids_logprobs = [[triple(i, lp) for i, lp in t.requested] for t in result.tokens]
     return lists

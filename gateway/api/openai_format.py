@@ -25,8 +25,9 @@ from gateway.text.tool_calls import ToolCall, ToolPlan, parse_tool_calls
 _Entry = TypeVar("_Entry", bound=TopLogprob)
 
 
-def chat_choice(index: int, result: GenerationResult, plan: ToolPlan, separate_reasoning: bool,
-                logprobs: ChatLogprobs | None) -> ChatChoice:
+def chat_choice(
+    index: int, result: GenerationResult, plan: ToolPlan, separate_reasoning: bool, logprobs: ChatLogprobs | None
+) -> ChatChoice:
     """One whole chat choice: the tool calls parsed out of its text when the request has tools, and its
     reasoning apart from the content when asked to."""
     content, calls = parse_tool_calls(result.text, plan) if plan.parses_calls else (result.text, [])
@@ -34,22 +35,38 @@ def chat_choice(index: int, result: GenerationResult, plan: ToolPlan, separate_r
     if separate_reasoning and content:
         reasoning, content = split_reasoning(content)
     message = AssistantMessage(content=content, reasoning_content=reasoning, tool_calls=tool_calls_out(calls) or None)
-    return ChatChoice(index=index, message=message, logprobs=logprobs,
-                      finish_reason="tool_calls" if calls else finish_name(result), matched_stop=matched_stop(result))
+    return ChatChoice(
+        index=index,
+        message=message,
+        logprobs=logprobs,
+        finish_reason="tool_calls" if calls else finish_name(result),
+        matched_stop=matched_stop(result),
+    )
 
 
 def chat_logprobs(tokenizer: Tokenizer, tokens: list[GeneratedToken], num_top: int) -> ChatLogprobs:
     """`{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}` for these tokens."""
+
     def entry(kind: type[_Entry], token_id: int, logprob: float, **more: Any) -> _Entry:
         text = tokenizer.decode([token_id], skip_special_tokens=False)
         return kind(token=text, logprob=logprob, bytes=list(text.encode("utf-8")), **more)
-    return ChatLogprobs(content=[
-        entry(TokenLogprob, t.token_id, t.logprob, top_logprobs=[entry(TopLogprob, i, lp) for i, lp in t.top[:num_top]])
-        for t in tokens])
+
+    return ChatLogprobs(
+        content=[
+            entry(
+                TokenLogprob,
+                t.token_id,
+                t.logprob,
+                top_logprobs=[entry(TopLogprob, i, lp) for i, lp in t.top[:num_top]],
+            )
+            for t in tokens
+        ]
+    )
 
 
-def completion_logprobs(tokenizer: Tokenizer, tokens: list[GeneratedToken], num_top: int,
-                        text_offset: int) -> CompletionLogprobs:
+def completion_logprobs(
+    tokenizer: Tokenizer, tokens: list[GeneratedToken], num_top: int, text_offset: int
+) -> CompletionLogprobs:
     """Legacy completions shape: parallel lists of tokens, logprobs, top dicts and text offsets."""
     texts = [tokenizer.decode([t.token_id], skip_special_tokens=False) for t in tokens]
     offsets, position = [], text_offset
@@ -57,14 +74,18 @@ def completion_logprobs(tokenizer: Tokenizer, tokens: list[GeneratedToken], num_
         offsets.append(position)
         position += len(text)
     return CompletionLogprobs(
-        tokens=texts, token_logprobs=[t.logprob for t in tokens],
-        top_logprobs=[{tokenizer.decode([i], skip_special_tokens=False): lp for i, lp in t.top[:num_top]}
-                      for t in tokens],
-        text_offset=offsets)
+        tokens=texts,
+        token_logprobs=[t.logprob for t in tokens],
+        top_logprobs=[
+            {tokenizer.decode([i], skip_special_tokens=False): lp for i, lp in t.top[:num_top]} for t in tokens
+        ],
+        text_offset=offsets,
+    )
 
 
-def prompt_completion_logprobs(tokenizer: Tokenizer, prompt_ids: list[int], scored: list[GeneratedToken],
-                               num_top: int) -> CompletionLogprobs:
+def prompt_completion_logprobs(
+    tokenizer: Tokenizer, prompt_ids: list[int], scored: list[GeneratedToken], num_top: int
+) -> CompletionLogprobs:
     """The echoed prompt's part of the legacy shape (`echo` with `logprobs`): the first token has no
     logprob (None, and None for its top dict); the others come from the prefill server's scoring."""
     first = GeneratedToken(prompt_ids[0], 0.0)
@@ -75,17 +96,22 @@ def prompt_completion_logprobs(tokenizer: Tokenizer, prompt_ids: list[int], scor
 
 
 def join_completion_logprobs(head: CompletionLogprobs, tail: CompletionLogprobs) -> CompletionLogprobs:
-    return CompletionLogprobs(tokens=head.tokens + tail.tokens,
-                              token_logprobs=head.token_logprobs + tail.token_logprobs,
-                              top_logprobs=head.top_logprobs + tail.top_logprobs,
-                              text_offset=head.text_offset + tail.text_offset)
+    return CompletionLogprobs(
+        tokens=head.tokens + tail.tokens,
+        token_logprobs=head.token_logprobs + tail.token_logprobs,
+        top_logprobs=head.top_logprobs + tail.top_logprobs,
+        text_offset=head.text_offset + tail.text_offset,
+    )
 
 
 def tool_calls_out(calls: list[ToolCall], is_delta: bool = False) -> list[ToolCallOut]:
     """The calls parsed out of a choice's text; a stream delta numbers them (`index`)."""
-    return [ToolCallOut(index=i if is_delta else None, id=call.id,
-                        function=FunctionCall(name=call.name, arguments=call.arguments))
-            for i, call in enumerate(calls)]
+    return [
+        ToolCallOut(
+            index=i if is_delta else None, id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments)
+        )
+        for i, call in enumerate(calls)
+    ]
 
 
 def finish_name(result: GenerationResult) -> FinishReason | None:
@@ -103,5 +129,9 @@ def usage(prompt_tokens: int, results: list[GenerationResult], choices_per_promp
     completion = sum(len(r.output_ids) for r in results)
     firsts = results[::choices_per_prompt]
     cached = sum(r.timings.cached_tokens for r in firsts if r.timings is not None)
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=min(cached, prompt_tokens)))
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=min(cached, prompt_tokens)),
+    )

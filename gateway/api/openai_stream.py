@@ -31,16 +31,37 @@ from gateway.text.reasoning import ReasoningSplitter
 from gateway.text.tool_calls import ToolPlan, parse_tool_calls
 
 
-async def chat_chunks(state: GatewayState, requests: list[GenerationRequest],
-                      choices: AsyncIterator[tuple[int, TextDelta]], body: ChatCompletionRequest, rid: str,
-                      created: int, include_usage: bool, num_top: int,
-                      plan: ToolPlan) -> AsyncIterator[ChatCompletionChunk]:
+async def chat_chunks(
+    state: GatewayState,
+    requests: list[GenerationRequest],
+    choices: AsyncIterator[tuple[int, TextDelta]],
+    body: ChatCompletionRequest,
+    rid: str,
+    created: int,
+    include_usage: bool,
+    num_top: int,
+    plan: ToolPlan,
+) -> AsyncIterator[ChatCompletionChunk]:
     """Content streams as it comes; with tools, each choice's text is held until it finishes and then
     sent as tool_calls deltas (or as content, if it holds no call)."""
-    def chunk(index: int, delta: ChatDelta, logprobs: ChatLogprobs | None = None, finish: ChoiceFinish | None = None,
-              matched: str | int | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=rid, created=created, model=body.model, choices=[ChatStreamChoice(
-            index=index, delta=delta, logprobs=logprobs, finish_reason=finish, matched_stop=matched)])
+
+    def chunk(
+        index: int,
+        delta: ChatDelta,
+        logprobs: ChatLogprobs | None = None,
+        finish: ChoiceFinish | None = None,
+        matched: str | int | None = None,
+    ) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=rid,
+            created=created,
+            model=body.model,
+            choices=[
+                ChatStreamChoice(
+                    index=index, delta=delta, logprobs=logprobs, finish_reason=finish, matched_stop=matched
+                )
+            ],
+        )
 
     tokenizer = state.require_tokenizer("messages")
     for index in range(len(requests)):
@@ -70,8 +91,13 @@ async def chat_chunks(state: GatewayState, requests: list[GenerationRequest],
         if delta.finish is not None:
             yield chunk(index, ChatDelta(), logprobs, finish_name(result), matched_stop(result))
     if include_usage:
-        yield ChatCompletionChunk(id=rid, created=created, model=body.model, choices=[],
-                                  usage=usage(len(requests[0].prompt_ids), results, body.n))
+        yield ChatCompletionChunk(
+            id=rid,
+            created=created,
+            model=body.model,
+            choices=[],
+            usage=usage(len(requests[0].prompt_ids), results, body.n),
+        )
 
 
 def _split_delta(splitter: ReasoningSplitter | None, text: str, is_last: bool) -> tuple[str, str]:
@@ -84,15 +110,37 @@ def _split_delta(splitter: ReasoningSplitter | None, text: str, is_last: bool) -
     return reasoning, content
 
 
-async def completion_chunks(state: GatewayState, requests: list[GenerationRequest],
-                            choices: AsyncIterator[tuple[int, TextDelta]], body: CompletionRequest, rid: str,
-                            created: int, include_usage: bool, echoes: list[str], num_top: int,
-                            num_prompts: int) -> AsyncIterator[CompletionChunk]:
+async def completion_chunks(
+    state: GatewayState,
+    requests: list[GenerationRequest],
+    choices: AsyncIterator[tuple[int, TextDelta]],
+    body: CompletionRequest,
+    rid: str,
+    created: int,
+    include_usage: bool,
+    echoes: list[str],
+    num_top: int,
+    num_prompts: int,
+) -> AsyncIterator[CompletionChunk]:
     """Text as it comes, each prompt's `echoes` first; `requests` hold each prompt's choices in turn."""
-    def chunk(index: int, text: str, logprobs: CompletionLogprobs | None = None, finish: FinishReason | None = None,
-              matched: str | int | None = None) -> CompletionChunk:
-        return CompletionChunk(id=rid, created=created, model=body.model, choices=[CompletionStreamChoice(
-            index=index, text=text, logprobs=logprobs, finish_reason=finish, matched_stop=matched)])
+
+    def chunk(
+        index: int,
+        text: str,
+        logprobs: CompletionLogprobs | None = None,
+        finish: FinishReason | None = None,
+        matched: str | int | None = None,
+    ) -> CompletionChunk:
+        return CompletionChunk(
+            id=rid,
+            created=created,
+            model=body.model,
+            choices=[
+                CompletionStreamChoice(
+                    index=index, text=text, logprobs=logprobs, finish_reason=finish, matched_stop=matched
+                )
+            ],
+        )
 
     per_prompt = len(requests) // num_prompts
     # With logprobs, each echo waits for its choice's first token, which brings the prompt's logprobs.
@@ -106,15 +154,24 @@ async def completion_chunks(state: GatewayState, requests: list[GenerationReques
         results[index].add(delta)
         if echo_pending[index]:
             echo_pending[index] = False
-            yield chunk(index, echoes[index // per_prompt], prompt_completion_logprobs(
-                state.require_tokenizer("logprobs"), requests[index].prompt_ids, delta.prompt_logprobs, num_top))
-        logprobs = (completion_logprobs(state.require_tokenizer("logprobs"), delta.tokens, num_top, offsets[index])
-                    if body.logprobs is not None else None)
+            yield chunk(
+                index,
+                echoes[index // per_prompt],
+                prompt_completion_logprobs(
+                    state.require_tokenizer("logprobs"), requests[index].prompt_ids, delta.prompt_logprobs, num_top
+                ),
+            )
+        logprobs = (
+            completion_logprobs(state.require_tokenizer("logprobs"), delta.tokens, num_top, offsets[index])
+            if body.logprobs is not None
+            else None
+        )
         offsets[index] += len(delta.text)
         finish = finish_name(results[index]) if delta.finish is not None else None
         if delta.text or finish is not None or logprobs:
             yield chunk(index, delta.text, logprobs, finish, matched_stop(results[index]) if finish else None)
     if include_usage:
         prompt_lens = sum(len(requests[p * per_prompt].prompt_ids) for p in range(num_prompts))
-        yield CompletionChunk(id=rid, created=created, model=body.model, choices=[],
-                              usage=usage(prompt_lens, results, per_prompt))
+        yield CompletionChunk(
+            id=rid, created=created, model=body.model, choices=[], usage=usage(prompt_lens, results, per_prompt)
+        )

@@ -42,7 +42,7 @@ class Usage(BaseModel):
 class TopLogprob(BaseModel):
     token: str
     logprob: float
-    bytes: list[int]    # the token's text in UTF-8
+    bytes: list[int]  # the token's text in UTF-8
 
 
 class TokenLogprob(TopLogprob):
@@ -65,7 +65,7 @@ class CompletionLogprobs(BaseModel):
 
 class FunctionCall(BaseModel):
     name: str
-    arguments: str    # JSON text
+    arguments: str  # JSON text
 
 
 class ToolCallOut(BaseModel):
@@ -89,13 +89,13 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: ChoiceFinish | None
-    matched_stop: str | int | None    # the stop string or stop token id that ended it
+    matched_stop: str | int | None  # the stop string or stop token id that ended it
 
 
 class ChatCompletion(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
-    created: int    # Unix time
+    created: int  # Unix time
     model: str
     choices: list[ChatChoice]
     usage: Usage
@@ -171,10 +171,10 @@ class CompletionChunk(BaseModel):
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int    # Unix time the gateway started
+    created: int  # Unix time the gateway started
     owned_by: str = "tandem"
     root: str
-    max_model_len: int | None = omitted_if_none()   # once the workers have told the context length
+    max_model_len: int | None = omitted_if_none()  # once the workers have told the context length
 
 
 class ModelList(BaseModel):
@@ -187,12 +187,12 @@ class ModelList(BaseModel):
 
 class LengthFinish(BaseModel):
     type: Literal[FinishReason.LENGTH] = FinishReason.LENGTH
-    length: int    # tokens generated
+    length: int  # tokens generated
 
 
 class StopFinish(BaseModel):
     type: Literal[FinishReason.STOP] = FinishReason.STOP
-    matched: str | int | None    # the stop string or stop token id (None: an eos id)
+    matched: str | int | None  # the stop string or stop token id (None: an eos id)
 
 
 class AbortFinish(BaseModel):
@@ -233,11 +233,11 @@ class NativeLogprobs(BaseModel):
 
 class _MetaInfoHead(BaseModel):
     id: str
-    finish_reason: LengthFinish | StopFinish | AbortFinish | None    # None until the last event of a stream
+    finish_reason: LengthFinish | StopFinish | AbortFinish | None  # None until the last event of a stream
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    e2e_latency: float    # seconds since the HTTP request arrived
+    e2e_latency: float  # seconds since the HTTP request arrived
     tandem_timings: TandemTimings | None = omitted_if_none()
 
 

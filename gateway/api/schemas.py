@@ -15,7 +15,7 @@ class TextPart(BaseModel):
 
 class ToolCallFunction(BaseModel):
     name: str
-    arguments: str | dict[str, Any] = "{}"   # JSON text, as OpenAI sends it (an object is taken too)
+    arguments: str | dict[str, Any] = "{}"  # JSON text, as OpenAI sends it (an object is taken too)
 
 
 class ToolCall(BaseModel):
@@ -71,7 +71,7 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False      # SGLang: keep the matched stop string / stop token's text
+    no_stop_trim: bool = False  # SGLang: keep the matched stop string / stop token's text
     min_tokens: int | None = None
     repetition_penalty: float | None = None
     regex: str | None = None

@@ -13,6 +13,7 @@ from gateway.errors import APIError
 
 def sse_response(events: AsyncIterator[BaseModel]) -> StreamingResponse:
     """`data: {json}` events ending in `data: [DONE]`; an error after the first byte becomes an error event."""
+
     async def body() -> AsyncIterator[str]:
         try:
             async for event in events:
@@ -20,4 +21,5 @@ def sse_response(events: AsyncIterator[BaseModel]) -> StreamingResponse:
         except APIError as exc:
             yield f"data: {json.dumps(exc.body())}\n\n"
         yield "data: [DONE]\n\n"
+
     return StreamingResponse(body(), media_type="text/event-stream")

@@ -8,11 +8,11 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
 import tandem
-from gateway.errors import bad_request
 from gateway.api.json_route import JSONRoute
 from gateway.api.native import health
-from gateway.service.sampling import check_token_ids
 from gateway.api.schemas import ChatMessage
+from gateway.errors import bad_request
+from gateway.service.sampling import check_token_ids
 from gateway.state import GatewayState, gateway_state
 from gateway.text.text_input import encode_chat, encode_texts
 
@@ -43,12 +43,22 @@ async def tokenize(body: TokenizeRequest, state: GatewayState = Depends(gateway_
         raise bad_request("exactly one of `prompt` and `messages` is required", "prompt")
     context_len = state.pool.limits().context_len
     if body.prompt is not None:
-        [tokens] = await encode_texts(state.require_tokenizer("prompt"), [body.prompt], "prompt", context_len,
-                                      add_special_tokens=body.add_special_tokens)
+        [tokens] = await encode_texts(
+            state.require_tokenizer("prompt"),
+            [body.prompt],
+            "prompt",
+            context_len,
+            add_special_tokens=body.add_special_tokens,
+        )
     else:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        tokens = await encode_chat(state.require_tokenizer("messages"), messages, "messages", context_len,
-                                   add_generation_prompt=body.add_generation_prompt)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages or []]
+        tokens = await encode_chat(
+            state.require_tokenizer("messages"),
+            messages,
+            "messages",
+            context_len,
+            add_generation_prompt=body.add_generation_prompt,
+        )
     reply: dict[str, Any] = {"count": len(tokens), "max_model_len": context_len, "tokens": tokens}
     if body.return_token_strs:
         reply["token_strs"] = state.require_tokenizer("return_token_strs").convert_ids_to_tokens(tokens)

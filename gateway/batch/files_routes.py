@@ -7,29 +7,29 @@ Bodies match the OpenAI SDK's `FileObject` and `FileDeleted`; a list is `{"objec
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 from fastapi import APIRouter, Depends, File, Form, UploadFile
 from fastapi.responses import FileResponse
 
+from gateway.api.json_route import JSONRoute
 from gateway.batch.runner import BatchService, batch_service
 from gateway.batch.store import ConflictError, FileRecord, NotFoundError
 from gateway.errors import APIError, bad_request
-from gateway.api.json_route import JSONRoute
 
 router = APIRouter(route_class=JSONRoute)
 
-MAX_FILE_BYTES = 200 * 1024 * 1024   # OpenAI's limit for a batch input file
+MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
 MAX_LIST_LIMIT = 10_000
-MAX_UPLOAD_BODY_BYTES = MAX_FILE_BYTES + 1024 * 1024   # the file, the form's other fields and boundaries
+MAX_UPLOAD_BODY_BYTES = MAX_FILE_BYTES + 1024 * 1024  # the file, the form's other fields and boundaries
 
 
 @router.post("/v1/files")
-async def create_file(file: UploadFile = File(...), purpose: str = Form(...),
-                      service: BatchService = Depends(batch_service)) -> dict:
+async def create_file(
+    file: UploadFile = File(...), purpose: str = Form(...), service: BatchService = Depends(batch_service)
+) -> dict:
     if purpose != "batch":
-        raise bad_request(f"purpose must be 'batch' (the only purpose this server stores), got {purpose!r}",
-                          "purpose")
+        raise bad_request(f"purpose must be 'batch' (the only purpose this server stores), got {purpose!r}", "purpose")
     if file.size is not None and file.size > MAX_FILE_BYTES:
         raise bad_request(f"the file has {file.size} bytes; at most {MAX_FILE_BYTES} are allowed", "file")
     store = service.store
@@ -38,8 +38,13 @@ async def create_file(file: UploadFile = File(...), purpose: str = Form(...),
 
 
 @router.get("/v1/files")
-async def list_files(purpose: str | None = None, after: str | None = None, limit: int = MAX_LIST_LIMIT,
-                     order: str = "desc", service: BatchService = Depends(batch_service)) -> dict:
+async def list_files(
+    purpose: str | None = None,
+    after: str | None = None,
+    limit: int = MAX_LIST_LIMIT,
+    order: str = "desc",
+    service: BatchService = Depends(batch_service),
+) -> dict:
     check_limit(limit, MAX_LIST_LIMIT)
     if order not in ("asc", "desc"):
         raise bad_request(f"order must be 'asc' or 'desc', got {order!r}", "order")
@@ -70,14 +75,27 @@ async def delete_file(file_id: str, service: BatchService = Depends(batch_servic
 
 
 def file_object(record: FileRecord) -> dict:
-    return {"id": record.id, "object": "file", "bytes": record.num_bytes, "created_at": record.created_at,
-            "filename": record.filename, "purpose": record.purpose, "status": "processed",
-            "status_details": None, "expires_at": None}
+    return {
+        "id": record.id,
+        "object": "file",
+        "bytes": record.num_bytes,
+        "created_at": record.created_at,
+        "filename": record.filename,
+        "purpose": record.purpose,
+        "status": "processed",
+        "status_details": None,
+        "expires_at": None,
+    }
 
 
 def list_object(data: list[dict], has_more: bool) -> dict:
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
 
 
 def check_limit(limit: int, maximum: int) -> None:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 MAX_LINES = 50_000
@@ -48,7 +48,7 @@ class BatchError:
 
     code: str
     message: str
-    line: int | None = None    # 1-based file line
+    line: int | None = None  # 1-based file line
     param: str | None = None
 
     def to_dict(self) -> dict:
@@ -58,7 +58,7 @@ class BatchError:
 @dataclass(frozen=True, slots=True)
 class ParsedInput:
     lines: tuple[InputLine, ...]
-    errors: tuple[BatchError, ...]   # non-empty: the batch fails
+    errors: tuple[BatchError, ...]  # non-empty: the batch fails
 
 
 def parse_input(raw_lines: Iterable[bytes], endpoint: str) -> ParsedInput:
@@ -74,16 +74,24 @@ def parse_input(raw_lines: Iterable[bytes], endpoint: str) -> ParsedInput:
         if line.custom_id is None:
             continue
         if line.custom_id in first_line_of:
-            errors.append(BatchError("duplicate_custom_id",
-                                     f"custom_id {line.custom_id!r} is also on line {first_line_of[line.custom_id]}",
-                                     index + 1, "custom_id"))
+            errors.append(
+                BatchError(
+                    "duplicate_custom_id",
+                    f"custom_id {line.custom_id!r} is also on line {first_line_of[line.custom_id]}",
+                    index + 1,
+                    "custom_id",
+                )
+            )
         else:
             first_line_of[line.custom_id] = index + 1
     if not lines:
         errors.append(BatchError("empty_file", "the input file has no requests"))
     elif len(lines) > MAX_LINES:
-        errors.append(BatchError("too_many_requests", f"the input file has {len(lines)} requests; at most "
-                                                      f"{MAX_LINES} are allowed"))
+        errors.append(
+            BatchError(
+                "too_many_requests", f"the input file has {len(lines)} requests; at most {MAX_LINES} are allowed"
+            )
+        )
     return ParsedInput(tuple(lines), tuple(errors[:100]))
 
 
@@ -96,8 +104,7 @@ def parse_line(index: int, raw: bytes, endpoint: str) -> InputLine:
         return InputLine(index, None, error=LineError("invalid_json_line", f"line {index + 1} is not a JSON object"))
     custom_id = request.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
-        return InputLine(index, None, error=LineError("missing_custom_id",
-                                                      f"line {index + 1} has no custom_id string"))
+        return InputLine(index, None, error=LineError("missing_custom_id", f"line {index + 1} has no custom_id string"))
     error = _request_error(request, endpoint)
     if error is not None:
         return InputLine(index, custom_id, error=error)
@@ -124,18 +131,27 @@ def response_line(custom_id: str, request_id: str, status_code: int, body: dict)
     is_error = not 200 <= status_code < 300
     error = None
     if is_error:
-        detail = body.get("error") if isinstance(body.get("error"), dict) else {}
+        found = body.get("error")
+        detail: dict = found if isinstance(found, dict) else {}
         code = detail.get("code") if isinstance(detail.get("code"), str) else detail.get("type")
         error = {"code": str(code or status_code), "message": str(detail.get("message") or f"HTTP {status_code}")}
-    line = {"id": _line_id(), "custom_id": custom_id,
-            "response": {"status_code": status_code, "request_id": request_id, "body": body}, "error": error}
+    line = {
+        "id": _line_id(),
+        "custom_id": custom_id,
+        "response": {"status_code": status_code, "request_id": request_id, "body": body},
+        "error": error,
+    }
     return json.dumps(line, ensure_ascii=False), is_error
 
 
 def error_line(custom_id: str | None, error: LineError) -> str:
     """The error-file line for a request that could not be run."""
-    line = {"id": _line_id(), "custom_id": custom_id, "response": None,
-            "error": {"code": error.code, "message": error.message}}
+    line = {
+        "id": _line_id(),
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": error.code, "message": error.message},
+    }
     return json.dumps(line, ensure_ascii=False)
 
 

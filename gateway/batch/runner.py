@@ -24,8 +24,8 @@ import contextlib
 import json
 import logging
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
 
 import httpx
 from fastapi import Request
@@ -54,8 +54,15 @@ class BatchRunner:
     """Owns the batch tasks. `start()` resumes unfinished batches; `submit()` a new one; `cancel()`
     after `BatchStore.request_cancel`; `stop()` cancels everything (unanswered lines run again later)."""
 
-    def __init__(self, store: BatchStore, app, traffic: InteractiveTraffic, concurrency: int,
-                 is_ready: Callable[[], bool], api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        store: BatchStore,
+        app,
+        traffic: InteractiveTraffic,
+        concurrency: int,
+        is_ready: Callable[[], bool],
+        api_key: str | None = None,
+    ) -> None:
         if concurrency < 1:
             raise ValueError(f"batch concurrency must be >= 1, got {concurrency}")
         self._store = store
@@ -105,14 +112,20 @@ class BatchRunner:
                 job.dispatch = asyncio.create_task(self._dispatch(batch))
                 try:
                     await asyncio.wait({job.dispatch})
-                finally:   # the gateway is stopping: stop the lines, leave the batch to the next start
+                finally:  # the gateway is stopping: stop the lines, leave the batch to the next start
                     job.dispatch.cancel()
                     await asyncio.wait({job.dispatch})
-                if not job.dispatch.cancelled() and job.dispatch.exception() is not None:
-                    raise job.dispatch.exception()
+                if not job.dispatch.cancelled() and (failure := job.dispatch.exception()) is not None:
+                    raise failure
             batch = await store.run(store.finalize, job.batch_id)
-            logger.info("batch %s %s: %d completed, %d failed of %d", batch.id, batch.status.value,
-                        batch.num_completed, batch.num_failed, batch.num_total)
+            logger.info(
+                "batch %s %s: %d completed, %d failed of %d",
+                batch.id,
+                batch.status.value,
+                batch.num_completed,
+                batch.num_failed,
+                batch.num_total,
+            )
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -168,7 +181,7 @@ class BatchRunner:
             status, body = await self._post(batch.endpoint, line.body, request_id)
             if status != 503 or attempt == _MAX_ATTEMPTS - 1:
                 break
-            await asyncio.sleep(_RETRY_DELAY_S * 2 ** attempt)
+            await asyncio.sleep(_RETRY_DELAY_S * 2**attempt)
             await self._wait_ready()
         result, is_error = response_line(line.custom_id, request_id, status, body)
         await self._store.run(self._store.record_result, batch.id, line.line_index, result, is_error)
@@ -179,7 +192,7 @@ class BatchRunner:
         try:
             response = await self._transport.handle_async_request(request)
             content = await response.aread()
-        except Exception as exc:   # no usable answer from the app: this line fails, the batch goes on
+        except Exception:  # no usable answer from the app: this line fails, the batch goes on
             logger.exception("batch line %s got no answer", request_id)
             return 500, {"error": {"message": "internal error (details in the gateway log)", "type": "internal_error"}}
         try:
@@ -213,8 +226,14 @@ def batch_service(request: Request) -> BatchService:
 
 
 @contextlib.asynccontextmanager
-async def run_batches(app, data_dir: str, traffic: InteractiveTraffic, concurrency: int,
-                      is_ready: Callable[[], bool], api_key: str | None = None) -> AsyncIterator[BatchService]:
+async def run_batches(
+    app,
+    data_dir: str,
+    traffic: InteractiveTraffic,
+    concurrency: int,
+    is_ready: Callable[[], bool],
+    api_key: str | None = None,
+) -> AsyncIterator[BatchService]:
     """Open the store, resume unfinished batches, and set `app.state.batches` for the routes; on exit
     stop the runner (running lines are cancelled and run again at the next start) and close the store.
     `api_key`: the gateway's own key, sent with every batch line (they pass through its middleware)."""

@@ -31,10 +31,11 @@ import os
 import sqlite3
 import time
 import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import BinaryIO, TypeVar
 
 from gateway.batch.lines import BatchError, InputLine, error_line
 
@@ -128,7 +129,7 @@ class BatchRecord:
 class PendingLine:
     line_index: int
     custom_id: str
-    body: str   # JSON text
+    body: str  # JSON text
 
 
 class BatchStore:
@@ -174,11 +175,13 @@ class BatchStore:
         """Where a file's contents are; check the file exists with `get_file` first."""
         return self.files_dir / file_id
 
-    def list_files(self, purpose: str | None = None, after: str | None = None, limit: int = 10_000,
-                   order: str = "desc") -> tuple[list[FileRecord], bool]:
+    def list_files(
+        self, purpose: str | None = None, after: str | None = None, limit: int = 10_000, order: str = "desc"
+    ) -> tuple[list[FileRecord], bool]:
         """Files newest first (`order="asc"`: oldest first), after the file `after`; and whether more follow."""
-        rows = self._page("files", after, limit, order, "purpose = ?" if purpose else None,
-                          (purpose,) if purpose else ())
+        rows = self._page(
+            "files", after, limit, order, "purpose = ?" if purpose else None, (purpose,) if purpose else ()
+        )
         return [_file_record(r) for r in rows[:limit]], len(rows) > limit
 
     def delete_file(self, file_id: str) -> None:
@@ -189,15 +192,25 @@ class BatchStore:
 
     # batches
 
-    def create_batch(self, endpoint: str, input_file_id: str, completion_window: str,
-                     metadata: dict[str, str] | None = None) -> BatchRecord:
+    def create_batch(
+        self, endpoint: str, input_file_id: str, completion_window: str, metadata: dict[str, str] | None = None
+    ) -> BatchRecord:
         batch_id, now = f"batch_{uuid.uuid4().hex}", int(time.time())
         with self._transaction() as db:
-            db.execute("INSERT INTO batches (id, endpoint, input_file_id, completion_window, status, created_at, "
-                       "expires_at, metadata) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                       (batch_id, endpoint, input_file_id, completion_window, BatchStatus.VALIDATING.value, now,
-                        now + COMPLETION_WINDOW_S[completion_window],
-                        json.dumps(metadata) if metadata is not None else None))
+            db.execute(
+                "INSERT INTO batches (id, endpoint, input_file_id, completion_window, status, created_at, "
+                "expires_at, metadata) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    batch_id,
+                    endpoint,
+                    input_file_id,
+                    completion_window,
+                    BatchStatus.VALIDATING.value,
+                    now,
+                    now + COMPLETION_WINDOW_S[completion_window],
+                    json.dumps(metadata) if metadata is not None else None,
+                ),
+            )
         return self.get_batch(batch_id)
 
     def get_batch(self, batch_id: str) -> BatchRecord:
@@ -218,8 +231,11 @@ class BatchStore:
     def request_cancel(self, batch_id: str) -> BatchRecord:
         """validating/in_progress -> cancelling; a batch already cancelling is returned as it is."""
         with self._transaction() as db:
-            db.execute("UPDATE batches SET status = 'cancelling', cancelling_at = ? WHERE id = ? "
-                       "AND status IN ('validating', 'in_progress')", (int(time.time()), batch_id))
+            db.execute(
+                "UPDATE batches SET status = 'cancelling', cancelling_at = ? WHERE id = ? "
+                "AND status IN ('validating', 'in_progress')",
+                (int(time.time()), batch_id),
+            )
         batch = self.get_batch(batch_id)
         if batch.status is not BatchStatus.CANCELLING:
             raise ConflictError(f"Cannot cancel batch {batch_id}: its status is {batch.status.value}")
@@ -231,37 +247,57 @@ class BatchStore:
         with self._transaction() as db:
             row = db.execute("SELECT status, in_progress_at FROM batches WHERE id = ?", (batch_id,)).fetchone()
             if row is not None and row["in_progress_at"] is None and row["status"] in ("validating", "cancelling"):
-                db.executemany("INSERT INTO batch_lines VALUES (?, ?, ?, ?, ?, ?)", (
-                    (batch_id, ln.line_index, ln.custom_id, ln.body,
-                     error_line(ln.custom_id, ln.error) if ln.error else None, int(ln.error is not None))
-                    for ln in lines))
-                db.execute("UPDATE batches SET num_total = ?, num_failed = ?, in_progress_at = ?, status = CASE "
-                           "status WHEN 'validating' THEN 'in_progress' ELSE status END WHERE id = ?",
-                           (len(lines), sum(ln.error is not None for ln in lines), int(time.time()), batch_id))
+                db.executemany(
+                    "INSERT INTO batch_lines VALUES (?, ?, ?, ?, ?, ?)",
+                    (
+                        (
+                            batch_id,
+                            ln.line_index,
+                            ln.custom_id,
+                            ln.body,
+                            error_line(ln.custom_id, ln.error) if ln.error else None,
+                            int(ln.error is not None),
+                        )
+                        for ln in lines
+                    ),
+                )
+                db.execute(
+                    "UPDATE batches SET num_total = ?, num_failed = ?, in_progress_at = ?, status = CASE "
+                    "status WHEN 'validating' THEN 'in_progress' ELSE status END WHERE id = ?",
+                    (len(lines), sum(ln.error is not None for ln in lines), int(time.time()), batch_id),
+                )
         return self.get_batch(batch_id)
 
     def fail_batch(self, batch_id: str, errors: Sequence[BatchError]) -> BatchRecord:
         with self._transaction() as db:
-            db.execute("UPDATE batches SET status = 'failed', failed_at = ?, errors = ? WHERE id = ?",
-                       (int(time.time()), json.dumps([e.to_dict() for e in errors]), batch_id))
+            db.execute(
+                "UPDATE batches SET status = 'failed', failed_at = ?, errors = ? WHERE id = ?",
+                (int(time.time()), json.dumps([e.to_dict() for e in errors]), batch_id),
+            )
         return self.get_batch(batch_id)
 
     def pending_lines(self, batch_id: str, after_index: int = -1, limit: int = 64) -> list[PendingLine]:
         """Unanswered lines that can run, in file order, after `after_index`."""
         rows = self._db.execute(
             "SELECT line_index, custom_id, request FROM batch_lines WHERE batch_id = ? AND result IS NULL "
-            "AND request IS NOT NULL AND line_index > ? ORDER BY line_index LIMIT ?", (batch_id, after_index, limit))
+            "AND request IS NOT NULL AND line_index > ? ORDER BY line_index LIMIT ?",
+            (batch_id, after_index, limit),
+        )
         return [PendingLine(r["line_index"], r["custom_id"], r["request"]) for r in rows]
 
     def record_result(self, batch_id: str, line_index: int, result: str, is_error: bool) -> bool:
         """Answer one line and count it, atomically; False (and nothing changes) if it was already answered."""
         with self._transaction() as db:
-            updated = db.execute("UPDATE batch_lines SET result = ?, is_error = ? WHERE batch_id = ? "
-                                 "AND line_index = ? AND result IS NULL",
-                                 (result, int(is_error), batch_id, line_index)).rowcount
+            updated = db.execute(
+                "UPDATE batch_lines SET result = ?, is_error = ? WHERE batch_id = ? "
+                "AND line_index = ? AND result IS NULL",
+                (result, int(is_error), batch_id, line_index),
+            ).rowcount
             if updated:
-                db.execute("UPDATE batches SET num_completed = num_completed + ?, num_failed = num_failed + ? "
-                           "WHERE id = ?", (int(not is_error), int(is_error), batch_id))
+                db.execute(
+                    "UPDATE batches SET num_completed = num_completed + ?, num_failed = num_failed + ? WHERE id = ?",
+                    (int(not is_error), int(is_error), batch_id),
+                )
         return bool(updated)
 
     def finalize(self, batch_id: str) -> BatchRecord:
@@ -273,8 +309,10 @@ class BatchStore:
             return batch
         if batch.status is BatchStatus.IN_PROGRESS:
             with self._transaction() as db:
-                db.execute("UPDATE batches SET status = 'finalizing', finalizing_at = ? WHERE id = ?",
-                           (int(time.time()), batch_id))
+                db.execute(
+                    "UPDATE batches SET status = 'finalizing', finalizing_at = ? WHERE id = ?",
+                    (int(time.time()), batch_id),
+                )
         is_cancel = batch.status is BatchStatus.CANCELLING
         output = self._write_results(batch_id, False, f"{batch_id}_output.jsonl")
         errors = self._write_results(batch_id, True, f"{batch_id}_error.jsonl")
@@ -283,10 +321,17 @@ class BatchStore:
             for record in (output, errors):
                 if record is not None:
                     _insert_file(db, record)
-            db.execute(f"UPDATE batches SET status = ?, {'cancelled_at' if is_cancel else 'completed_at'} = ?, "
-                       "output_file_id = ?, error_file_id = ? WHERE id = ?",
-                       ("cancelled" if is_cancel else "completed", now, output.id if output else None,
-                        errors.id if errors else None, batch_id))
+            db.execute(
+                f"UPDATE batches SET status = ?, {'cancelled_at' if is_cancel else 'completed_at'} = ?, "
+                "output_file_id = ?, error_file_id = ? WHERE id = ?",
+                (
+                    "cancelled" if is_cancel else "completed",
+                    now,
+                    output.id if output else None,
+                    errors.id if errors else None,
+                    batch_id,
+                ),
+            )
             db.execute("DELETE FROM batch_lines WHERE batch_id = ?", (batch_id,))
         return self.get_batch(batch_id)
 
@@ -302,8 +347,9 @@ class BatchStore:
             raise
         self._db.execute("COMMIT")
 
-    def _page(self, table: str, after: str | None, limit: int, order: str, where: str | None,
-              args: tuple) -> list[sqlite3.Row]:
+    def _page(
+        self, table: str, after: str | None, limit: int, order: str, where: str | None, args: tuple
+    ) -> list[sqlite3.Row]:
         """Up to `limit + 1` rows in insertion order (`desc`: newest first) after the row with id `after`."""
         if order not in ("asc", "desc"):
             raise ValueError(f"order must be asc or desc, got {order!r}")
@@ -319,8 +365,11 @@ class BatchStore:
 
     def _write_results(self, batch_id: str, is_error: bool, filename: str) -> FileRecord | None:
         """Write the batch's answered lines of one kind, in input order, to a new file (no row yet)."""
-        rows = self._db.execute("SELECT result FROM batch_lines WHERE batch_id = ? AND is_error = ? "
-                                "AND result IS NOT NULL ORDER BY line_index", (batch_id, int(is_error)))
+        rows = self._db.execute(
+            "SELECT result FROM batch_lines WHERE batch_id = ? AND is_error = ? "
+            "AND result IS NOT NULL ORDER BY line_index",
+            (batch_id, int(is_error)),
+        )
         first = rows.fetchone()
         if first is None:
             return None
@@ -361,8 +410,10 @@ def _lock(path: Path) -> int:
     except BlockingIOError:
         holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise DataDirInUseError(f"data directory {path.parent} is in use by another gateway (pid {holder}); "
-                                "give each gateway its own --data-dir") from None
+        raise DataDirInUseError(
+            f"data directory {path.parent} is in use by another gateway (pid {holder}); "
+            "give each gateway its own --data-dir"
+        ) from None
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
     return fd
@@ -377,8 +428,10 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _insert_file(db: sqlite3.Connection, record: FileRecord) -> None:
-    db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?)",
-               (record.id, record.filename, record.purpose, record.num_bytes, record.created_at))
+    db.execute(
+        "INSERT INTO files VALUES (?, ?, ?, ?, ?)",
+        (record.id, record.filename, record.purpose, record.num_bytes, record.created_at),
+    )
 
 
 def _file_record(row: sqlite3.Row) -> FileRecord:
@@ -388,11 +441,24 @@ def _file_record(row: sqlite3.Row) -> FileRecord:
 def _batch_record(row: sqlite3.Row) -> BatchRecord:
     errors = tuple(BatchError(**e) for e in json.loads(row["errors"])) if row["errors"] else ()
     return BatchRecord(
-        id=row["id"], endpoint=row["endpoint"], input_file_id=row["input_file_id"],
-        completion_window=row["completion_window"], status=BatchStatus(row["status"]),
-        created_at=row["created_at"], expires_at=row["expires_at"], in_progress_at=row["in_progress_at"],
-        finalizing_at=row["finalizing_at"], completed_at=row["completed_at"], failed_at=row["failed_at"],
-        cancelling_at=row["cancelling_at"], cancelled_at=row["cancelled_at"], output_file_id=row["output_file_id"],
-        error_file_id=row["error_file_id"], num_total=row["num_total"], num_completed=row["num_completed"],
-        num_failed=row["num_failed"], metadata=json.loads(row["metadata"]) if row["metadata"] else None,
-        errors=errors)
+        id=row["id"],
+        endpoint=row["endpoint"],
+        input_file_id=row["input_file_id"],
+        completion_window=row["completion_window"],
+        status=BatchStatus(row["status"]),
+        created_at=row["created_at"],
+        expires_at=row["expires_at"],
+        in_progress_at=row["in_progress_at"],
+        finalizing_at=row["finalizing_at"],
+        completed_at=row["completed_at"],
+        failed_at=row["failed_at"],
+        cancelling_at=row["cancelling_at"],
+        cancelled_at=row["cancelled_at"],
+        output_file_id=row["output_file_id"],
+        error_file_id=row["error_file_id"],
+        num_total=row["num_total"],
+        num_completed=row["num_completed"],
+        num_failed=row["num_failed"],
+        metadata=json.loads(row["metadata"]) if row["metadata"] else None,
+        errors=errors,
+    )

@@ -34,8 +34,8 @@ class Admission:
             raise ValueError("max_queued must be >= 0 and max_wait_s positive")
         self.max_queued = max_queued
         self.max_wait_s = max_wait_s
-        self._metrics = metrics or GatewayMetrics()   # a pool built without an app keeps its own
-        self._queue: collections.deque[asyncio.Event] = collections.deque()   # one per waiting trip: "your turn"
+        self._metrics = metrics or GatewayMetrics()  # a pool built without an app keeps its own
+        self._queue: collections.deque[asyncio.Event] = collections.deque()  # one per waiting trip: "your turn"
         self._released = asyncio.Event()
 
     @property
@@ -57,8 +57,13 @@ class Admission:
                     raise
         if len(self._queue) >= self.max_queued:
             self._metrics.admission_refused.labels("queue_full").inc()
-            raise APIError(503, f"the server is overloaded: {len(self._queue)} requests are already waiting for "
-                                "KV cache space", "server_overloaded", code="queue_full", retry_after_s=1)
+            raise APIError(
+                503,
+                f"the server is overloaded: {len(self._queue)} requests are already waiting for KV cache space",
+                "server_overloaded",
+                code="queue_full",
+                retry_after_s=1,
+            )
         turn = asyncio.Event()
         self._queue.append(turn)
         self._metrics.queued_requests.set(len(self._queue))
@@ -71,20 +76,24 @@ class Admission:
             self._metrics.queued_requests.set(len(self._queue))
             self._metrics.queue_wait.observe(time.monotonic() - started)
             if was_head and self._queue:
-                self._queue[0].set()   # the next one may fit too
+                self._queue[0].set()  # the next one may fit too
 
     async def _wait_and_reserve(self, turn: asyncio.Event, deadline: float, reserve: Callable[[], Awaitable[T]]) -> T:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self._metrics.admission_refused.labels("queue_timeout").inc()
-                raise APIError(503, f"the server is overloaded: no KV cache space freed up within "
-                                    f"{self.max_wait_s:g} s", "server_overloaded", code="queue_timeout",
-                               retry_after_s=max(1, math.ceil(self.max_wait_s / 4)))
+                raise APIError(
+                    503,
+                    f"the server is overloaded: no KV cache space freed up within {self.max_wait_s:g} s",
+                    "server_overloaded",
+                    code="queue_timeout",
+                    retry_after_s=max(1, math.ceil(self.max_wait_s / 4)),
+                )
             if self._queue[0] is not turn:
-                await _wait(turn, remaining)   # set when this trip becomes the head
+                await _wait(turn, remaining)  # set when this trip becomes the head
                 continue
-            self._released.clear()   # before the try: a release during it is not missed
+            self._released.clear()  # before the try: a release during it is not missed
             try:
                 return await reserve()
             except APIError as exc:

@@ -36,9 +36,14 @@ from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, pref
 # interval so that a restarted worker is ready again within seconds. Keepalive pings every 10 s close a
 # connection whose worker stopped answering (a wedged or frozen process, a dead host) within 15 s,
 # failing the calls on it, even between calls; the workers accept pings that often (server_runtime/worker.py).
-CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 1000),
-                   ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
-                   ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0))
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+)
 
 
 class WorkerClient:
@@ -46,14 +51,15 @@ class WorkerClient:
     opened at once and connected lazily. Each RPC method raises `WorkerError` when the call fails;
     the probes (`health`, `responds`, `model_info`) never raise for a failed call."""
 
-    def __init__(self, role: Role | str, address: str, credentials: InternalCredentials = InternalCredentials()
-                 ) -> None:
+    def __init__(
+        self, role: Role | str, address: str, credentials: InternalCredentials = InternalCredentials()
+    ) -> None:
         self.role = Role(role)
         self.address = address
         self._channel = credentials.open_channel(address, options=CHANNEL_OPTIONS)
         self._prefill = prefill_pb2_grpc.PrefillServiceStub(self._channel)
         self._decode = decode_pb2_grpc.DecodeServiceStub(self._channel)
-        self._control = worker_pb2_grpc.WorkerServiceStub(self._channel)   # what every worker answers
+        self._control = worker_pb2_grpc.WorkerServiceStub(self._channel)  # what every worker answers
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def close(self) -> None:
@@ -88,17 +94,30 @@ class WorkerClient:
 
     async def reserve(self, request_id: str, prompt_len: int, timeout_s: float) -> Reservation:
         """Decode: hold KV pages for a prompt of `prompt_len` tokens."""
-        reply = await self._call(self._decode.Reserve(
-            decode_pb2.ReserveRequest(request_id=request_id, prompt_len=prompt_len), timeout=timeout_s))
+        reply = await self._call(
+            self._decode.Reserve(
+                decode_pb2.ReserveRequest(request_id=request_id, prompt_len=prompt_len), timeout=timeout_s
+            )
+        )
         return Reservation(convert.kv_target_from_proto(reply.kv_target), reply.ttl_ms)
 
-    async def prefill(self, request_id: str, token_ids: list[int], sampling: SamplingOptions, kv_target: KvTarget,
-                      logprob_start_len: int | None, timeout_s: float) -> PrefillResult:
+    async def prefill(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        sampling: SamplingOptions,
+        kv_target: KvTarget,
+        logprob_start_len: int | None,
+        timeout_s: float,
+    ) -> PrefillResult:
         """Prefill: run the prompt, write its KV into `kv_target`, sample the first token. Cancelling
         the awaiting task cancels the RPC."""
-        request = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=token_ids,
-                                             sampling_params=convert.sampling_to_proto(sampling),
-                                             kv_target=convert.kv_target_to_proto(kv_target))
+        request = prefill_pb2.PrefillRequest(
+            request_id=request_id,
+            token_ids=token_ids,
+            sampling_params=convert.sampling_to_proto(sampling),
+            kv_target=convert.kv_target_to_proto(kv_target),
+        )
         if logprob_start_len is not None:
             request.logprob_start_len = logprob_start_len
         return convert.prefill_from_proto(await self._call(self._prefill.Prefill(request, timeout=timeout_s)))
@@ -106,42 +125,68 @@ class WorkerClient:
     async def cancel_prefill(self, request_id: str, kv_target: KvTarget, timeout_s: float) -> bool:
         """Prefill: stop the Prefill sent with `kv_target`; answers once its KV write is over, with
         whether one was running."""
-        reply = await self._call(self._prefill.CancelPrefill(
-            prefill_pb2.CancelPrefillRequest(request_id=request_id, kv_target=convert.kv_target_to_proto(kv_target)),
-            timeout=timeout_s))
+        reply = await self._call(
+            self._prefill.CancelPrefill(
+                prefill_pb2.CancelPrefillRequest(
+                    request_id=request_id, kv_target=convert.kv_target_to_proto(kv_target)
+                ),
+                timeout=timeout_s,
+            )
+        )
         return reply.was_running
 
-    def generate(self, request_id: str, prompt_ids: list[int], first_token: GeneratedToken,
-                 sampling: SamplingOptions, weights_id: str, kv_grant: str, timeout_s: float) -> DecodeStream:
+    def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        first_token: GeneratedToken,
+        sampling: SamplingOptions,
+        weights_id: str,
+        kv_grant: str,
+        timeout_s: float,
+    ) -> DecodeStream:
         """Decode: start the reserved request from `first_token`; the stream yields the tokens after it."""
         call = self._decode.Generate(
-            decode_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids,
-                                       first_token=convert.token_to_proto(first_token),
-                                       sampling_params=convert.sampling_to_proto(sampling), weights_id=weights_id,
-                                       kv_grant=kv_grant),
-            timeout=timeout_s)
+            decode_pb2.GenerateRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt_ids,
+                first_token=convert.token_to_proto(first_token),
+                sampling_params=convert.sampling_to_proto(sampling),
+                weights_id=weights_id,
+                kv_grant=kv_grant,
+            ),
+            timeout=timeout_s,
+        )
         return DecodeStream(self, call)
 
     async def abort(self, request_id: str, kv_write_settled: bool, timeout_s: float) -> bool:
         """End a request or drop a reservation, freeing its pages (at once when `kv_write_settled`:
         no KV write into them can still be in flight); whether the worker held anything for it."""
-        reply = await self._call(self._control.Abort(
-            common_pb2.AbortRequest(request_id=request_id, kv_write_settled=kv_write_settled), timeout=timeout_s))
+        reply = await self._call(
+            self._control.Abort(
+                common_pb2.AbortRequest(request_id=request_id, kv_write_settled=kv_write_settled), timeout=timeout_s
+            )
+        )
         return reply.found
 
     # --- embeddings, load and admin ----------------------------------------------------------
 
-    async def embed(self, request_id: str, token_lists: list[list[int]], dimensions: int | None,
-                    timeout_s: float) -> Embeddings:
+    async def embed(
+        self, request_id: str, token_lists: list[list[int]], dimensions: int | None, timeout_s: float
+    ) -> Embeddings:
         """Embedding prefill worker: one vector per token list (`dimensions` None: the full size)."""
-        request = prefill_pb2.EmbedRequest(request_id=request_id, dimensions=dimensions,
-                                           inputs=[prefill_pb2.EmbedInput(token_ids=ids) for ids in token_lists])
+        request = prefill_pb2.EmbedRequest(
+            request_id=request_id,
+            dimensions=dimensions,
+            inputs=[prefill_pb2.EmbedInput(token_ids=ids) for ids in token_lists],
+        )
         reply = await self._call(self._prefill.Embed(request, timeout=timeout_s))
         return Embeddings([list(e.values) for e in reply.embeddings], reply.num_tokens)
 
     async def load(self, timeout_s: float) -> WorkerLoad:
-        return convert.load_from_proto(await self._call(self._control.GetLoad(common_pb2.GetLoadRequest(),
-                                                                              timeout=timeout_s)))
+        return convert.load_from_proto(
+            await self._call(self._control.GetLoad(common_pb2.GetLoadRequest(), timeout=timeout_s))
+        )
 
     async def flush_cache(self, timeout_s: float) -> FlushResult:
         """Drop the prefix cache unless requests are in flight. A worker without one (an embedding
@@ -156,22 +201,32 @@ class WorkerClient:
 
     async def update_weights(self, model_path: str, timeout_s: float) -> UpdateResult:
         """Reload the weights in place from `model_path` (aborts the requests in flight)."""
-        reply = await self._call(self._control.UpdateWeights(common_pb2.UpdateWeightsRequest(model_path=model_path),
-                                                             timeout=timeout_s))
+        reply = await self._call(
+            self._control.UpdateWeights(common_pb2.UpdateWeightsRequest(model_path=model_path), timeout=timeout_s)
+        )
         return UpdateResult(reply.success, reply.message, reply.weights_id)
 
     async def expert_record(self, op: ExpertRecordOp, timeout_s: float) -> ExpertCounts | None:
         """Start, stop or dump the expert distribution record; the dump's counts, None for the others."""
         if op is ExpertRecordOp.START:
-            await self._call(self._control.StartExpertDistributionRecord(
-                common_pb2.StartExpertDistributionRecordRequest(), timeout=timeout_s))
+            await self._call(
+                self._control.StartExpertDistributionRecord(
+                    common_pb2.StartExpertDistributionRecordRequest(), timeout=timeout_s
+                )
+            )
             return None
         if op is ExpertRecordOp.STOP:
-            await self._call(self._control.StopExpertDistributionRecord(
-                common_pb2.StopExpertDistributionRecordRequest(), timeout=timeout_s))
+            await self._call(
+                self._control.StopExpertDistributionRecord(
+                    common_pb2.StopExpertDistributionRecordRequest(), timeout=timeout_s
+                )
+            )
             return None
-        reply = await self._call(self._control.DumpExpertDistributionRecord(
-            common_pb2.DumpExpertDistributionRecordRequest(), timeout=timeout_s))
+        reply = await self._call(
+            self._control.DumpExpertDistributionRecord(
+                common_pb2.DumpExpertDistributionRecordRequest(), timeout=timeout_s
+            )
+        )
         return convert.expert_counts_from_proto(reply)
 
     async def _call(self, call):

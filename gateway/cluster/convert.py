@@ -21,9 +21,11 @@ from gateway.cluster.worker_records import (
 from gateway.records import FinishReason, GeneratedToken, Role, SamplingOptions
 from tandem.v1 import common_pb2, decode_pb2, prefill_pb2
 
-_FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
-                   common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-                   common_pb2.FINISH_REASON_ABORT: FinishReason.ABORT}
+_FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+    common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    common_pb2.FINISH_REASON_ABORT: FinishReason.ABORT,
+}
 _ROLES = {common_pb2.WORKER_ROLE_PREFILL: Role.PREFILL, common_pb2.WORKER_ROLE_DECODE: Role.DECODE}
 
 _REPEATED_SAMPLING = ("stop_token_ids", "logit_bias", "token_ids_logprob")
@@ -32,8 +34,11 @@ _OPTIONAL_SAMPLING = tuple(f.name for f in fields(SamplingOptions) if f.name not
 
 
 def sampling_to_proto(options: SamplingOptions) -> common_pb2.SamplingParams:
-    params = common_pb2.SamplingParams(stop_token_ids=options.stop_token_ids, logit_bias=dict(options.logit_bias),
-                                       token_ids_logprob=options.token_ids_logprob)
+    params = common_pb2.SamplingParams(
+        stop_token_ids=options.stop_token_ids,
+        logit_bias=dict(options.logit_bias),
+        token_ids_logprob=options.token_ids_logprob,
+    )
     for name in _OPTIONAL_SAMPLING:
         value = getattr(options, name)
         if value is not None:
@@ -42,15 +47,21 @@ def sampling_to_proto(options: SamplingOptions) -> common_pb2.SamplingParams:
 
 
 def token_from_proto(msg: common_pb2.TokenOutput) -> GeneratedToken:
-    return GeneratedToken(msg.token_id, msg.logprob, tuple((t.token_id, t.logprob) for t in msg.top_logprobs),
-                          tuple((t.token_id, t.logprob) for t in msg.token_ids_logprobs))
+    return GeneratedToken(
+        msg.token_id,
+        msg.logprob,
+        tuple((t.token_id, t.logprob) for t in msg.top_logprobs),
+        tuple((t.token_id, t.logprob) for t in msg.token_ids_logprobs),
+    )
 
 
 def token_to_proto(token: GeneratedToken) -> common_pb2.TokenOutput:
     return common_pb2.TokenOutput(
-        token_id=token.token_id, logprob=token.logprob,
+        token_id=token.token_id,
+        logprob=token.logprob,
         top_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in token.top],
-        token_ids_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in token.requested])
+        token_ids_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in token.requested],
+    )
 
 
 def layout_from_proto(msg: common_pb2.KvLayout) -> KvLayout:
@@ -58,42 +69,78 @@ def layout_from_proto(msg: common_pb2.KvLayout) -> KvLayout:
 
 
 def _layout_to_proto(layout: KvLayout) -> common_pb2.KvLayout:
-    return common_pb2.KvLayout(num_layers=layout.num_layers, page_size=layout.page_size,
-                               num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=layout.dtype,
-                               page_bytes=layout.page_bytes)
+    return common_pb2.KvLayout(
+        num_layers=layout.num_layers,
+        page_size=layout.page_size,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        dtype=layout.dtype,
+        page_bytes=layout.page_bytes,
+    )
 
 
 def kv_target_from_proto(msg: common_pb2.KvTarget) -> KvTarget:
-    return KvTarget(msg.session_id, msg.base_addr, layout_from_proto(msg.layout) if msg.HasField("layout") else None,
-                    tuple(msg.page_ids), msg.grant, msg.grant_expires_unix_ms)
+    return KvTarget(
+        msg.session_id,
+        msg.base_addr,
+        layout_from_proto(msg.layout) if msg.HasField("layout") else None,
+        tuple(msg.page_ids),
+        msg.grant,
+        msg.grant_expires_unix_ms,
+    )
 
 
 def kv_target_to_proto(target: KvTarget) -> common_pb2.KvTarget:
-    return common_pb2.KvTarget(session_id=target.session_id, base_addr=target.base_addr,
-                               layout=_layout_to_proto(target.layout) if target.layout is not None else None,
-                               page_ids=target.page_ids, grant=target.grant,
-                               grant_expires_unix_ms=target.grant_expires_unix_ms)
+    return common_pb2.KvTarget(
+        session_id=target.session_id,
+        base_addr=target.base_addr,
+        layout=_layout_to_proto(target.layout) if target.layout is not None else None,
+        page_ids=target.page_ids,
+        grant=target.grant,
+        grant_expires_unix_ms=target.grant_expires_unix_ms,
+    )
 
 
 def prefill_from_proto(msg: prefill_pb2.PrefillResponse) -> PrefillResult:
-    return PrefillResult(token_from_proto(msg.first_token), msg.cached_tokens, msg.queue_ms, msg.compute_ms,
-                         msg.transfer_ms, msg.kv_bytes, msg.weights_id,
-                         tuple(token_from_proto(t) for t in msg.prompt_logprobs))
+    return PrefillResult(
+        token_from_proto(msg.first_token),
+        msg.cached_tokens,
+        msg.queue_ms,
+        msg.compute_ms,
+        msg.transfer_ms,
+        msg.kv_bytes,
+        msg.weights_id,
+        tuple(token_from_proto(t) for t in msg.prompt_logprobs),
+    )
 
 
 def chunk_from_proto(msg: decode_pb2.GenerateResponse) -> DecodeChunk:
-    return DecodeChunk([token_from_proto(t) for t in msg.tokens], _FINISH_REASONS.get(msg.finish_reason),
-                       msg.matched_token_id if msg.HasField("matched_token_id") else None, msg.message,
-                       msg.queue_ms if msg.HasField("queue_ms") else None)
+    return DecodeChunk(
+        [token_from_proto(t) for t in msg.tokens],
+        _FINISH_REASONS.get(msg.finish_reason),
+        msg.matched_token_id if msg.HasField("matched_token_id") else None,
+        msg.message,
+        msg.queue_ms if msg.HasField("queue_ms") else None,
+    )
 
 
 def model_info_from_proto(msg: common_pb2.GetModelInfoResponse) -> ModelInfo:
-    return ModelInfo(model_path=msg.model_path, architecture=msg.architecture, context_len=msg.context_len,
-                     vocab_size=msg.vocab_size, eos_token_ids=tuple(msg.eos_token_ids),
-                     kv_layout=layout_from_proto(msg.kv_layout), num_pages=msg.num_pages, role=_ROLES.get(msg.role),
-                     version=msg.version, is_embedding=msg.is_embedding, embedding_dim=msg.embedding_dim,
-                     is_matryoshka=msg.is_matryoshka, matryoshka_dimensions=tuple(msg.matryoshka_dimensions),
-                     weights_id=msg.weights_id)
+    return ModelInfo(
+        model_path=msg.model_path,
+        architecture=msg.architecture,
+        context_len=msg.context_len,
+        vocab_size=msg.vocab_size,
+        eos_token_ids=tuple(msg.eos_token_ids),
+        kv_layout=layout_from_proto(msg.kv_layout),
+        num_pages=msg.num_pages,
+        role=_ROLES.get(msg.role),
+        version=msg.version,
+        is_embedding=msg.is_embedding,
+        embedding_dim=msg.embedding_dim,
+        is_matryoshka=msg.is_matryoshka,
+        matryoshka_dimensions=tuple(msg.matryoshka_dimensions),
+        weights_id=msg.weights_id,
+    )
 
 
 def load_from_proto(msg: common_pb2.GetLoadResponse) -> WorkerLoad:

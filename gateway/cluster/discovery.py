@@ -29,8 +29,9 @@ logger = logging.getLogger(__name__)
 DNS_PREFIX = "dns:///"
 REFRESH_INTERVAL_S = 5.0
 # getaddrinfo errors that mean "this name has no addresses", as opposed to "could not ask".
-_NO_SUCH_NAME = frozenset(code for code in (getattr(socket, "EAI_NONAME", None), getattr(socket, "EAI_NODATA", None))
-                          if code is not None)
+_NO_SUCH_NAME = frozenset(
+    code for code in (getattr(socket, "EAI_NONAME", None), getattr(socket, "EAI_NODATA", None)) if code is not None
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +47,7 @@ class WorkerSpec:
     def parse(cls, spec: str) -> WorkerSpec:
         """Parse `host:port`, `[v6]:port` or `dns:///name:port`; raises ValueError naming the problem."""
         is_dns = spec.startswith(DNS_PREFIX)
-        rest = spec[len(DNS_PREFIX):] if is_dns else spec
+        rest = spec[len(DNS_PREFIX) :] if is_dns else spec
         host, sep, port_text = rest.rpartition(":")
         if not sep or not host:
             raise ValueError(f"worker address {spec!r} must be host:port or {DNS_PREFIX}name:port")
@@ -55,8 +56,10 @@ class WorkerSpec:
         if not port_text.isdigit() or not 0 < int(port_text) < 65536:
             raise ValueError(f"worker address {spec!r} has no valid port")
         if is_dns and ("/" in host or not host):
-            raise ValueError(f"worker address {spec!r}: {DNS_PREFIX} takes a name and port, e.g. "
-                             f"{DNS_PREFIX}tandem-prefill-headless:30001")
+            raise ValueError(
+                f"worker address {spec!r}: {DNS_PREFIX} takes a name and port, e.g. "
+                f"{DNS_PREFIX}tandem-prefill-headless:30001"
+            )
         return cls(host=host, port=int(port_text), is_dns=is_dns)
 
     @property
@@ -89,7 +92,7 @@ async def resolve_all(host: str, port: int) -> tuple[str, ...]:
     Raises `socket.gaierror` when the resolver fails; its `errno` tells "no such name" from the rest.
     """
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return tuple(sorted({format_address(info[4][0], port) for info in infos}))
+    return tuple(sorted({format_address(str(info[4][0]), port) for info in infos}))
 
 
 class RoleDiscovery:
@@ -98,8 +101,13 @@ class RoleDiscovery:
     Not thread-safe; call from one asyncio task (the pool's poller).
     """
 
-    def __init__(self, role: str, specs: Sequence[str], refresh_interval_s: float = REFRESH_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        role: str,
+        specs: Sequence[str],
+        refresh_interval_s: float = REFRESH_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if refresh_interval_s <= 0:
             raise ValueError("refresh_interval_s must be positive")
         self.role = role
@@ -138,8 +146,13 @@ class RoleDiscovery:
             if exc.errno in _NO_SUCH_NAME:
                 found = ()
             else:
-                logger.warning("cannot resolve %s worker name %s (%s); keeping its %d last addresses",
-                               self.role, spec.host, exc, len(self._resolved[spec]))
+                logger.warning(
+                    "cannot resolve %s worker name %s (%s); keeping its %d last addresses",
+                    self.role,
+                    spec.host,
+                    exc,
+                    len(self._resolved[spec]),
+                )
                 return self._resolved[spec]
         if found != self._resolved[spec]:
             logger.info("%s workers behind %s: %s", self.role, spec.host, ", ".join(found) or "none")

@@ -27,26 +27,40 @@ from tandem.request_log import bind_request_id
 logger = logging.getLogger(__name__)
 
 _ABORT_TIMEOUT_S = 2.0
-_SETTLE_TIMEOUT_S = 10.0   # a running KV write finishes within this (or the decode pages rest for the grace)
+_SETTLE_TIMEOUT_S = 10.0  # a running KV write finishes within this (or the decode pages rest for the grace)
 
 
-async def run_handoff(pool: WorkerPool, config: GatewayConfig, metrics: GatewayMetrics, request_id: str,
-                      prompt_ids: list[int], sampling: SamplingOptions, prompt_logprob_start: int | None = None,
-                      arrived_at: float | None = None) -> AsyncGenerator[TokenEvent, None]:
+async def run_handoff(
+    pool: WorkerPool,
+    config: GatewayConfig,
+    metrics: GatewayMetrics,
+    request_id: str,
+    prompt_ids: list[int],
+    sampling: SamplingOptions,
+    prompt_logprob_start: int | None = None,
+    arrived_at: float | None = None,
+) -> AsyncGenerator[TokenEvent, None]:
     """Yield the first token (with timings, and the prompt's logprobs from `prompt_logprob_start` when
     set), then the decode server's tokens until a finish. `arrived_at` (time.perf_counter()) is when
     the HTTP request arrived. Records the trip's latencies, phases and outcome in `metrics`."""
     bind_request_id(request_id)
     started = last = time.perf_counter()
     outcome = "error"
-    events = _trip(pool, config, request_id, prompt_ids, sampling, prompt_logprob_start,
-                   (started - arrived_at) * 1000 if arrived_at is not None else 0.0)
+    events = _trip(
+        pool,
+        config,
+        request_id,
+        prompt_ids,
+        sampling,
+        prompt_logprob_start,
+        (started - arrived_at) * 1000 if arrived_at is not None else 0.0,
+    )
     is_first = True
     try:
         async with contextlib.aclosing(events):
             async for event in events:
                 now = time.perf_counter()
-                if is_first:
+                if is_first and event.timings is not None:  # the first event always carries the timings
                     metrics.observe_first_token(event.timings, len(prompt_ids))
                     is_first = False
                 else:
@@ -54,7 +68,7 @@ async def run_handoff(pool: WorkerPool, config: GatewayConfig, metrics: GatewayM
                         metrics.observe_decode_queue(event.timings.decode_queue_ms)
                     metrics.observe_tokens(len(event.tokens), now - last)
                 last = now
-                outcome = event.finish_reason or "closed"   # "closed" if the reader stops after this event
+                outcome = event.finish_reason or "closed"  # "closed" if the reader stops after this event
                 yield event
     except (GeneratorExit, asyncio.CancelledError):
         if outcome not in tuple(FinishReason):
@@ -67,26 +81,56 @@ async def run_handoff(pool: WorkerPool, config: GatewayConfig, metrics: GatewayM
         metrics.observe_end(outcome, time.perf_counter() - started)
 
 
-async def _trip(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt_ids: list[int],
-                sampling: SamplingOptions, prompt_logprob_start: int | None,
-                gateway_queue_ms: float) -> AsyncGenerator[TokenEvent, None]:
+async def _trip(
+    pool: WorkerPool,
+    config: GatewayConfig,
+    request_id: str,
+    prompt_ids: list[int],
+    sampling: SamplingOptions,
+    prompt_logprob_start: int | None,
+    gateway_queue_ms: float,
+) -> AsyncGenerator[TokenEvent, None]:
     """The trip itself, as `run_handoff` describes it, without the metrics."""
     started = time.perf_counter()
     prefill, decode, reservation = await _reserve(pool, config, request_id, len(prompt_ids))
     reserve_ms = (time.perf_counter() - started) * 1000
     stream: DecodeStream | None = None
     finished = False
-    write_settled = False   # True once the prefill server has answered: no KV write can be in flight
+    write_settled = False  # True once the prefill server has answered: no KV write can be in flight
     try:
-        first = await _prefill(prefill, prefill.client.prefill(
-            request_id, prompt_ids, sampling, reservation.kv_target, prompt_logprob_start,
-            timeout_s=config.prefill_timeout_s), config.stall_timeout_s)
+        first = await _prefill(
+            prefill,
+            prefill.client.prefill(
+                request_id,
+                prompt_ids,
+                sampling,
+                reservation.kv_target,
+                prompt_logprob_start,
+                timeout_s=config.prefill_timeout_s,
+            ),
+            config.stall_timeout_s,
+        )
         write_settled = True
-        timings = HandoffTimings(reserve_ms, first.queue_ms, first.compute_ms, first.transfer_ms, first.kv_bytes,
-                                 (time.perf_counter() - started) * 1000, first.cached_tokens, gateway_queue_ms)
+        timings = HandoffTimings(
+            reserve_ms,
+            first.queue_ms,
+            first.compute_ms,
+            first.transfer_ms,
+            first.kv_bytes,
+            (time.perf_counter() - started) * 1000,
+            first.cached_tokens,
+            gateway_queue_ms,
+        )
         yield TokenEvent([first.first_token], timings=timings, prompt_logprobs=list(first.prompt_logprobs))
-        stream = decode.client.generate(request_id, prompt_ids, first.first_token, sampling, first.weights_id,
-                                        reservation.kv_target.grant, timeout_s=config.request_timeout_s)
+        stream = decode.client.generate(
+            request_id,
+            prompt_ids,
+            first.first_token,
+            sampling,
+            first.weights_id,
+            reservation.kv_target.grant,
+            timeout_s=config.request_timeout_s,
+        )
         async for chunk in _stream(decode, stream, config.stall_timeout_s):
             finished = chunk.finish_reason is not None
             yield _event(chunk, timings)
@@ -105,12 +149,13 @@ async def _trip(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt
         pool.admission.released()
 
 
-async def _reserve(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt_len: int
-                   ) -> tuple[Worker, Worker, Reservation]:
+async def _reserve(
+    pool: WorkerPool, config: GatewayConfig, request_id: str, prompt_len: int
+) -> tuple[Worker, Worker, Reservation]:
     """A ready (prefill, decode) pair and the decode worker's reservation, once admission lets the
     trip through (it waits its turn while the decode pool is full). A trip cancelled meanwhile
     releases the reservation it may have made (no prefill was sent for it)."""
-    pair: list[Worker] = []   # (prefill, decode) of the Reserve under way
+    pair: list[Worker] = []  # (prefill, decode) of the Reserve under way
 
     async def reserve() -> Reservation:
         pair[:] = pool.pick_pair()
@@ -132,8 +177,13 @@ async def _reserve(pool: WorkerPool, config: GatewayConfig, request_id: str, pro
 
 def _event(chunk: DecodeChunk, timings: HandoffTimings) -> TokenEvent:
     """A decode chunk as the trip's event; the first one carries the timings again, now with the decode queue."""
-    return TokenEvent(chunk.tokens, chunk.finish_reason, chunk.matched_token_id, chunk.message,
-                      replace(timings, decode_queue_ms=chunk.queue_ms) if chunk.queue_ms is not None else None)
+    return TokenEvent(
+        chunk.tokens,
+        chunk.finish_reason,
+        chunk.matched_token_id,
+        chunk.message,
+        replace(timings, decode_queue_ms=chunk.queue_ms) if chunk.queue_ms is not None else None,
+    )
 
 
 class _PrefillAnswered(Exception):
@@ -155,8 +205,7 @@ async def _prefill(worker: Worker, call: Awaitable[PrefillResult], stall_timeout
         raise _PrefillAnswered(exc) from None
 
 
-async def _stream(worker: Worker, stream: DecodeStream, stall_timeout_s: float
-                  ) -> AsyncGenerator[DecodeChunk, None]:
+async def _stream(worker: Worker, stream: DecodeStream, stall_timeout_s: float) -> AsyncGenerator[DecodeChunk, None]:
     while (chunk := await _unless_stalled(worker, stream.read(), stall_timeout_s)) is not None:
         yield chunk
 
@@ -172,11 +221,19 @@ async def _unless_stalled(worker: Worker, awaitable, stall_timeout_s: float):
             if done:
                 return pending.result()
             if not await worker.responds():
-                logger.warning("%s worker %s sent nothing for %g s and does not answer health checks",
-                               worker.role, worker.address, stall_timeout_s)
-                raise APIError(503, f"the {worker.role} worker stopped responding (nothing for "
-                                    f"{stall_timeout_s:g} s)", "service_unavailable", code="worker_stalled",
-                               retry_after_s=WORKER_RETRY_AFTER_S)
+                logger.warning(
+                    "%s worker %s sent nothing for %g s and does not answer health checks",
+                    worker.role,
+                    worker.address,
+                    stall_timeout_s,
+                )
+                raise APIError(
+                    503,
+                    f"the {worker.role} worker stopped responding (nothing for {stall_timeout_s:g} s)",
+                    "service_unavailable",
+                    code="worker_stalled",
+                    retry_after_s=WORKER_RETRY_AFTER_S,
+                )
     finally:
         pending.cancel()
 
@@ -192,13 +249,17 @@ async def _release(decode: Worker, prefill: Worker, request_id: str, unsettled: 
             await prefill.client.cancel_prefill(request_id, unsettled, timeout_s=_SETTLE_TIMEOUT_S)
             write_settled = True
         if not write_settled:
-            logger.warning("prefill worker %s did not confirm that %s's KV write is over; its decode pages "
-                           "rest for the write grace", prefill.address, request_id)
+            logger.warning(
+                "prefill worker %s did not confirm that %s's KV write is over; its decode pages "
+                "rest for the write grace",
+                prefill.address,
+                request_id,
+            )
     with contextlib.suppress(WorkerError):
         await decode.client.abort(request_id, write_settled, timeout_s=_ABORT_TIMEOUT_S)
 
 
-_releasing: set[asyncio.Task] = set()   # strong references: a shielded release outlives its cancelled trip
+_releasing: set[asyncio.Task] = set()  # strong references: a shielded release outlives its cancelled trip
 
 
 async def _settle(release) -> None:

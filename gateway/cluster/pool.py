@@ -47,8 +47,9 @@ class Worker:
     """One worker as the pool sees it: its `client`, and whether it is ready (its health service says
     SERVING and it reported its model `info`, kept from the last probe that got one)."""
 
-    def __init__(self, role: Role | str, address: str, credentials: InternalCredentials = InternalCredentials()
-                 ) -> None:
+    def __init__(
+        self, role: Role | str, address: str, credentials: InternalCredentials = InternalCredentials()
+    ) -> None:
         self.client = WorkerClient(role, address, credentials)
         self.is_ready = False
         self.info: ModelInfo | None = None
@@ -94,15 +95,23 @@ class WorkerPool:
     Every channel carries `credentials` (the internal token, TLS). Handoffs wait for decode KV space
     through `admission`."""
 
-    def __init__(self, prefill_addrs: tuple[str, ...], decode_addrs: tuple[str, ...],
-                 refresh_interval_s: float = REFRESH_INTERVAL_S,
-                 credentials: InternalCredentials = InternalCredentials(), admission: Admission | None = None) -> None:
+    def __init__(
+        self,
+        prefill_addrs: tuple[str, ...],
+        decode_addrs: tuple[str, ...],
+        refresh_interval_s: float = REFRESH_INTERVAL_S,
+        credentials: InternalCredentials = InternalCredentials(),
+        admission: Admission | None = None,
+    ) -> None:
         self.admission = admission or Admission(DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUE_WAIT_S)
         self._credentials = credentials
-        self._discovery = {"prefill": RoleDiscovery("prefill", prefill_addrs, refresh_interval_s),
-                           "decode": RoleDiscovery("decode", decode_addrs, refresh_interval_s)}
-        self.workers = {role: [Worker(role, a, credentials) for a in d.static_addresses]
-                        for role, d in self._discovery.items()}
+        self._discovery = {
+            "prefill": RoleDiscovery("prefill", prefill_addrs, refresh_interval_s),
+            "decode": RoleDiscovery("decode", decode_addrs, refresh_interval_s),
+        }
+        self.workers = {
+            role: [Worker(role, a, credentials) for a in d.static_addresses] for role, d in self._discovery.items()
+        }
         self._retired: list[tuple[float, Worker]] = []
         self._turns = {role: itertools.count() for role in self.workers}
         self._poller: asyncio.Task | None = None
@@ -139,7 +148,8 @@ class WorkerPool:
                     worker.is_ready = False
                     self._retired.append((time.monotonic() + _RETIRED_CHANNEL_GRACE_S, worker))
             self.workers[role] = [w for w in self.workers[role] if w.address in wanted] + [
-                Worker(role, a, self._credentials) for a in wanted if a not in known]
+                Worker(role, a, self._credentials) for a in wanted if a not in known
+            ]
         now = time.monotonic()
         expired = [w for deadline, w in self._retired if deadline <= now]
         self._retired = [(deadline, w) for deadline, w in self._retired if deadline > now]
@@ -163,8 +173,13 @@ class WorkerPool:
         """Round-robin over ready workers of `role`; 503 when none is ready."""
         ready = [w for w in self.workers[role] if w.is_ready]
         if not ready:
-            raise APIError(503, f"no {role} worker is ready", "service_unavailable", code="worker_unavailable",
-                           retry_after_s=WORKER_RETRY_AFTER_S)
+            raise APIError(
+                503,
+                f"no {role} worker is ready",
+                "service_unavailable",
+                code="worker_unavailable",
+                retry_after_s=WORKER_RETRY_AFTER_S,
+            )
         return ready[next(self._turns[role]) % len(ready)]
 
     def pick_pair(self) -> tuple[Worker, Worker]:
@@ -173,10 +188,14 @@ class WorkerPool:
         decodes = self._paired_decodes()
         if not decodes:
             for role in ("prefill", "decode"):
-                self.pick(role)   # 503 naming the role when it has no ready worker at all
-            raise APIError(503, "no ready prefill and decode workers hold the same model weights (update "
-                                "them to the same checkpoint)", "service_unavailable", code="worker_unavailable",
-                           retry_after_s=WORKER_RETRY_AFTER_S)
+                self.pick(role)  # 503 naming the role when it has no ready worker at all
+            raise APIError(
+                503,
+                "no ready prefill and decode workers hold the same model weights (update them to the same checkpoint)",
+                "service_unavailable",
+                code="worker_unavailable",
+                retry_after_s=WORKER_RETRY_AFTER_S,
+            )
         decode = decodes[next(self._turns["decode"]) % len(decodes)]
         prefills = [w for w in self.workers["prefill"] if w.is_ready and w.weights_id == decode.weights_id]
         return prefills[next(self._turns["prefill"]) % len(prefills)], decode
@@ -190,11 +209,18 @@ class WorkerPool:
         """The tightest limits over every worker that has reported; 503 before any has."""
         infos = [w.info for w in self.all_workers() if w.info is not None]
         if not infos:
-            raise APIError(503, "no worker has reported its model yet", "service_unavailable",
-                           code="worker_unavailable")
+            raise APIError(
+                503, "no worker has reported its model yet", "service_unavailable", code="worker_unavailable"
+            )
         first = infos[0]
-        return ModelLimits(model_path=first.model_path, architecture=first.architecture,
-                           context_len=min(i.context_len for i in infos), vocab_size=first.vocab_size,
-                           eos_token_ids=tuple(first.eos_token_ids), is_embedding=first.is_embedding,
-                           embedding_dim=first.embedding_dim, is_matryoshka=first.is_matryoshka,
-                           matryoshka_dimensions=tuple(first.matryoshka_dimensions))
+        return ModelLimits(
+            model_path=first.model_path,
+            architecture=first.architecture,
+            context_len=min(i.context_len for i in infos),
+            vocab_size=first.vocab_size,
+            eos_token_ids=tuple(first.eos_token_ids),
+            is_embedding=first.is_embedding,
+            embedding_dim=first.embedding_dim,
+            is_matryoshka=first.is_matryoshka,
+            matryoshka_dimensions=tuple(first.matryoshka_dimensions),
+        )

@@ -54,8 +54,9 @@ _INTERNAL_MESSAGE = "the {role} worker failed"
 
 # Codes the client side can raise on its own (deadline, cancel, lost connection): the call may
 # still be running on the worker then.
-_UNSETTLED_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-                              grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN})
+_UNSETTLED_CODES = frozenset(
+    {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN}
+)
 
 
 class WorkerError(APIError):
@@ -65,8 +66,13 @@ class WorkerError(APIError):
     own (deadline, cancel, a lost connection, unknown), so the call may still be running on the worker."""
 
     def __init__(self, kind: ErrorKind, message: str, detail: str, is_settled: bool) -> None:
-        super().__init__(kind.http_status, message, kind.type, code=kind.code,
-                         retry_after_s=WORKER_RETRY_AFTER_S if kind.http_status == 503 else None)
+        super().__init__(
+            kind.http_status,
+            message,
+            kind.type,
+            code=kind.code,
+            retry_after_s=WORKER_RETRY_AFTER_S if kind.http_status == 503 else None,
+        )
         self.detail = detail
         self.is_settled = is_settled
 
@@ -79,10 +85,10 @@ def worker_error(exc: grpc.aio.AioRpcError, role: Role, address: str) -> WorkerE
     is_settled = exc.code() not in _UNSETTLED_CODES
     log = logger.warning if kind.http_status >= 500 else logger.info
     log("%s worker %s answered %s: %s", role, address, exc.code().name, detail)
-    if kind.http_status < 500:    # the worker's words about the request itself
+    if kind.http_status < 500:  # the worker's words about the request itself
         return WorkerError(kind, public_message(detail), detail, is_settled)
     fixed = _INTERNAL_MESSAGE if kind is _INTERNAL else _FIXED_MESSAGE.get(exc.code())
-    if fixed is None:             # capacity, aborted: the worker's own message says why
+    if fixed is None:  # capacity, aborted: the worker's own message says why
         return WorkerError(kind, f"the {role} worker: {public_message(detail)}", detail, is_settled)
     request_id = current_request_id()
     where = f" (request {request_id}; details in the gateway log)" if request_id != NO_REQUEST else ""

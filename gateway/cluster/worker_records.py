@@ -14,16 +14,16 @@ class Health(enum.Enum):
     """A worker's answer to a health check."""
 
     SERVING = "serving"
-    NOT_SERVING = "not_serving"   # it answered, but takes no new requests (starting, draining)
-    NO_ANSWER = "no_answer"       # it did not answer in time, or could not be reached
+    NOT_SERVING = "not_serving"  # it answered, but takes no new requests (starting, draining)
+    NO_ANSWER = "no_answer"  # it did not answer in time, or could not be reached
 
 
 class ExpertRecordOp(enum.Enum):
     """The expert distribution record's three calls (every worker answers each)."""
 
-    START = "start"   # clear the counts and start counting
-    STOP = "stop"     # stop counting; the counts stay for the next dump
-    DUMP = "dump"     # return the counts and clear them
+    START = "start"  # clear the counts and start counting
+    STOP = "stop"  # stop counting; the counts stay for the next dump
+    DUMP = "dump"  # return the counts and clear them
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,8 +89,9 @@ class GenerationService:
     """The generation logic every front shares (the OpenAI and native routes, the admin routes, and
     the gRPC API next): one per app, holding what a generation needs. Event loop only."""
 
-    def __init__(self, pool: WorkerPool, config: GatewayConfig, tokenizer: Tokenizer | None,
-                 metrics: GatewayMetrics) -> None:
+    def __init__(
+        self, pool: WorkerPool, config: GatewayConfig, tokenizer: Tokenizer | None, metrics: GatewayMetrics
+    ) -> None:
         self.pool = pool
         self.config = config
         self.tokenizer = tokenizer
@@ -98,13 +99,25 @@ class GenerationService:
 
     async def stream(self, request: GenerationRequest) -> AsyncGenerator[TextDelta, None]:
         """Stream text deltas; the last one carries `finish`. Without a tokenizer the text stays empty."""
-        detokenizer = (IncrementalDetokenizer(self.tokenizer, request.skip_special_tokens, request.prompt_ids,
-                                              request.spaces_between_special_tokens)
-                       if self.tokenizer is not None else None)
+        detokenizer = (
+            IncrementalDetokenizer(
+                self.tokenizer, request.skip_special_tokens, request.prompt_ids, request.spaces_between_special_tokens
+            )
+            if self.tokenizer is not None
+            else None
+        )
         stops = StopStringMatcher(request.stop)
         trim = _StopTokenTrim(request, self.pool)
-        events = run_handoff(self.pool, self.config, self.metrics, request.request_id, request.prompt_ids,
-                             request.sampling, request.prompt_logprob_start, request.arrived_at)
+        events = run_handoff(
+            self.pool,
+            self.config,
+            self.metrics,
+            request.request_id,
+            request.prompt_ids,
+            request.sampling,
+            request.prompt_logprob_start,
+            request.arrived_at,
+        )
         async with contextlib.aclosing(events):
             async for event in events:
                 ids = trim.text_ids(event)
@@ -114,23 +127,34 @@ class GenerationService:
                 result = stops.feed(text)
                 if result.matched is not None:
                     kept = result.text + result.matched if request.no_stop_trim else result.text
-                    yield TextDelta(kept, event.tokens, Finish(FinishReason.STOP, result.matched), event.timings,
-                                    event.prompt_logprobs)
+                    yield TextDelta(
+                        kept,
+                        event.tokens,
+                        Finish(FinishReason.STOP, result.matched),
+                        event.timings,
+                        event.prompt_logprobs,
+                    )
                     return
                 if event.finish_reason is None:
                     yield TextDelta(result.text, event.tokens, None, event.timings, event.prompt_logprobs)
                     continue
-                yield TextDelta(result.text + stops.flush(), event.tokens,
-                                Finish(event.finish_reason, event.matched_token_id, event.message), event.timings,
-                                event.prompt_logprobs)
+                yield TextDelta(
+                    result.text + stops.flush(),
+                    event.tokens,
+                    Finish(event.finish_reason, event.matched_token_id, event.message),
+                    event.timings,
+                    event.prompt_logprobs,
+                )
                 return
-
 
     def check_batch_size(self, requests: list[GenerationRequest], param: str) -> None:
         """400 for a request that would start more generations (prompts x n) than the gateway allows."""
         if len(requests) > self.config.max_batch_requests:
-            raise bad_request(f"this request asks for {len(requests)} generations (prompts x n); at most "
-                              f"{self.config.max_batch_requests} are allowed per request", param)
+            raise bad_request(
+                f"this request asks for {len(requests)} generations (prompts x n); at most "
+                f"{self.config.max_batch_requests} are allowed per request",
+                param,
+            )
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         result = GenerationResult()
@@ -186,8 +210,9 @@ class GenerationService:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _chained(first: tuple[int, TextDelta], rest: AsyncGenerator[tuple[int, TextDelta], None]
-                   ) -> AsyncGenerator[tuple[int, TextDelta], None]:
+async def _chained(
+    first: tuple[int, TextDelta], rest: AsyncGenerator[tuple[int, TextDelta], None]
+) -> AsyncGenerator[tuple[int, TextDelta], None]:
     async with contextlib.aclosing(rest):
         yield first
         async for item in rest:

@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import json
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
-from gateway.errors import APIError, bad_request, context_length_exceeded
-from gateway.sampling_defaults import SamplingDefaults
 from gateway.cluster.pool import ModelLimits
+from gateway.errors import APIError, bad_request, context_length_exceeded
 from gateway.records import SamplingOptions
-from tandem.limits import (LOGIT_BIAS, MAX_NEW_TOKENS, MIN_NEW_TOKENS, MIN_P, PENALTY, REPETITION_PENALTY, SEED,
-                           TEMPERATURE, TOP_K, TOP_LOGPROBS_NUM, TOP_P, Range)
+from gateway.sampling_defaults import SamplingDefaults
+from tandem.limits import (
+    LOGIT_BIAS,
+    MAX_NEW_TOKENS,
+    MIN_NEW_TOKENS,
+    MIN_P,
+    PENALTY,
+    REPETITION_PENALTY,
+    SEED,
+    TEMPERATURE,
+    TOP_K,
+    TOP_LOGPROBS_NUM,
+    TOP_P,
+    Range,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,55 +43,84 @@ class SamplingFields:
     logit_bias: tuple[tuple[int, float], ...] = ()
     top_logprobs_num: int = 0
     token_ids_logprob: tuple[int, ...] = ()
-    constraint: tuple[str, str] | None = None    # (json_schema | json_object | regex | ebnf, text)
+    constraint: tuple[str, str] | None = None  # (json_schema | json_object | regex | ebnf, text)
 
 
-def build_sampling(fields: SamplingFields, prompt_len: int, limits: ModelLimits, defaults: SamplingDefaults,
-                   max_tokens_param: str = "max_tokens", prompt_param: str = "prompt") -> SamplingOptions:
+def build_sampling(
+    fields: SamplingFields,
+    prompt_len: int,
+    limits: ModelLimits,
+    defaults: SamplingDefaults,
+    max_tokens_param: str = "max_tokens",
+    prompt_param: str = "prompt",
+) -> SamplingOptions:
     """Validate values and the context budget; unset max_new_tokens fills the rest of the context,
     unset temperature / top_p / top_k / min_p take the server's `defaults` (if any)."""
     _check_values(fields, limits, max_tokens_param)
     room = _room(prompt_len, fields.max_new_tokens, limits, max_tokens_param, prompt_param)
     top_k = _first_set(fields.top_k, defaults.top_k)
+    kind, text = fields.constraint or (None, None)
     return SamplingOptions(
         temperature=_first_set(fields.temperature, defaults.temperature),
-        top_p=_first_set(fields.top_p, defaults.top_p), top_k=top_k if top_k is not None and top_k > 0 else None,
-        min_p=_first_set(fields.min_p, defaults.min_p), seed=fields.seed,
-        max_new_tokens=fields.max_new_tokens or room, stop_token_ids=tuple(fields.stop_token_ids),
-        ignore_eos=fields.ignore_eos, min_new_tokens=fields.min_new_tokens, presence_penalty=fields.presence_penalty,
-        frequency_penalty=fields.frequency_penalty, repetition_penalty=fields.repetition_penalty,
-        logit_bias=tuple(fields.logit_bias), top_logprobs_num=fields.top_logprobs_num or None,
-        token_ids_logprob=tuple(fields.token_ids_logprob), **_constraint_options(fields.constraint))
+        top_p=_first_set(fields.top_p, defaults.top_p),
+        top_k=top_k if top_k is not None and top_k > 0 else None,
+        min_p=_first_set(fields.min_p, defaults.min_p),
+        seed=fields.seed,
+        max_new_tokens=fields.max_new_tokens or room,
+        stop_token_ids=tuple(fields.stop_token_ids),
+        ignore_eos=fields.ignore_eos,
+        min_new_tokens=fields.min_new_tokens,
+        presence_penalty=fields.presence_penalty,
+        frequency_penalty=fields.frequency_penalty,
+        repetition_penalty=fields.repetition_penalty,
+        logit_bias=tuple(fields.logit_bias),
+        top_logprobs_num=fields.top_logprobs_num or None,
+        token_ids_logprob=tuple(fields.token_ids_logprob),
+        json_schema=text if kind == "json_schema" else None,
+        json_object=True if kind == "json_object" else None,
+        regex=text if kind == "regex" else None,
+        ebnf=text if kind == "ebnf" else None,
+    )
 
 
 def _check_values(fields: SamplingFields, limits: ModelLimits, max_tokens_param: str) -> None:
     """400 naming the HTTP param of the first value outside its `tandem.limits` range or the vocabulary."""
     for param, value, allowed in (
-            ("temperature", fields.temperature, TEMPERATURE), ("top_p", fields.top_p, TOP_P),
-            ("top_k", fields.top_k, TOP_K), ("min_p", fields.min_p, MIN_P),
-            (max_tokens_param, fields.max_new_tokens, MAX_NEW_TOKENS), ("seed", fields.seed, SEED),
-            ("presence_penalty", fields.presence_penalty, PENALTY),
-            ("frequency_penalty", fields.frequency_penalty, PENALTY),
-            ("repetition_penalty", fields.repetition_penalty, REPETITION_PENALTY),
-            ("min_tokens", fields.min_new_tokens, MIN_NEW_TOKENS)):
+        ("temperature", fields.temperature, TEMPERATURE),
+        ("top_p", fields.top_p, TOP_P),
+        ("top_k", fields.top_k, TOP_K),
+        ("min_p", fields.min_p, MIN_P),
+        (max_tokens_param, fields.max_new_tokens, MAX_NEW_TOKENS),
+        ("seed", fields.seed, SEED),
+        ("presence_penalty", fields.presence_penalty, PENALTY),
+        ("frequency_penalty", fields.frequency_penalty, PENALTY),
+        ("repetition_penalty", fields.repetition_penalty, REPETITION_PENALTY),
+        ("min_tokens", fields.min_new_tokens, MIN_NEW_TOKENS),
+    ):
         _check_range(param, value, allowed)
     if fields.min_new_tokens and fields.max_new_tokens is not None and fields.min_new_tokens > fields.max_new_tokens:
-        raise bad_request(f"min_tokens ({fields.min_new_tokens}) must not exceed the maximum number of tokens "
-                          f"({fields.max_new_tokens})", "min_tokens")
+        raise bad_request(
+            f"min_tokens ({fields.min_new_tokens}) must not exceed the maximum number of tokens "
+            f"({fields.max_new_tokens})",
+            "min_tokens",
+        )
     for token_id, bias in fields.logit_bias:
         if not (0 <= token_id < limits.vocab_size):
             raise bad_request(f"logit_bias: token id {token_id} is outside the vocabulary", "logit_bias")
         if bias not in LOGIT_BIAS:
-            raise bad_request(f"logit_bias: bias {bias} for token {token_id} is outside "
-                              f"[{LOGIT_BIAS.low:g}, {LOGIT_BIAS.high:g}]", "logit_bias")
+            raise bad_request(
+                f"logit_bias: bias {bias} for token {token_id} is outside [{LOGIT_BIAS.low:g}, {LOGIT_BIAS.high:g}]",
+                "logit_bias",
+            )
     check_token_ids(list(fields.token_ids_logprob), limits, "token_ids_logprob")
     bad_id = next((t for t in fields.stop_token_ids if not (0 <= t < limits.vocab_size)), None)
     if bad_id is not None:
         raise bad_request(f"stop_token_ids: {bad_id} is outside the vocabulary", "stop_token_ids")
 
 
-def _room(prompt_len: int, max_new_tokens: int | None, limits: ModelLimits, max_tokens_param: str,
-          prompt_param: str) -> int:
+def _room(
+    prompt_len: int, max_new_tokens: int | None, limits: ModelLimits, max_tokens_param: str, prompt_param: str
+) -> int:
     """How many tokens the context leaves after the prompt: 400 when the prompt is empty or leaves none,
     or when `max_new_tokens` asks for more."""
     if prompt_len == 0:
@@ -90,14 +131,6 @@ def _room(prompt_len: int, max_new_tokens: int | None, limits: ModelLimits, max_
     if max_new_tokens is not None and max_new_tokens > room:
         raise context_length_exceeded(limits.context_len, prompt_len, max_new_tokens, max_tokens_param)
     return room
-
-
-def _constraint_options(constraint: tuple[str, str] | None) -> dict[str, str | bool]:
-    """The SamplingOptions field that carries `constraint` (`output_constraint`'s kind and text)."""
-    if constraint is None:
-        return {}
-    kind, text = constraint
-    return {"json_object": True} if kind == "json_object" else {kind: text}
 
 
 def check_token_ids(token_ids: list[int], limits: ModelLimits, param: str) -> None:
@@ -121,12 +154,25 @@ def parse_logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], 
         raise bad_request("logit_bias keys must be token ids and values numbers", "logit_bias") from None
 
 
-def output_constraint(json_schema: Any = None, regex: str | None = None, ebnf: str | None = None,
-                      json_object: bool = False, schema_param: str = "json_schema") -> tuple[str, str] | None:
+def output_constraint(
+    json_schema: Any = None,
+    regex: str | None = None,
+    ebnf: str | None = None,
+    json_object: bool = False,
+    schema_param: str = "json_schema",
+) -> tuple[str, str] | None:
     """At most one of the constraints; a JSON schema may come as a dict or as JSON text (`false`,
     `true` and schemas nested deeper than MAX_SCHEMA_DEPTH are refused)."""
-    given = [name for name, value in (("json_schema", json_schema is not None), ("regex", regex), ("ebnf", ebnf),
-                                      ("json_object", json_object)) if value]
+    given = [
+        name
+        for name, value in (
+            ("json_schema", json_schema is not None),
+            ("regex", regex),
+            ("ebnf", ebnf),
+            ("json_object", json_object),
+        )
+        if value
+    ]
     if len(given) > 1:
         raise bad_request(f"only one output constraint may be given, got {', '.join(given)}", given[1])
     if not given:
@@ -140,20 +186,25 @@ def output_constraint(json_schema: Any = None, regex: str | None = None, ebnf: s
         if json_schema is False:
             raise bad_request("the JSON schema `false` matches nothing: no output could satisfy it", schema_param)
         if json_schema is True:
-            raise bad_request("the JSON schema `true` allows any JSON value: send a schema object, or ask for "
-                              "json_object", schema_param)
+            raise bad_request(
+                "the JSON schema `true` allows any JSON value: send a schema object, or ask for json_object",
+                schema_param,
+            )
         if not isinstance(json_schema, dict):
             raise bad_request("the JSON schema must be a JSON object", schema_param)
         if (depth := nesting_depth(json_schema)) > MAX_SCHEMA_DEPTH:
-            raise bad_request(f"the JSON schema is nested {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed",
-                              schema_param, "invalid_value")
+            raise bad_request(
+                f"the JSON schema is nested {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed",
+                schema_param,
+                "invalid_value",
+            )
         return "json_schema", json.dumps(json_schema)
     if given[0] == "json_object":
         return "json_object", ""
-    return given[0], regex if given[0] == "regex" else ebnf
+    return given[0], (regex if given[0] == "regex" else ebnf) or ""
 
 
-MAX_SCHEMA_DEPTH = 64   # objects and arrays inside each other; compile time grows steeply with depth
+MAX_SCHEMA_DEPTH = 64  # objects and arrays inside each other; compile time grows steeply with depth
 
 
 def nesting_depth(document: Any) -> int:

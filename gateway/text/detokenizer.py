@@ -45,12 +45,21 @@ class IncrementalDetokenizer:
     length of the whole sequence.
     """
 
-    __slots__ = ("_tokenizer", "_skip_special_tokens", "_spaces_between_special_tokens", "_ids",
-                 "_prefix_offset", "_read_offset")
+    __slots__ = (
+        "_tokenizer",
+        "_skip_special_tokens",
+        "_spaces_between_special_tokens",
+        "_ids",
+        "_prefix_offset",
+        "_read_offset",
+    )
 
     def __init__(
-        self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
-        prompt_ids: Sequence[int] = (), spaces_between_special_tokens: bool = True,
+        self,
+        tokenizer: Tokenizer,
+        skip_special_tokens: bool = True,
+        prompt_ids: Sequence[int] = (),
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
@@ -101,7 +110,8 @@ class IncrementalDetokenizer:
         num_ids = len(self._ids)
         for end in range(num_ids - 1, max(self._read_offset, num_ids - 4), -1):
             text = self._tokenizer.decode(
-                self._ids[self._prefix_offset : end], self._skip_special_tokens,
+                self._ids[self._prefix_offset : end],
+                self._skip_special_tokens,
                 self._spaces_between_special_tokens,
             )
             if len(text) > len(prefix_text) and not text.endswith(_REPLACEMENT_CHAR):

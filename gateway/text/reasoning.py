@@ -15,7 +15,7 @@ class ReasoningSplitter:
     __slots__ = ("_state", "_held")
 
     def __init__(self) -> None:
-        self._state = "start"      # start -> thinking -> after_think -> answer
+        self._state = "start"  # start -> thinking -> after_think -> answer
         self._held = ""
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -24,20 +24,20 @@ class ReasoningSplitter:
         if self._state == "start":
             stripped = text.lstrip()
             if _OPEN.startswith(stripped) and len(stripped) < len(_OPEN):
-                self._held = text           # might still become "<think>"
+                self._held = text  # might still become "<think>"
                 return "", ""
             if not stripped.startswith(_OPEN):
                 self._state = "answer"
                 return "", text
-            self._state, text = "thinking", stripped[len(_OPEN):]
+            self._state, text = "thinking", stripped[len(_OPEN) :]
         if self._state == "thinking":
             end = text.find(_CLOSE)
             if end < 0:
                 keep = _partial_suffix(text, _CLOSE)
-                self._held = text[len(text) - keep:]
-                return text[:len(text) - keep], ""
+                self._held = text[len(text) - keep :]
+                return text[: len(text) - keep], ""
             self._state = "after_think"
-            reasoning, text = text[:end], text[end + len(_CLOSE):]
+            reasoning, text = text[:end], text[end + len(_CLOSE) :]
             return reasoning, self._answer(text)
         return "", self._answer(text)
 

@@ -49,9 +49,7 @@ class StopStringMatcher:
             if not isinstance(stop, str) or not stop:
                 raise ValueError(f"stop strings must be non-empty str, got {stop!r}")
         self._stops: tuple[str, ...] = tuple(dict.fromkeys(stops))
-        self._stop_prefixes: frozenset[str] = frozenset(
-            stop[:n] for stop in self._stops for n in range(1, len(stop))
-        )
+        self._stop_prefixes: frozenset[str] = frozenset(stop[:n] for stop in self._stops for n in range(1, len(stop)))
         self._max_held_len = max((len(stop) for stop in self._stops), default=1) - 1
         self._held = ""
         self._matched: str | None = None

@@ -20,8 +20,18 @@ from gateway.text.tokenizer import RESERVED_TEMPLATE_KWARGS, Tokenizer, Tokenize
 _INLINE_CHARS = 4096
 
 
-async def encode_texts(tokenizer: Tokenizer, texts: Sequence[str], param: str, context_len: int | None,
-                       add_special_tokens: bool = True) -> list[list[int]]:
+def token_id_lists(input_ids: Sequence[int] | Sequence[Sequence[int]]) -> tuple[list[list[int]], bool]:
+    """One prompt of token ids (`[1, 2]`) or several (`[[1, 2], [3]]`) as a list of prompts, and
+    whether it was several."""
+    several = [list(ids) for ids in input_ids if not isinstance(ids, int)]
+    if several:
+        return several, True
+    return [[token for token in input_ids if isinstance(token, int)]], False
+
+
+async def encode_texts(
+    tokenizer: Tokenizer, texts: Sequence[str], param: str, context_len: int | None, add_special_tokens: bool = True
+) -> list[list[int]]:
     """Token ids of each text in `texts` (the request's field `param`).
 
     With `context_len` (the served model's context, when known), a text with more characters than
@@ -32,26 +42,37 @@ async def encode_texts(tokenizer: Tokenizer, texts: Sequence[str], param: str, c
 
     def encode_all() -> list[list[int]]:
         return [tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in texts]
+
     return await _off_loop(encode_all, sum(len(t) for t in texts), param)
 
 
-async def encode_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], param: str, context_len: int | None,
-                      add_generation_prompt: bool = True, template_kwargs: Mapping[str, Any] | None = None,
-                      continue_final_message: bool = False) -> list[int]:
+async def encode_chat(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    param: str,
+    context_len: int | None,
+    add_generation_prompt: bool = True,
+    template_kwargs: Mapping[str, Any] | None = None,
+    continue_final_message: bool = False,
+) -> list[int]:
     """The prompt ids of `messages` rendered with the chat template (see `encode_texts` for the
     length check, done on the messages' text before rendering and on the rendered text after).
     A reserved `template_kwargs` key is a 400 naming `chat_template_kwargs`."""
     reserved = RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs or {})
     if reserved:
-        raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}: the server sets "
-                          "those itself (use the request's own fields, e.g. continue_final_message)",
-                          "chat_template_kwargs")
+        raise bad_request(
+            f"chat_template_kwargs may not set {', '.join(sorted(reserved))}: the server sets "
+            "those itself (use the request's own fields, e.g. continue_final_message)",
+            "chat_template_kwargs",
+        )
     num_chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
     check_chars(tokenizer, num_chars, param, context_len)
 
     def render() -> str:
-        return tokenizer.render_chat_template(messages, add_generation_prompt, template_kwargs,
-                                              continue_final_message=continue_final_message)
+        return tokenizer.render_chat_template(
+            messages, add_generation_prompt, template_kwargs, continue_final_message=continue_final_message
+        )
+
     text = await _off_loop(render, num_chars, param)
     check_chars(tokenizer, len(text), param, context_len)
     return await _off_loop(lambda: tokenizer.encode(text, add_special_tokens=False), len(text), param)
@@ -63,10 +84,13 @@ def check_chars(tokenizer: Tokenizer, num_chars: int, param: str, context_len: i
         return
     max_chars = context_len * tokenizer.max_token_chars
     if num_chars > max_chars:
-        raise bad_request(f"This model's maximum context length is {context_len} tokens. However, `{param}` has "
-                          f"{num_chars} characters, more than {context_len} tokens can hold (at most {max_chars}: "
-                          f"no token of this model is over {tokenizer.max_token_chars} characters).",
-                          param, "context_length_exceeded")
+        raise bad_request(
+            f"This model's maximum context length is {context_len} tokens. However, `{param}` has "
+            f"{num_chars} characters, more than {context_len} tokens can hold (at most {max_chars}: "
+            f"no token of this model is over {tokenizer.max_token_chars} characters).",
+            param,
+            "context_length_exceeded",
+        )
 
 
 async def _off_loop(work, num_chars: int, param: str):

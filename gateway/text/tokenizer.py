@@ -29,9 +29,22 @@ _GGUF_SUFFIX = ".gguf"
 # the template's `messages`. Anything else (`enable_thinking`, `tools`, `documents`, ...) reaches
 # the template as a variable.
 RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"messages", "conversation", "chat_template", "add_generation_prompt", "continue_final_message", "tokenize",
-     "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-     "return_assistant_tokens_mask", "tokenizer_kwargs"}
+    {
+        "messages",
+        "conversation",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
 )
 _EOT_PROBE_CONTENT = "tandem-end-of-turn-probe"
 _TEMPLATE_ERRORS = (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError)
@@ -49,9 +62,7 @@ class Tokenizer:
     Calls do not mutate the wrapped tokenizer, so one instance may serve many requests.
     """
 
-    def __init__(
-        self, hf_tokenizer: PreTrainedTokenizerBase, extra_eos_token_ids: Sequence[int] = ()
-    ) -> None:
+    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase, extra_eos_token_ids: Sequence[int] = ()) -> None:
         self._hf = hf_tokenizer
         self._eos_token_ids = _collect_eos_ids(hf_tokenizer, extra_eos_token_ids)
 
@@ -81,7 +92,7 @@ class Tokenizer:
             raise TokenizerError(f"text to encode must be a str, got {type(text).__name__}")
         try:
             return _as_id_list(self._hf.encode(text, add_special_tokens=add_special_tokens))
-        except TypeError:   # the Rust tokenizer takes only valid Unicode: a lone surrogate ends here
+        except TypeError:  # the Rust tokenizer takes only valid Unicode: a lone surrogate ends here
             raise TokenizerError(f"text is not valid Unicode: {unicode_problem(text)}") from None
 
     @functools.cached_property
@@ -95,11 +106,15 @@ class Tokenizer:
         template = getattr(self._hf, "chat_template", None)
         if isinstance(template, dict):
             template = " ".join(template.values())
-        return bool(template) and re.search(rf"\b{re.escape(variable)}\b", template) is not None
+        return isinstance(template, str) and re.search(rf"\b{re.escape(variable)}\b", template) is not None
 
     def render_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-        template_kwargs: Mapping[str, Any] | None = None, *, continue_final_message: bool = False,
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+        *,
+        continue_final_message: bool = False,
     ) -> str:
         """Render ``messages`` with the model's chat template to text.
 
@@ -117,8 +132,11 @@ class Tokenizer:
             raise TokenizerError(f"chat template arguments {sorted(reserved)} are reserved (set by the server)")
         try:
             rendered = self._hf.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-                continue_final_message=continue_final_message, **(template_kwargs or {}),
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                continue_final_message=continue_final_message,
+                **(template_kwargs or {}),
             )
         except _TEMPLATE_ERRORS as exc:
             raise TokenizerError(f"chat template failed to render: {exc}") from exc
@@ -127,8 +145,12 @@ class Tokenizer:
         return rendered
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-        template_kwargs: Mapping[str, Any] | None = None, *, continue_final_message: bool = False,
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+        *,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Render ``messages`` with the chat template and return the prompt's token ids.
 
@@ -136,12 +158,14 @@ class Tokenizer:
         their own bos text (as Hugging Face does). Raises TokenizerError like
         :meth:`render_chat_template`.
         """
-        text = self.render_chat_template(messages, add_generation_prompt, template_kwargs,
-                                         continue_final_message=continue_final_message)
+        text = self.render_chat_template(
+            messages, add_generation_prompt, template_kwargs, continue_final_message=continue_final_message
+        )
         return self.encode(text, add_special_tokens=False)
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True,
-               spaces_between_special_tokens: bool = True) -> str:
+    def decode(
+        self, ids: Sequence[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    ) -> str:
         """Decode ``ids`` to text; bytes that are not valid UTF-8 become U+FFFD.
 
         ``spaces_between_special_tokens=False`` (with special tokens kept) decodes the runs
@@ -174,8 +198,9 @@ class Tokenizer:
     def _special_ids(self) -> frozenset[int]:
         """Special tokens: the named ones and every added token marked special."""
         added = getattr(self._hf, "added_tokens_decoder", {}) or {}
-        return frozenset(self._hf.all_special_ids) | frozenset(i for i, t in added.items()
-                                                              if getattr(t, "special", False))
+        return frozenset(self._hf.all_special_ids) | frozenset(
+            i for i, t in added.items() if getattr(t, "special", False)
+        )
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         """The vocabulary strings (not decoded text) of ``ids``."""
@@ -203,12 +228,9 @@ def load_tokenizer(path: str) -> Tokenizer:
         return Tokenizer(_from_pretrained(path, ggufs[0]), _generation_config_eos_ids(path))
     if ggufs:
         raise TokenizerError(
-            f"directory {path!r} holds {len(ggufs)} {_GGUF_SUFFIX} files {ggufs}; "
-            "pass the path of one of them"
+            f"directory {path!r} holds {len(ggufs)} {_GGUF_SUFFIX} files {ggufs}; pass the path of one of them"
         )
-    raise TokenizerError(
-        f"directory {path!r} has no {' or '.join(_HF_TOKENIZER_FILES)} and no {_GGUF_SUFFIX} file"
-    )
+    raise TokenizerError(f"directory {path!r} has no {' or '.join(_HF_TOKENIZER_FILES)} and no {_GGUF_SUFFIX} file")
 
 
 def _from_pretrained(directory: str, gguf_file: str | None) -> PreTrainedTokenizerBase:
@@ -242,9 +264,7 @@ def _generation_config_eos_ids(directory: str) -> tuple[int, ...]:
     return tuple(i for i in candidates if isinstance(i, int) and not isinstance(i, bool))
 
 
-def _collect_eos_ids(
-    hf_tokenizer: PreTrainedTokenizerBase, extra_eos_token_ids: Sequence[int]
-) -> tuple[int, ...]:
+def _collect_eos_ids(hf_tokenizer: PreTrainedTokenizerBase, extra_eos_token_ids: Sequence[int]) -> tuple[int, ...]:
     candidates = [hf_tokenizer.eos_token_id, _end_of_turn_id(hf_tokenizer), *extra_eos_token_ids]
     ids: list[int] = []
     for token_id in candidates:
@@ -262,9 +282,7 @@ def _end_of_turn_id(hf_tokenizer: PreTrainedTokenizerBase) -> int | None:
         {"role": "assistant", "content": _EOT_PROBE_CONTENT},
     ]
     try:
-        text = hf_tokenizer.apply_chat_template(
-            messages, add_generation_prompt=False, tokenize=False
-        )
+        text = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
     except _TEMPLATE_ERRORS as exc:
         logger.debug("cannot probe the end-of-turn token: %s", exc)
         return None

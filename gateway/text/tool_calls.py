@@ -22,7 +22,7 @@ _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 @dataclass(frozen=True, slots=True)
 class ToolCall:
     name: str
-    arguments: str    # JSON text, as OpenAI sends it
+    arguments: str  # JSON text, as OpenAI sends it
     id: str
 
 
@@ -47,7 +47,7 @@ def plan_tools(tools: list[dict] | None, tool_choice: Any, parallel: bool | None
     for tool in tools:
         function = tool.get("function") if isinstance(tool, dict) else None
         if tool.get("type", "function") != "function" or not isinstance(function, dict) or not function.get("name"):
-            raise bad_request("each tool must be {\"type\": \"function\", \"function\": {\"name\", ...}}", "tools")
+            raise bad_request('each tool must be {"type": "function", "function": {"name", ...}}', "tools")
         functions.append(function)
     names = frozenset(f["name"] for f in functions)
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
@@ -66,15 +66,17 @@ def plan_tools(tools: list[dict] | None, tool_choice: Any, parallel: bool | None
         if not chosen:
             raise bad_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
         return ToolPlan(tools, names, _calls_schema(chosen, False), False)
-    raise bad_request("tool_choice must be none, auto, required or {\"type\": \"function\", ...}", "tool_choice")
+    raise bad_request('tool_choice must be none, auto, required or {"type": "function", ...}', "tool_choice")
 
 
 def tools_system_prompt(tools: list[dict]) -> str:
     """For chat templates without tool support: describe the tools and the call format."""
     described = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
-    return ("You can call functions. Available functions, as JSON:\n" + described + "\n"
-            "To call a function, answer with <tool_call>{\"name\": <function name>, \"arguments\": <JSON object>}"
-            "</tool_call> (one block per call) and nothing else.")
+    return (
+        "You can call functions. Available functions, as JSON:\n" + described + "\n"
+        'To call a function, answer with <tool_call>{"name": <function name>, "arguments": <JSON object>}'
+        "</tool_call> (one block per call) and nothing else."
+    )
 
 
 def parse_tool_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[ToolCall]]:
@@ -94,19 +96,25 @@ def parse_tool_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[ToolCa
     for candidate in candidates:
         if isinstance(candidate, dict) and candidate.get("name") in plan.names:
             arguments = candidate.get("arguments", candidate.get("parameters", {}))
-            calls.append(ToolCall(candidate["name"], json.dumps(arguments, ensure_ascii=False),
-                                  f"call_{uuid.uuid4().hex[:24]}"))
+            calls.append(
+                ToolCall(candidate["name"], json.dumps(arguments, ensure_ascii=False), f"call_{uuid.uuid4().hex[:24]}")
+            )
     if not calls:
         return text, []
     return content, calls if plan.parallel else calls[:1]
 
 
 def _calls_schema(functions: list[dict], parallel: bool) -> dict:
-    one = {"anyOf": [{"type": "object", "properties": {
-        "name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}},
-        "required": ["name", "arguments"], "additionalProperties": False} for f in functions]}
-    if len(functions) == 1:
-        one = one["anyOf"][0]
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for f in functions
+    ]
+    one: dict = calls[0] if len(calls) == 1 else {"anyOf": calls}
     return {"type": "array", "items": one, "minItems": 1} if parallel else one
 
 

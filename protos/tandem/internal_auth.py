@@ -16,9 +16,10 @@ import ipaddress
 import logging
 import secrets
 import socket
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
 
 import grpc
 
@@ -62,10 +63,10 @@ class InternalCredentials:
     """The shared token, and TLS files (paths) for deployments that want mTLS. All None: an open
     plane, allowed only on loopback (the launcher enforces that) or with --insecure."""
 
-    token: str | None = field(default=None, repr=False)   # kept out of logs and reprs
-    tls_cert: str | None = None   # this process's certificate chain (PEM)
-    tls_key: str | None = None    # its private key (PEM)
-    tls_ca: str | None = None     # the CA that signs every peer's certificate (PEM)
+    token: str | None = field(default=None, repr=False)  # kept out of logs and reprs
+    tls_cert: str | None = None  # this process's certificate chain (PEM)
+    tls_key: str | None = None  # its private key (PEM)
+    tls_ca: str | None = None  # the CA that signs every peer's certificate (PEM)
 
     def __post_init__(self) -> None:
         if self.token is not None and len(self.token) < MIN_TOKEN_LEN:
@@ -101,7 +102,8 @@ class InternalCredentials:
         credentials = grpc.ssl_server_credentials(
             [(_read(self.tls_key), _read(self.tls_cert))],
             root_certificates=_read(self.tls_ca) if self.tls_ca else None,
-            require_client_auth=self.tls_ca is not None)
+            require_client_auth=self.tls_ca is not None,
+        )
         return server.add_secure_port(address, credentials)
 
     def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
@@ -114,8 +116,7 @@ class InternalCredentials:
         interceptors = _token_interceptors(self.metadata()) if self.token else None
         if not self.has_tls:
             return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
-        return grpc.aio.secure_channel(address, self._channel_credentials(), options=options,
-                                       interceptors=interceptors)
+        return grpc.aio.secure_channel(address, self._channel_credentials(), options=options, interceptors=interceptors)
 
     def open_sync_channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
         """A blocking channel (health checks, tests); pass `metadata()` with each call."""
@@ -124,12 +125,15 @@ class InternalCredentials:
         return grpc.secure_channel(address, self._channel_credentials(), options=options)
 
     def _channel_credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(root_certificates=_read(self.tls_ca) if self.tls_ca else None,
-                                            private_key=_read(self.tls_key), certificate_chain=_read(self.tls_cert))
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.tls_ca) if self.tls_ca else None,
+            private_key=_read(self.tls_key),
+            certificate_chain=_read(self.tls_cert),
+        )
 
 
 def _read(path: str | None) -> bytes:
-    assert path is not None   # callers check has_tls / tls_ca first
+    assert path is not None  # callers check has_tls / tls_ca first
     return Path(path).read_bytes()
 
 
@@ -140,8 +144,9 @@ class TokenCheck(grpc.aio.ServerInterceptor):
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
 
-    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
-                                details: grpc.HandlerCallDetails) -> Any:
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]], details: grpc.HandlerCallDetails
+    ) -> Any:
         if details.method.startswith(OPEN_METHOD_PREFIXES) or self._is_allowed(details.invocation_metadata):
             return await continuation(details)
         logger.warning("refused %s: missing or wrong internal token", details.method)
@@ -165,7 +170,7 @@ async def _refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
 
 async def _refuse_stream(request: Any, context: grpc.aio.ServicerContext):
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSAL)
-    yield   # never reached: makes this an async generator, as streaming handlers are
+    yield  # never reached: makes this an async generator, as streaming handlers are
 
 
 def _refusing_handler(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
@@ -188,8 +193,9 @@ class _AddToken:
 
     def _with_token(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         metadata = grpc.aio.Metadata(*(details.metadata or ()), *self._metadata)
-        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
-                                          details.wait_for_ready)
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+        )
 
 
 class _AddTokenUnaryUnary(_AddToken, grpc.aio.UnaryUnaryClientInterceptor):
@@ -213,8 +219,10 @@ class _AddTokenStreamStream(_AddToken, grpc.aio.StreamStreamClientInterceptor):
 
 
 def _token_interceptors(metadata: tuple[tuple[str, str], ...]) -> list[grpc.aio.ClientInterceptor]:
-    return [cls(metadata) for cls in (_AddTokenUnaryUnary, _AddTokenUnaryStream, _AddTokenStreamUnary,
-                                      _AddTokenStreamStream)]
+    return [
+        cls(metadata)
+        for cls in (_AddTokenUnaryUnary, _AddTokenUnaryStream, _AddTokenStreamUnary, _AddTokenStreamStream)
+    ]
 
 
 def is_loopback_host(host: str) -> bool:
@@ -239,5 +247,5 @@ def host_of(address: str) -> str:
     """The host part of a `host:port`, `[v6]:port` or `dns:///host:port` worker address."""
     address = address.removeprefix("dns:///").removeprefix("ipv4:").removeprefix("ipv6:")
     if address.startswith("["):
-        return address[1:address.index("]")]
+        return address[1 : address.index("]")]
     return address.rsplit(":", 1)[0] if address.count(":") == 1 else address

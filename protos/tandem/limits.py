@@ -31,26 +31,36 @@ class Range:
         return f"{name} {self.rule}, got {value}"
 
 
-MAX_N = 64                   # choices per prompt (`n`, `best_of`)
-MAX_TOP_LOGPROBS = 20        # most likely tokens reported per position
-MAX_SEED = 2**63             # seeds are in [0, MAX_SEED)
-DEFAULT_MAX_NEW_TOKENS = 128   # a request that names no limit: the engine's default, and native /generate's
+MAX_N = 64  # choices per prompt (`n`, `best_of`)
+MAX_TOP_LOGPROBS = 20  # most likely tokens reported per position
+MAX_SEED = 2**63  # seeds are in [0, MAX_SEED)
+DEFAULT_MAX_NEW_TOKENS = 128  # a request that names no limit: the engine's default, and native /generate's
 
-TEMPERATURE = Range(0, 2, "must be between 0 and 2")   # 0: greedy
+TEMPERATURE = Range(0, 2, "must be between 0 and 2")  # 0: greedy
 TOP_P = Range(0, 1, "must be in (0, 1]", is_low_open=True)
-TOP_K = Range(-1, None, "must be -1 (disabled) or a positive integer")   # 0 disables it too
+TOP_K = Range(-1, None, "must be -1 (disabled) or a positive integer")  # 0 disables it too
 MIN_P = Range(0, 1, "must be in [0, 1]")
 SEED = Range(0, MAX_SEED, "must be in [0, 2^63)", is_high_open=True)
 MAX_NEW_TOKENS = Range(1, None, "must be >= 1")
 MIN_NEW_TOKENS = Range(0, None, "must be >= 0")
-PENALTY = Range(-2, 2, "must be in [-2, 2]")           # presence and frequency, OpenAI's semantics
-REPETITION_PENALTY = Range(0, 10, "must be in (0, 10]", is_low_open=True)   # HF's semantics; 1: off
+PENALTY = Range(-2, 2, "must be in [-2, 2]")  # presence and frequency, OpenAI's semantics
+REPETITION_PENALTY = Range(0, 10, "must be in (0, 10]", is_low_open=True)  # HF's semantics; 1: off
 LOGIT_BIAS = Range(-100, 100, "must be in [-100, 100]")
 TOP_LOGPROBS_NUM = Range(0, MAX_TOP_LOGPROBS, f"must be between 0 and {MAX_TOP_LOGPROBS}")
 
 # The scalar fields of tandem.v1.SamplingParams (the engine's names) and their ranges.
-SAMPLING_RANGES: Mapping[str, Range] = MappingProxyType({
-    "temperature": TEMPERATURE, "top_p": TOP_P, "top_k": TOP_K, "min_p": MIN_P, "seed": SEED,
-    "max_new_tokens": MAX_NEW_TOKENS, "min_new_tokens": MIN_NEW_TOKENS, "presence_penalty": PENALTY,
-    "frequency_penalty": PENALTY, "repetition_penalty": REPETITION_PENALTY, "top_logprobs_num": TOP_LOGPROBS_NUM,
-})
+SAMPLING_RANGES: Mapping[str, Range] = MappingProxyType(
+    {
+        "temperature": TEMPERATURE,
+        "top_p": TOP_P,
+        "top_k": TOP_K,
+        "min_p": MIN_P,
+        "seed": SEED,
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "min_new_tokens": MIN_NEW_TOKENS,
+        "presence_penalty": PENALTY,
+        "frequency_penalty": PENALTY,
+        "repetition_penalty": REPETITION_PENALTY,
+        "top_logprobs_num": TOP_LOGPROBS_NUM,
+    }
+)

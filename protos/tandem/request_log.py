@@ -35,7 +35,8 @@ class RequestIdFilter(logging.Filter):
 
 def configure_logging(level: str, process_name: str) -> None:
     """The entry point's one logging setup: every line names the process and the request."""
-    logging.basicConfig(level=level.upper(),
-                        format=f"%(asctime)s %(levelname)s [{process_name}] [%(request_id)s] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=level.upper(), format=f"%(asctime)s %(levelname)s [{process_name}] [%(request_id)s] %(name)s: %(message)s"
+    )
     for handler in logging.getLogger().handlers:
         handler.addFilter(RequestIdFilter())
