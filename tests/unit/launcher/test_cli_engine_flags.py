@@ -8,7 +8,10 @@ from typing import Callable
 import pytest
 
 from engine.config import EngineConfig
-from launcher.cli import DEFAULT_CHUNKED_PREFILL_SIZE, _engine_config, _serve_worker_flags, build_parser
+from launcher.cli import _engine_config
+from launcher.flags import build_parser
+from launcher.serve import serve_worker_flags
+from launcher.worker_flags import DEFAULT_CHUNKED_PREFILL_SIZE
 
 
 def _worker_engine_size(argv: list[str]) -> int | None:
@@ -35,7 +38,7 @@ def test_a_bad_chunk_size_is_refused_at_parse_time(value: str, capsys: pytest.Ca
                                                 (["--chunked-prefill-size", "-1"], None)])
 def test_serve_passes_the_chunk_size_to_both_workers(flag: list[str], expected: int | None) -> None:
     args = build_parser().parse_args(["serve", "--dtype", "float32", *flag])
-    worker_flags = _serve_worker_flags(args, threads=1)
+    worker_flags = serve_worker_flags(args, threads=1)
     for role in ("prefill", "decode"):
         assert _worker_engine_size([role, *worker_flags]) == expected
 
@@ -56,7 +59,7 @@ def test_quantization_auto_packs_the_decode_workers_gguf_weights_only(tmp_path) 
     assert resolved("prefill", "--model-path", str(gguf), "-q", "int4") == "q4_1"
     assert resolved("decode", "--model-path", str(folder), "--quantization", "int8") == "q8_0"
     serve = build_parser().parse_args(["serve", "--int8-activations", "-q", "gguf"])
-    flags = _serve_worker_flags(serve, 1)
+    flags = serve_worker_flags(serve, 1)
     assert flags[flags.index("--quantization") + 1] == "gguf" and "--int8-activations" in flags
 
 
@@ -141,10 +144,10 @@ def test_serve_passes_device_and_backends_to_both_workers(gpus: Callable[[int], 
     gpus(2)
     args = build_parser().parse_args(["serve", "--device", "cuda:1", "--attention-backend", "flashinfer",
                                       "--sampling-backend", "torch", "--dtype", "float16"])
-    worker_flags = _serve_worker_flags(args, threads=1)
+    worker_flags = serve_worker_flags(args, threads=1)
     for role in ("prefill", "decode"):
         config = _config(role, *worker_flags)
         assert (config.device, config.attention_backend, config.sampling_backend, config.dtype) == \
             ("cuda:1", "flashinfer", "torch", "float16")
-    default_flags = _serve_worker_flags(build_parser().parse_args(["serve"]), threads=1)
+    default_flags = serve_worker_flags(build_parser().parse_args(["serve"]), threads=1)
     assert default_flags[default_flags.index("--device") + 1] == "auto"   # each worker resolves it itself

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from launcher.cli import _metrics_port, build_parser
+from launcher.flags import build_parser
+from launcher.worker_flags import metrics_port
 
 
 def test_a_worker_defaults_to_its_grpc_port_plus_100_and_0_turns_it_off() -> None:
     args = build_parser().parse_args(["decode", "--port", "31002"])
-    assert _metrics_port(args.metrics_port, args.port) == 31102
+    assert metrics_port(args.metrics_port, args.port) == 31102
     args = build_parser().parse_args(["prefill", "--port", "31001", "--metrics-port", "0"])
-    assert _metrics_port(args.metrics_port, args.port) == 0
-    assert _metrics_port(None, 0) == 0 and _metrics_port(None, 65500) == 0   # no such port: off
-    assert _metrics_port(9100, 31001) == 9100
+    assert metrics_port(args.metrics_port, args.port) == 0
+    assert metrics_port(None, 0) == 0 and metrics_port(None, 65500) == 0   # no such port: off
+    assert metrics_port(9100, 31001) == 9100
 
 
 def test_serve_takes_one_metrics_port_per_worker() -> None:
     args = build_parser().parse_args(["serve", "--prefill-port", "40001", "--decode-metrics-port", "9102"])
-    assert _metrics_port(args.prefill_metrics_port, args.prefill_port) == 40101
-    assert _metrics_port(args.decode_metrics_port, args.decode_port) == 9102
+    assert metrics_port(args.prefill_metrics_port, args.prefill_port) == 40101
+    assert metrics_port(args.decode_metrics_port, args.decode_port) == 9102

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.cli import build_parser
+from launcher.flags import build_parser
 from launcher.internal_plane import GRANT_SECRET_ENV, GRANT_SECRET_FILE_ENV, TOKEN_ENV, TOKEN_FILE_ENV, \
     check_open_plane, credentials_from_args, ensure_serve_token, kv_grant_secret_from_args, serve_grant_env
 from tandem.internal_auth import InternalCredentials

@@ -79,7 +79,7 @@ def test_bad_specs_are_rejected_with_the_value(spec):
 
 
 def test_gateway_cli_rejects_a_bad_worker_address(capsys):
-    from launcher.cli import build_parser
+    from launcher.flags import build_parser
     with pytest.raises(SystemExit):
         build_parser().parse_args(["gateway", "--prefill", "dns:///nameonly", "--decode", "d:1"])
     assert "dns:///nameonly" in capsys.readouterr().err

@@ -1,0 +1,207 @@
+"""The `tandem` command line: every subcommand's flags (`build_parser`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from gateway.cluster.discovery import check_worker_spec
+from gateway.config import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_MAX_QUEUE_WAIT_S,
+    DEFAULT_MAX_QUEUED,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+)
+from launcher.healthcheck import add_healthcheck_args
+from launcher.internal_plane import (
+    add_internal_plane_args,
+    add_internal_token_args,
+    add_kv_grant_args,
+)
+from launcher.worker_flags import add_embedding_arg, add_model_args, add_worker_args
+
+DEFAULT_GATEWAY_PORT = 30000
+DEFAULT_PREFILL_PORT = 30001
+DEFAULT_DECODE_PORT = 30002
+
+
+def add_gateway_args(p: argparse.ArgumentParser) -> None:
+    """The gateway's flags (also taken by `tandem serve`)."""
+    _add_gateway_limit_args(p)
+    _add_gateway_plane_args(p)
+
+
+def _add_gateway_limit_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model path)")
+    p.add_argument("--prefill-timeout", type=float, default=600.0)
+    p.add_argument("--request-timeout", type=float, default=3600.0)
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=DEFAULT_MAX_QUEUED,
+        help="generations that may wait for decode KV space at once; one more gets a 503 with "
+        "Retry-After (0: no queue, refuse at once)",
+    )
+    p.add_argument(
+        "--max-queue-wait",
+        type=float,
+        default=DEFAULT_MAX_QUEUE_WAIT_S,
+        help="seconds a generation may wait for decode KV space before a 503 with Retry-After",
+    )
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=20.0,
+        help="seconds a worker may send nothing on a request before the gateway checks its health; "
+        "one that does not answer ends the request with a 503 and gets no new requests until "
+        "it answers again",
+    )
+    p.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="load no tokenizer: requests send token ids and get token ids back (no text, no chat)",
+    )
+
+
+def _add_gateway_plane_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer <key>` on every route but /health, /ping and /metrics "
+        "(default: the TANDEM_API_KEY environment variable, else no key)",
+    )
+    p.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="the admin routes (/flush_cache, /update_weights_from_disk, /get_server_info, the expert "
+        "distribution record) need `Authorization: Bearer <admin key>`; the user key no longer "
+        "opens them (default: the TANDEM_ADMIN_API_KEY environment variable, else the admin "
+        "routes take the --api-key)",
+    )
+    p.add_argument(
+        "--default-sampling",
+        default=None,
+        help='JSON of sampling defaults for fields a request leaves unset, e.g. \'{"temperature": 0.7, '
+        "\"top_p\": 0.9}' (keys: temperature, top_p, top_k, min_p). Default: the model's "
+        "generation_config.json; greedy for the bundled SmolLM2",
+    )
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="where /v1/files and /v1/batches keep their SQLite database and file contents; one "
+        "gateway per directory (default: $XDG_DATA_HOME/tandem, i.e. ~/.local/share/tandem)",
+    )
+    p.add_argument(
+        "--max-batch-requests",
+        type=int,
+        default=256,
+        help="most generations one request may start (prompts x n); more get a 400",
+    )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="largest request body (JSON) the gateway reads; larger ones get a 413 unread "
+        "(/v1/files uploads have their own limit, 200 MB per file)",
+    )
+    p.add_argument(
+        "--batch-concurrency",
+        type=int,
+        default=8,
+        help="batch lines run at once; a new one starts only while no interactive request is in flight",
+    )
+    p.add_argument(
+        "--expert-distribution-dir",
+        default=None,
+        help="where /dump_expert_distribution_record writes expert_distribution_*.csv "
+        "(default: the gateway's working directory)",
+    )
+
+
+def add_drain_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        help="on SIGTERM or Ctrl-C: seconds a server keeps serving the requests in flight before it "
+        "exits (a worker's health answers NOT_SERVING and it refuses new requests; the gateway "
+        "stops accepting connections); a second signal exits at once",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="gateway + 1 prefill + 1 decode on this machine")
+    add_model_args(serve)
+    add_worker_args(serve)
+    add_gateway_args(serve)
+    add_drain_arg(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="gateway bind address")
+    serve.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT)
+    serve.add_argument("--prefill-port", type=int, default=DEFAULT_PREFILL_PORT)
+    serve.add_argument("--decode-port", type=int, default=DEFAULT_DECODE_PORT)
+    serve.add_argument("--startup-timeout", type=float, default=600.0)
+    add_internal_plane_args(serve)
+    serve.add_argument(
+        "--prefill-metrics-port",
+        type=int,
+        default=None,
+        help="prefill worker's Prometheus port (default: --prefill-port + 100; 0: off)",
+    )
+    serve.add_argument(
+        "--decode-metrics-port",
+        type=int,
+        default=None,
+        help="decode worker's Prometheus port (default: --decode-port + 100; 0: off)",
+    )
+    add_embedding_arg(serve)
+
+    gateway = sub.add_parser("gateway", help="the HTTP gateway alone")
+    add_model_args(gateway)
+    add_gateway_args(gateway)
+    add_drain_arg(gateway)
+    gateway.add_argument("--host", default="127.0.0.1")
+    gateway.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT)
+    gateway.add_argument(
+        "--prefill",
+        action="append",
+        required=True,
+        type=check_worker_spec,
+        help="prefill worker host:port, or dns:///name:port for every address the name resolves "
+        "to, re-resolved every few seconds (a headless Service); repeatable",
+    )
+    gateway.add_argument(
+        "--decode",
+        action="append",
+        type=check_worker_spec,
+        help="decode worker host:port or dns:///name:port (as --prefill); repeatable; required unless --is-embedding",
+    )
+    add_embedding_arg(gateway)
+    add_internal_plane_args(gateway)
+
+    for role, port in (("prefill", DEFAULT_PREFILL_PORT), ("decode", DEFAULT_DECODE_PORT)):
+        worker = sub.add_parser(role, help=f"a {role} worker alone")
+        add_model_args(worker)
+        add_worker_args(worker)
+        add_drain_arg(worker)
+        worker.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
+        worker.add_argument("--port", type=int, default=port)
+        worker.add_argument(
+            "--metrics-port",
+            type=int,
+            default=None,
+            help="HTTP port serving Prometheus text at /metrics (default: --port + 100; 0: off)",
+        )
+        if role == "prefill":
+            add_embedding_arg(worker)
+        add_internal_plane_args(worker)
+        add_kv_grant_args(worker)
+
+    add_healthcheck_args(
+        sub.add_parser("healthcheck", help="probe a worker's gRPC health or the gateway's /health once")
+    )
+    add_internal_token_args(
+        sub.add_parser("internal-token", help="write a fresh internal token (or KV grant secret) to a file (once)")
+    )
+    return parser

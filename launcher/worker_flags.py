@@ -1,0 +1,192 @@
+"""The flags of the model and of a prefill or decode worker, with their parsers and aliases."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+# vLLM's spellings are accepted too, so its serving commands work unchanged.
+DTYPE_ALIASES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
+}
+# int8 / int4 are the generic names; each maps to the GGUF block format that implements it.
+QUANTIZATION_ALIASES = {
+    "none": "none",
+    "gguf": "gguf",
+    "q8_0": "q8_0",
+    "int8": "q8_0",
+    "q4_0": "q4_0",
+    "q4_1": "q4_1",
+    "int4": "q4_1",
+}
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+METRICS_PORT_OFFSET = 100  # a worker's metrics port defaults to its gRPC port + 100 (30101, 30102)
+DEFAULT_CHUNKED_PREFILL_SIZE = 512
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model-path",
+        "--model",
+        dest="model_path",
+        default=None,
+        help="HF safetensors directory or GGUF file (default: the bundled SmolLM2-135M-Instruct)",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    """The flags of a prefill or decode worker (also taken by `tandem serve`, which passes them on)."""
+    _add_engine_args(p)
+    _add_runtime_args(p)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The model's numbers, KV pool and scheduling."""
+    p.add_argument(
+        "--device",
+        type=_device,
+        default="auto",
+        help="where the weights, the KV pool and every step compute: cpu, cuda or cuda:N. "
+        "auto: cuda when torch sees a GPU, else cpu",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=sorted(["auto", *DTYPE_ALIASES]),
+        help="auto: bfloat16 on a GPU and on CPUs with AVX512-BF16/AMX, else float32 (vLLM's half/float/bf16 too)",
+    )
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
+    p.add_argument(
+        "--kv-cache-gib", type=float, default=1.0, help="KV pool size in GiB when --max-total-tokens is unset"
+    )
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--max-prefill-tokens", type=int, default=8192, help="prompt tokens per prefill batch")
+    p.add_argument(
+        "--chunked-prefill-size",
+        type=_chunked_prefill_size,
+        default=DEFAULT_CHUNKED_PREFILL_SIZE,
+        help="prompt tokens one prefill step computes at most (with --max-prefill-tokens); a longer "
+        "prompt runs in chunks over several steps, so it cannot hold the engine for seconds while "
+        "aborts and other requests wait. -1 or 0: off. The default leaves typical prompts (a "
+        "256-token benchmark prompt, a chat turn) whole, since each chunk costs another pass over "
+        "the weights on a CPU, and splits only the long prompts that would stall a step",
+    )
+    p.add_argument(
+        "--quantization",
+        "-q",
+        default="auto",
+        choices=["auto", *QUANTIZATION_ALIASES],
+        help="weight format: none (the --dtype floats), gguf (a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept "
+        "packed), q8_0 / int8, q4_0, q4_1 / int4 (quantized at load; CPU only). auto: gguf on a "
+        "CPU decode worker given a .gguf file, none otherwise (docs/performance.md has the "
+        "measurements)",
+    )
+    p.add_argument(
+        "--int8-activations",
+        action="store_true",
+        help="quantized matmuls round each activation row to int8 blocks and take integer dot "
+        "products, as llama.cpp does: faster for small batches, less exact (the default keeps "
+        "activations in float; docs/performance.md compares both)",
+    )
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "cpu", "torch", "flashinfer"],
+        help="auto: on a GPU flashinfer when installed, else torch SDPA; on CPU the C++ paged-attention "
+        "kernel (cpu) where it builds, else torch",
+    )
+    p.add_argument(
+        "--sampling-backend",
+        default="auto",
+        choices=["auto", "torch", "flashinfer"],
+        help="auto: flashinfer's sampling kernels on a GPU when installed, else torch",
+    )
+    p.add_argument(
+        "--disable-prefix-cache",
+        action="store_true",
+        help="prefill: recompute every prompt instead of reusing cached prefix pages",
+    )
+    p.add_argument(
+        "--context-length",
+        "--max-model-len",
+        dest="context_length",
+        type=int,
+        default=None,
+        help="cap the model's context length",
+    )
+
+
+def _add_runtime_args(p: argparse.ArgumentParser) -> None:
+    """Threads, the KV transport and the handoff's timeouts."""
+    p.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker process")
+    p.add_argument("--kv-transport", default="mooncake", choices=["mooncake", "local"])
+    p.add_argument("--kv-host", default=None, help="address peers use to reach this worker's KV transport")
+    p.add_argument("--kv-protocol", default="tcp", choices=["tcp", "rdma"])
+    p.add_argument("--kv-device", default="", help="RDMA device names (rdma protocol only)")
+    p.add_argument("--reservation-ttl", type=float, default=30.0, help="decode: seconds reserved pages wait for KV")
+    p.add_argument("--transfer-timeout", type=float, default=30.0, help="prefill: seconds allowed for one KV write")
+    p.add_argument(
+        "--weights-dir",
+        action="append",
+        default=None,
+        help="directory /update_weights_from_disk may load from (repeatable; default: the served "
+        "model's directory); any other path is answered as not found",
+    )
+    p.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=5.0,
+        help="seconds a request's JSON schema, regex or EBNF grammar may take to compile; longer is "
+        "a 400 (the compile finishes in the background, holding later compiles back)",
+    )
+    p.add_argument(
+        "--kv-write-grace",
+        type=float,
+        default=30.0,
+        help="decode: seconds the pages of a reservation dropped before its KV arrived stay unused "
+        "(a write may still be in flight); keep it >= the prefill side's --transfer-timeout",
+    )
+
+
+def add_embedding_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--is-embedding",
+        action="store_true",
+        help="serve an embedding model (/v1/embeddings, /encode): a BERT directory, or a Llama/Qwen2 "
+        "checkpoint pooled at its last token, or a Llama/Qwen2 *ForSequenceClassification reward "
+        "model (/classify: its scores); prefill workers only, no decode worker",
+    )
+
+
+def _device(text: str) -> str:
+    """--device: auto, cpu, cuda or cuda:N."""
+    if not _DEVICE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"must be auto, cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def _chunked_prefill_size(text: str) -> int | None:
+    """--chunked-prefill-size: a positive token count, or -1 / 0 for no chunking (None)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < -1:
+        raise argparse.ArgumentTypeError(f"must be positive, or -1 or 0 to turn chunking off, got {value}")
+    return value if value > 0 else None
+
+
+def metrics_port(flag: int | None, grpc_port: int) -> int:
+    """A worker's metrics port: the flag when given, else its gRPC port + 100 (off when that is no port)."""
+    if flag is not None:
+        return flag
+    port = grpc_port + METRICS_PORT_OFFSET
+    return port if grpc_port and port < 65536 else 0
