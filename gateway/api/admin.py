@@ -17,7 +17,7 @@ from gateway.cluster.pool import Worker
 from gateway.cluster.worker_errors import WorkerError
 from gateway.cluster.worker_records import FlushResult, UpdateResult
 from gateway.errors import APIError, public_message
-from gateway.records import SamplingOptions
+from gateway.records import FinishReason, SamplingOptions
 from gateway.service.generation import GenerationRequest
 from gateway.state import GatewayState, gateway_state
 
@@ -94,7 +94,7 @@ async def health_generate(state: GatewayState = Depends(gateway_state)):
         result = await state.generation.generate(GenerationRequest(prompt, sampling))
     except APIError as exc:
         return JSONResponse(exc.body(), status_code=503)
-    if not result.output_ids or result.finish is None or result.finish.reason == "abort":
+    if not result.output_ids or result.finish is None or result.finish.reason is FinishReason.ABORT:
         return JSONResponse({"status": "unavailable"}, status_code=503)
     return JSONResponse({"status": "ok"})
 

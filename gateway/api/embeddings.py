@@ -76,17 +76,17 @@ async def classify(body: EncodeRequest, state: GatewayState = Depends(gateway_st
 async def _encode(body: EncodeRequest, state: GatewayState, route: str) -> JSONResponse:
     started = time.perf_counter()
     limits = embedding_limits(state, route)
-    if (body.text is None) == (body.input_ids is None):
-        raise bad_request("exactly one of `text` and `input_ids` is required", "text")
-    if body.text is not None:
+    if body.text is not None and body.input_ids is None:
         is_batch, param = isinstance(body.text, list), "text"
         texts = body.text if isinstance(body.text, list) else [body.text]
         token_lists = await encode_texts(state.require_tokenizer("input"), texts, "text", limits.context_len)
-    else:
+    elif body.input_ids is not None and body.text is None:
         param = "input_ids"
-        token_lists, is_batch = token_id_lists(body.input_ids or [])
+        token_lists, is_batch = token_id_lists(body.input_ids)
         for ids in token_lists:
             check_token_ids(ids, limits, param)
+    else:
+        raise bad_request("exactly one of `text` and `input_ids` is required", "text")
     _check_inputs(token_lists, limits, param)
     rids = _rids(body.rid, len(token_lists), is_batch)
     result = await embed(state, token_lists, check_dimensions(body.dimensions, limits), param)

@@ -73,16 +73,16 @@ async def generate(body: GenerateRequest, http_request: Request, state: GatewayS
 
 
 async def _prompts(body: GenerateRequest, state: GatewayState, limits) -> tuple[list[list[int]], bool]:
-    if (body.text is None) == (body.input_ids is None):
-        raise bad_request("exactly one of `text` and `input_ids` is required", "text")
-    if body.text is not None:
+    if body.text is not None and body.input_ids is None:
         texts = body.text if isinstance(body.text, list) else [body.text]
         prompts = await encode_texts(state.require_tokenizer("text"), texts, "text", limits.context_len)
         return prompts, isinstance(body.text, list)
-    prompts, is_batch = token_id_lists(body.input_ids or [])
-    for ids in prompts:
-        check_token_ids(ids, limits, "input_ids")
-    return prompts, is_batch
+    if body.input_ids is not None and body.text is None:
+        prompts, is_batch = token_id_lists(body.input_ids)
+        for ids in prompts:
+            check_token_ids(ids, limits, "input_ids")
+        return prompts, is_batch
+    raise bad_request("exactly one of `text` and `input_ids` is required", "text")
 
 
 def _requests_for(
@@ -214,10 +214,13 @@ def _logprobs(
 ) -> NativeLogprobs:
     if not logprobs.is_on:
         return NativeLogprobs()
-    token_text = None
-    if body.return_text_in_logprobs:
-        tokenizer = state.require_tokenizer("return_text_in_logprobs")
-        token_text = lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)  # noqa: E731
+    if not body.return_text_in_logprobs:
+        return logprob_fields(logprobs, request, result, None)
+    tokenizer = state.require_tokenizer("return_text_in_logprobs")
+
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
     return logprob_fields(logprobs, request, result, token_text)
 
 

@@ -155,20 +155,10 @@ async def completions(body: CompletionRequest, http_request: Request, state: Gat
         raise bad_request("best_of cannot be used with stream", "best_of")
     prompt_logprobs = body.echo and body.logprobs is not None
     prompts = await _completion_prompts(state, body.prompt)
-    requests = [
-        r
-        for ids in prompts
-        for r in _choice_requests(
-            state,
-            body,
-            [ids],
-            best_of,
-            body.max_tokens,
-            "max_tokens",
-            num_top,
-            prompt_logprob_start=0 if prompt_logprobs else None,
-        )
-    ]
+    start = 0 if prompt_logprobs else None
+    requests = _choice_requests(
+        state, body, prompts, best_of, body.max_tokens, "max_tokens", num_top, prompt_logprob_start=start
+    )  # prompt-major: each prompt's best_of choices together
     state.generation.check_batch_size(requests, "prompt")
     created, rid = int(time.time()), f"cmpl-{requests[0].request_id}"
     echoes = [

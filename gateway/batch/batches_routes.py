@@ -12,8 +12,9 @@ from pydantic import BaseModel, ConfigDict
 from gateway.api.json_route import JSONRoute
 from gateway.batch.files_routes import check_limit, list_object, store_errors
 from gateway.batch.lines import BATCH_ENDPOINTS
+from gateway.batch.records import BatchRecord
 from gateway.batch.runner import BatchService, batch_service
-from gateway.batch.store import COMPLETION_WINDOW_S, BatchRecord
+from gateway.batch.store import COMPLETION_WINDOW_S
 from gateway.errors import APIError, bad_request
 
 router = APIRouter(route_class=JSONRoute)

@@ -13,8 +13,8 @@ from fastapi import APIRouter, Depends, File, Form, UploadFile
 from fastapi.responses import FileResponse
 
 from gateway.api.json_route import JSONRoute
+from gateway.batch.records import ConflictError, FileRecord, NotFoundError
 from gateway.batch.runner import BatchService, batch_service
-from gateway.batch.store import ConflictError, FileRecord, NotFoundError
 from gateway.errors import APIError, bad_request
 
 router = APIRouter(route_class=JSONRoute)

@@ -31,7 +31,8 @@ import httpx
 from fastapi import Request
 
 from gateway.batch.lines import BatchError, ParsedInput, parse_input, response_line
-from gateway.batch.store import BatchRecord, BatchStatus, BatchStore, PendingLine
+from gateway.batch.records import BatchRecord, BatchStatus, PendingLine
+from gateway.batch.store import BatchStore
 from gateway.batch.traffic import BATCH_LINE_HEADER, InteractiveTraffic
 
 logger = logging.getLogger(__name__)

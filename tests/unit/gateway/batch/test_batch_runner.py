@@ -12,8 +12,9 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from gateway.batch.records import BatchRecord, BatchStatus
 from gateway.batch.runner import BatchRunner
-from gateway.batch.store import BatchRecord, BatchStatus, BatchStore
+from gateway.batch.store import BatchStore
 from gateway.batch.traffic import InteractiveTraffic
 
 ENDPOINT = "/v1/chat/completions"

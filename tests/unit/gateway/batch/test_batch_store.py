@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from gateway.batch.lines import BatchError, parse_input
-from gateway.batch.store import BatchStatus, BatchStore, ConflictError, DataDirInUseError, NotFoundError
+from gateway.batch.records import BatchStatus, ConflictError, DataDirInUseError, NotFoundError
+from gateway.batch.store import BatchStore
 
 ROOT = Path(__file__).resolve().parents[3]
 ENDPOINT = "/v1/chat/completions"
