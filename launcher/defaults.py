@@ -1,10 +1,13 @@
-"""Defaults resolved once at the entry point: the bundled model, dtype, thread counts."""
+"""Defaults resolved once at the entry point (the bundled model, dtype, thread counts), and
+`field_default`, which gives a flag the default its config field states."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from pathlib import Path
+from typing import Any
 
 from gateway.sampling_defaults import SamplingDefaults
 
@@ -15,6 +18,14 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # nearly flat ("The" 15%, "L" 14% for the seed's France question), so sampling at temperature 1
 # answers "Paris" about a quarter of the time. Requests that leave temperature unset get greedy.
 BUNDLED_MODEL_SAMPLING = SamplingDefaults(temperature=0.0)
+
+
+def field_default(config: type, name: str) -> Any:
+    """The default of the dataclass `config`'s field `name`: a flag's default is stated there, once."""
+    field = {f.name: f for f in dataclasses.fields(config)}[name]
+    if field.default is dataclasses.MISSING:
+        raise TypeError(f"{config.__name__}.{name} states no default")
+    return field.default
 
 
 def default_model_path() -> str:

@@ -1,25 +1,22 @@
-"""The `tandem` command line: every subcommand's flags (`build_parser`)."""
+"""The `tandem` command line: every subcommand's flags (`build_parser`). A flag that sets a config
+field takes its default from that field (`GatewayConfig` here, the worker's in worker_flags.py)."""
 
 from __future__ import annotations
 
 import argparse
 
 from gateway.cluster.discovery import check_worker_spec
-from gateway.config import (
-    DEFAULT_DRAIN_TIMEOUT_S,
-    DEFAULT_MAX_QUEUE_WAIT_S,
-    DEFAULT_MAX_QUEUED,
-    DEFAULT_MAX_REQUEST_BODY_BYTES,
-)
+from gateway.config import GatewayConfig
+from launcher.defaults import field_default
 from launcher.healthcheck import add_healthcheck_args
 from launcher.internal_plane import (
     add_internal_plane_args,
     add_internal_token_args,
     add_kv_grant_args,
 )
-from launcher.worker_flags import add_embedding_arg, add_model_args, add_worker_args
+from launcher.worker_flags import DEFAULT_WORKER_HOST, add_embedding_arg, add_model_args, add_worker_args
+from server_runtime.config import WorkerConfig
 
-DEFAULT_GATEWAY_PORT = 30000
 DEFAULT_PREFILL_PORT = 30001
 DEFAULT_DECODE_PORT = 30002
 
@@ -32,25 +29,25 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
 
 def _add_gateway_limit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model path)")
-    p.add_argument("--prefill-timeout", type=float, default=600.0)
-    p.add_argument("--request-timeout", type=float, default=3600.0)
+    p.add_argument("--prefill-timeout", type=float, default=field_default(GatewayConfig, "prefill_timeout_s"))
+    p.add_argument("--request-timeout", type=float, default=field_default(GatewayConfig, "request_timeout_s"))
     p.add_argument(
         "--max-queued-requests",
         type=int,
-        default=DEFAULT_MAX_QUEUED,
+        default=field_default(GatewayConfig, "max_queued_requests"),
         help="generations that may wait for decode KV space at once; one more gets a 503 with "
         "Retry-After (0: no queue, refuse at once)",
     )
     p.add_argument(
         "--max-queue-wait",
         type=float,
-        default=DEFAULT_MAX_QUEUE_WAIT_S,
+        default=field_default(GatewayConfig, "max_queue_wait_s"),
         help="seconds a generation may wait for decode KV space before a 503 with Retry-After",
     )
     p.add_argument(
         "--stall-timeout",
         type=float,
-        default=20.0,
+        default=field_default(GatewayConfig, "stall_timeout_s"),
         help="seconds a worker may send nothing on a request before the gateway checks its health; "
         "one that does not answer ends the request with a 503 and gets no new requests until "
         "it answers again",
@@ -93,20 +90,20 @@ def _add_gateway_plane_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-batch-requests",
         type=int,
-        default=256,
+        default=field_default(GatewayConfig, "max_batch_requests"),
         help="most generations one request may start (prompts x n); more get a 400",
     )
     p.add_argument(
         "--max-request-body-bytes",
         type=int,
-        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        default=field_default(GatewayConfig, "max_request_body_bytes"),
         help="largest request body (JSON) the gateway reads; larger ones get a 413 unread "
         "(/v1/files uploads have their own limit, 200 MB per file)",
     )
     p.add_argument(
         "--batch-concurrency",
         type=int,
-        default=8,
+        default=field_default(GatewayConfig, "batch_concurrency"),
         help="batch lines run at once; a new one starts only while no interactive request is in flight",
     )
     p.add_argument(
@@ -117,11 +114,12 @@ def _add_gateway_plane_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_drain_arg(p: argparse.ArgumentParser) -> None:
+def add_drain_arg(p: argparse.ArgumentParser, config: type) -> None:
+    """--drain-timeout, its default `config`'s (`tandem serve` gives the gateway's to all three)."""
     p.add_argument(
         "--drain-timeout",
         type=float,
-        default=DEFAULT_DRAIN_TIMEOUT_S,
+        default=field_default(config, "drain_timeout_s"),
         help="on SIGTERM or Ctrl-C: seconds a server keeps serving the requests in flight before it "
         "exits (a worker's health answers NOT_SERVING and it refuses new requests; the gateway "
         "stops accepting connections); a second signal exits at once",
@@ -136,9 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(serve)
     add_worker_args(serve)
     add_gateway_args(serve)
-    add_drain_arg(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="gateway bind address")
-    serve.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT)
+    add_drain_arg(serve, GatewayConfig)
+    serve.add_argument("--host", default=field_default(GatewayConfig, "host"), help="gateway bind address")
+    serve.add_argument("--port", type=int, default=field_default(GatewayConfig, "port"))
     serve.add_argument("--prefill-port", type=int, default=DEFAULT_PREFILL_PORT)
     serve.add_argument("--decode-port", type=int, default=DEFAULT_DECODE_PORT)
     serve.add_argument("--startup-timeout", type=float, default=600.0)
@@ -160,9 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     gateway = sub.add_parser("gateway", help="the HTTP gateway alone")
     add_model_args(gateway)
     add_gateway_args(gateway)
-    add_drain_arg(gateway)
-    gateway.add_argument("--host", default="127.0.0.1")
-    gateway.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT)
+    add_drain_arg(gateway, GatewayConfig)
+    gateway.add_argument("--host", default=field_default(GatewayConfig, "host"))
+    gateway.add_argument("--port", type=int, default=field_default(GatewayConfig, "port"))
     gateway.add_argument(
         "--prefill",
         action="append",
@@ -184,8 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
         worker = sub.add_parser(role, help=f"a {role} worker alone")
         add_model_args(worker)
         add_worker_args(worker)
-        add_drain_arg(worker)
-        worker.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
+        add_drain_arg(worker, WorkerConfig)
+        worker.add_argument("--host", default=DEFAULT_WORKER_HOST, help="gRPC bind address")
         worker.add_argument("--port", type=int, default=port)
         worker.add_argument(
             "--metrics-port",

@@ -2,19 +2,21 @@
 and `tandem internal-token`.
 
 The token comes from --internal-token, else --internal-token-file, else the environment
-(TANDEM_INTERNAL_TOKEN, then TANDEM_INTERNAL_TOKEN_FILE), read here and nowhere else. The KV grant
-secret, which keys the grants of KV writes (server_runtime/kv_grants.py), is the workers' alone: the
-gateway holds the token but never this secret, so it cannot forge a grant. It comes from
---kv-grant-secret-file, else TANDEM_KV_GRANT_SECRET, then TANDEM_KV_GRANT_SECRET_FILE. `tandem serve`
-makes a token for its three children and a grant secret for its two workers when none is given and
-hands them down by environment, never on a command line. A worker or gateway run alone with no token
-refuses to open the plane beyond loopback unless --insecure says so; a worker with a token but no
-grant secret refuses to start.
+(TANDEM_INTERNAL_TOKEN, then TANDEM_INTERNAL_TOKEN_FILE), read here (a child of `tandem serve` reads
+its own in launcher/handoff.py). The KV grant secret, which keys the grants of KV writes
+(server_runtime/kv_grants.py), is the workers' alone: the gateway holds the token but never this
+secret, so it cannot forge a grant. It comes from --kv-grant-secret-file, else TANDEM_KV_GRANT_SECRET,
+then TANDEM_KV_GRANT_SECRET_FILE. `tandem serve` makes a token for its three children when none is
+given, and a fresh grant secret for its two workers, and hands them down by environment
+(launcher/handoff.py), never on a command line. A worker or gateway run alone with no token refuses
+to open the plane beyond loopback unless --insecure says so; a worker with a token but no grant secret
+refuses to start.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 
@@ -141,20 +143,10 @@ def kv_grant_secret_from_args(args: argparse.Namespace, credentials: InternalCre
     return secret
 
 
-def ensure_serve_token(args: argparse.Namespace) -> None:
-    """`tandem serve`: the children's token, by environment; a fresh one when none was given."""
+def serve_credentials(args: argparse.Namespace) -> InternalCredentials:
+    """`tandem serve`: its children's credentials, with a fresh token when none was given."""
     credentials = credentials_from_args(args)
-    os.environ[TOKEN_ENV] = credentials.token or generate_token()
-    os.environ.pop(TOKEN_FILE_ENV, None)
-
-
-def serve_grant_env() -> dict[str, str]:
-    """`tandem serve`: the environment that hands its prefill and decode children a fresh KV grant
-    secret. Any grant secret in this process's own environment is dropped first, so the gateway child,
-    which inherits that environment, holds none."""
-    os.environ.pop(GRANT_SECRET_ENV, None)
-    os.environ.pop(GRANT_SECRET_FILE_ENV, None)
-    return {GRANT_SECRET_ENV: generate_token()}
+    return credentials if credentials.token else dataclasses.replace(credentials, token=generate_token())
 
 
 def check_open_plane(credentials: InternalCredentials, hosts: list[str], insecure: bool, what: str) -> None:

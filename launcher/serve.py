@@ -1,172 +1,100 @@
-"""`tandem serve`: the gateway, a prefill and a decode worker as child processes of one supervisor."""
+"""`tandem serve`: the gateway, a prefill and a decode worker as child processes of one supervisor.
+Their configs are built here from one parse of the flags and handed to each child whole
+(launcher/handoff.py): a child reads no flag of its own but its log level."""
 
 from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 
-from launcher.defaults import (
-    default_data_dir,
-    default_model_path,
-    default_torch_threads,
-    served_name_for,
-)
-from launcher.internal_plane import (
-    ensure_serve_token,
-    serve_grant_env,
-)
-from launcher.worker_flags import metrics_port
+from gateway.config import GatewayConfig
+from launcher.configs import gateway_config, worker_config
+from launcher.defaults import default_torch_threads
+from launcher.handoff import HANDOFF_FLAG, child_environment, to_json
+from launcher.internal_plane import serve_credentials
+from launcher.supervisor import ChildSpec, Supervisor
+from launcher.worker_flags import DEFAULT_WORKER_HOST, metrics_port
+from server_runtime.config import WorkerConfig
+from tandem.internal_auth import generate_token
+
+
+@dataclass(frozen=True, slots=True)
+class StackConfigs:
+    """What `tandem serve` runs: a prefill worker, a decode worker (none in an embedding stack: embeddings
+    need no decode) and the gateway in front of both, on loopback."""
+
+    prefill: WorkerConfig
+    decode: WorkerConfig | None
+    gateway: GatewayConfig
+
+    @property
+    def children(self) -> tuple[WorkerConfig | GatewayConfig, ...]:
+        """Each child's config, in the order they start."""
+        return (self.prefill, self.gateway) if self.decode is None else (self.prefill, self.decode, self.gateway)
+
+
+def stack_configs(args: argparse.Namespace) -> StackConfigs:
+    """The three configs from `tandem serve`'s flags: one token for all three (the flags' or a fresh one)
+    and a fresh KV grant secret for the two workers alone."""
+    credentials = serve_credentials(args)
+    grant_secret = None if args.is_embedding else generate_token()
+    threads = args.torch_threads or default_torch_threads(1 if args.is_embedding else 2)
+
+    def worker(role: str, port: int, metrics_port_flag: int | None) -> WorkerConfig:
+        return worker_config(
+            args,
+            role=role,
+            host=DEFAULT_WORKER_HOST,
+            port=port,
+            metrics_port=metrics_port(metrics_port_flag, port),
+            credentials=credentials,
+            kv_grant_secret=grant_secret,
+            torch_threads=threads,
+        )
+
+    prefill = worker("prefill", args.prefill_port, args.prefill_metrics_port)
+    decode = None if args.is_embedding else worker("decode", args.decode_port, args.decode_metrics_port)
+    gateway = gateway_config(
+        args,
+        prefill_addrs=(_address(prefill),),
+        decode_addrs=() if decode is None else (_address(decode),),
+        internal=credentials,
+    )
+    return StackConfigs(prefill, decode, gateway)
 
 
 def serve(args: argparse.Namespace) -> int:
-    from launcher.supervisor import ChildSpec, Supervisor
-
-    model_path = args.model_path or default_model_path()
-    served_name = args.served_model_name or served_name_for(args.model_path)
-    threads = args.torch_threads or default_torch_threads(1 if args.is_embedding else 2)
-    ensure_serve_token(args)  # the children's, by environment
-    grant_env = serve_grant_env()  # the workers' alone: the gateway child never sees it
-    shared = [
-        "--model-path",
-        model_path,
-        "--log-level",
-        args.log_level,
-        *(
-            arg
-            for flag in ("tls_cert", "tls_key", "tls_ca")
-            if getattr(args, flag)
-            for arg in (f"--{flag.replace('_', '-')}", getattr(args, flag))
-        ),
-    ]
-    worker_flags = [*shared, *serve_worker_flags(args, threads)]
-    prefill_addr, decode_addr = f"127.0.0.1:{args.prefill_port}", f"127.0.0.1:{args.decode_port}"
-    # An embedding stack is gateway + one embedding prefill worker: embeddings need no decode.
-    embedding_flags = ["--is-embedding"] if args.is_embedding else []
-    prefill_metrics = ("--metrics-port", str(metrics_port(args.prefill_metrics_port, args.prefill_port)))
-    decode_metrics = ("--metrics-port", str(metrics_port(args.decode_metrics_port, args.decode_port)))
-    children = [
-        ChildSpec(
-            "prefill",
-            ("prefill", *worker_flags, *embedding_flags, "--port", str(args.prefill_port), *prefill_metrics),
-            grant_env,
-        ),
-        *(
-            []
-            if args.is_embedding
-            else [
-                ChildSpec(
-                    "decode", ("decode", *worker_flags, "--port", str(args.decode_port), *decode_metrics), grant_env
-                )
-            ]
-        ),
-        ChildSpec(
-            "gateway",
-            (
-                "gateway",
-                *shared,
-                "--served-model-name",
-                served_name,
-                "--host",
-                args.host,
-                "--port",
-                str(args.port),
-                "--prefill",
-                prefill_addr,
-                *(embedding_flags or ["--decode", decode_addr]),
-                "--prefill-timeout",
-                str(args.prefill_timeout),
-                "--request-timeout",
-                str(args.request_timeout),
-                "--stall-timeout",
-                str(args.stall_timeout),
-                "--max-queued-requests",
-                str(args.max_queued_requests),
-                "--max-queue-wait",
-                str(args.max_queue_wait),
-                "--data-dir",
-                args.data_dir or default_data_dir(),
-                "--batch-concurrency",
-                str(args.batch_concurrency),
-                "--max-batch-requests",
-                str(args.max_batch_requests),
-                "--max-request-body-bytes",
-                str(args.max_request_body_bytes),
-                "--drain-timeout",
-                str(args.drain_timeout),
-                *(["--default-sampling", args.default_sampling] if args.default_sampling else []),
-                *(["--skip-tokenizer-init"] if args.skip_tokenizer_init else []),
-                *(["--expert-distribution-dir", args.expert_distribution_dir] if args.expert_distribution_dir else []),
-            ),
-        ),
-    ]
-    if args.api_key:  # handed to the gateway child by environment, never on a command line
-        os.environ["TANDEM_API_KEY"] = args.api_key
-    if args.admin_api_key:
-        os.environ["TANDEM_ADMIN_API_KEY"] = args.admin_api_key
-    url_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    stack = stack_configs(args)
+    children = [child_spec(config, args.log_level) for config in stack.children]
+    gateway = stack.gateway
+    url_host = "127.0.0.1" if gateway.host in ("0.0.0.0", "::") else gateway.host
     supervisor = Supervisor(
-        children, f"http://{url_host}:{args.port}/health", args.startup_timeout, stop_grace_s=args.drain_timeout + 10
+        children,
+        f"http://{url_host}:{gateway.port}/health",
+        args.startup_timeout,
+        stop_grace_s=args.drain_timeout + 10,
     )
     workers = (
-        f"embedding prefill {prefill_addr}, no decode). Ctrl-C stops both."
-        if args.is_embedding
-        else f"prefill {prefill_addr}, decode {decode_addr}). Ctrl-C stops all three."
+        f"embedding prefill {_address(stack.prefill)}, no decode). Ctrl-C stops both."
+        if stack.decode is None
+        else f"prefill {_address(stack.prefill)}, decode {_address(stack.decode)}). Ctrl-C stops all three."
     )
     return supervisor.run(
-        f"Tandem is ready: gateway on http://{url_host}:{args.port} (model {served_name!r}; {workers}"
+        f"Tandem is ready: gateway on http://{url_host}:{gateway.port} (model {gateway.served_model_name!r}; {workers}"
     )
 
 
-def serve_worker_flags(args: argparse.Namespace, threads: int) -> list[str]:
-    """The worker flags of `tandem serve` that its prefill and decode children both get."""
-    flags = [
-        "--dtype",
-        args.dtype,
-        "--page-size",
-        str(args.page_size),
-        "--kv-cache-gib",
-        str(args.kv_cache_gib),
-        "--max-running-requests",
-        str(args.max_running_requests),
-        "--max-prefill-tokens",
-        str(args.max_prefill_tokens),
-        "--chunked-prefill-size",
-        str(args.chunked_prefill_size or -1),
-        "--torch-threads",
-        str(threads),
-        "--device",
-        args.device,
-        "--quantization",
-        args.quantization,
-        "--attention-backend",
-        args.attention_backend,
-        "--sampling-backend",
-        args.sampling_backend,
-        *(["--int8-activations"] if args.int8_activations else []),
-        "--kv-transport",
-        args.kv_transport,
-        "--kv-protocol",
-        args.kv_protocol,
-        "--reservation-ttl",
-        str(args.reservation_ttl),
-        "--transfer-timeout",
-        str(args.transfer_timeout),
-        "--kv-write-grace",
-        str(args.kv_write_grace),
-        "--drain-timeout",
-        str(args.drain_timeout),
-        "--grammar-compile-timeout",
-        str(args.grammar_compile_timeout),
-    ]
-    if args.disable_prefix_cache:
-        flags.append("--disable-prefix-cache")
-    for flag, value in (
-        ("--max-total-tokens", args.max_total_tokens),
-        ("--context-length", args.context_length),
-        ("--kv-host", args.kv_host),
-    ):
-        if value is not None:
-            flags += [flag, str(value)]
-    for directory in args.weights_dir or ():
-        flags += ["--weights-dir", directory]
-    return flags
+def child_spec(config: WorkerConfig | GatewayConfig, log_level: str) -> ChildSpec:
+    """The child that runs `config`: it reads the config from stdin, its secrets from its environment."""
+    name = config.role if isinstance(config, WorkerConfig) else "gateway"
+    return ChildSpec(
+        name,
+        (name, "--log-level", log_level, HANDOFF_FLAG),
+        env=child_environment(os.environ, config),
+        config=to_json(config),
+    )
+
+
+def _address(worker: WorkerConfig) -> str:
+    return f"{worker.host}:{worker.port}"

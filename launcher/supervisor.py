@@ -1,14 +1,15 @@
 """`tandem serve`: start gateway + prefill + decode as child processes, wait until ready, stop them all.
 
-Children get their own session (so a terminal's Ctrl-C reaches only us, and we stop them in
-order) and PR_SET_PDEATHSIG (so they die with us even if we are killed with SIGKILL).
+Each child gets its config on stdin, written once and closed (launcher/handoff.py), its own session
+(so a terminal's Ctrl-C reaches only us, and we stop them in order) and PR_SET_PDEATHSIG (so they
+die with us even if we are killed with SIGKILL).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -25,12 +26,13 @@ _PR_SET_PDEATHSIG = 1
 
 @dataclass(frozen=True, slots=True)
 class ChildSpec:
-    """One child: `python -m launcher <args>`, with this process's environment plus `env` (secrets
-    meant for this child alone, such as the workers' KV grant secret; kept out of reprs)."""
+    """One child: `python -m launcher <args>` with `config` on its stdin and `env` as its whole
+    environment (which carries the secrets meant for this child alone; both kept out of reprs)."""
 
     name: str
     args: tuple[str, ...]
-    env: Mapping[str, str] = field(default_factory=dict, repr=False)
+    env: Mapping[str, str] = field(repr=False)
+    config: str = field(repr=False)
 
 
 def _die_with_parent() -> None:
@@ -38,6 +40,13 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
+
+
+def _hand_over(proc: subprocess.Popen, config: str) -> None:
+    """Write `config` to the child's stdin and close it. A few KiB fit the pipe's buffer, so this does
+    not wait for the child; one that died first is reported by the start-up wait."""
+    with contextlib.suppress(BrokenPipeError), proc.stdin as pipe:
+        pipe.write(config.encode())
 
 
 class Supervisor:
@@ -58,10 +67,12 @@ class Supervisor:
             for spec in self.specs:
                 self.procs[spec.name] = subprocess.Popen(
                     [sys.executable, "-m", "launcher", *spec.args],
-                    env={**os.environ, **spec.env},
+                    env=dict(spec.env),
+                    stdin=subprocess.PIPE,
                     start_new_session=True,
                     preexec_fn=_die_with_parent,
                 )
+                _hand_over(self.procs[spec.name], spec.config)
             if not self._wait_ready():
                 return 1
             print(ready_message, flush=True)

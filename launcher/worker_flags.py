@@ -1,9 +1,16 @@
-"""The flags of the model and of a prefill or decode worker, with their parsers and aliases."""
+"""The flags of the model and of a prefill or decode worker, with their parsers and aliases. A flag
+that sets a config field takes its default from that field (`EngineConfig`, `TransportConfig`,
+`WorkerConfig`); the flags' own defaults here are the launcher's ("auto", resolved once per worker)."""
 
 from __future__ import annotations
 
 import argparse
 import re
+
+from engine.config import EngineConfig
+from kv_transfer import TransportConfig
+from launcher.defaults import field_default
+from server_runtime.config import WorkerConfig
 
 # vLLM's spellings are accepted too, so its serving commands work unchanged.
 DTYPE_ALIASES = {
@@ -27,7 +34,9 @@ QUANTIZATION_ALIASES = {
 }
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 METRICS_PORT_OFFSET = 100  # a worker's metrics port defaults to its gRPC port + 100 (30101, 30102)
+# A served worker chunks long prompts; `EngineConfig`'s own default (None, no chunking) suits library use.
 DEFAULT_CHUNKED_PREFILL_SIZE = 512
+DEFAULT_WORKER_HOST = "127.0.0.1"  # a worker's gRPC bind address, and where `tandem serve`'s gateway finds both
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -62,13 +71,26 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=sorted(["auto", *DTYPE_ALIASES]),
         help="auto: bfloat16 on a GPU and on CPUs with AVX512-BF16/AMX, else float32 (vLLM's half/float/bf16 too)",
     )
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
+    p.add_argument("--page-size", type=int, default=field_default(EngineConfig, "page_size"), help="tokens per KV page")
     p.add_argument(
-        "--kv-cache-gib", type=float, default=1.0, help="KV pool size in GiB when --max-total-tokens is unset"
+        "--max-total-tokens",
+        type=int,
+        default=field_default(EngineConfig, "max_total_tokens"),
+        help="KV pool size in tokens",
     )
-    p.add_argument("--max-running-requests", type=int, default=64)
-    p.add_argument("--max-prefill-tokens", type=int, default=8192, help="prompt tokens per prefill batch")
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=field_default(EngineConfig, "kv_cache_gib"),
+        help="KV pool size in GiB when --max-total-tokens is unset",
+    )
+    p.add_argument("--max-running-requests", type=int, default=field_default(EngineConfig, "max_running_requests"))
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=field_default(EngineConfig, "max_prefill_tokens"),
+        help="prompt tokens per prefill batch",
+    )
     p.add_argument(
         "--chunked-prefill-size",
         type=_chunked_prefill_size,
@@ -98,14 +120,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--attention-backend",
-        default="auto",
+        default=field_default(EngineConfig, "attention_backend"),
         choices=["auto", "cpu", "torch", "flashinfer"],
         help="auto: on a GPU flashinfer when installed, else torch SDPA; on CPU the C++ paged-attention "
         "kernel (cpu) where it builds, else torch",
     )
     p.add_argument(
         "--sampling-backend",
-        default="auto",
+        default=field_default(EngineConfig, "sampling_backend"),
         choices=["auto", "torch", "flashinfer"],
         help="auto: flashinfer's sampling kernels on a GPU when installed, else torch",
     )
@@ -119,7 +141,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--max-model-len",
         dest="context_length",
         type=int,
-        default=None,
+        default=field_default(EngineConfig, "context_len"),
         help="cap the model's context length",
     )
 
@@ -127,12 +149,26 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     """Threads, the KV transport and the handoff's timeouts."""
     p.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker process")
-    p.add_argument("--kv-transport", default="mooncake", choices=["mooncake", "local"])
+    p.add_argument("--kv-transport", default=field_default(TransportConfig, "backend"), choices=["mooncake", "local"])
     p.add_argument("--kv-host", default=None, help="address peers use to reach this worker's KV transport")
-    p.add_argument("--kv-protocol", default="tcp", choices=["tcp", "rdma"])
-    p.add_argument("--kv-device", default="", help="RDMA device names (rdma protocol only)")
-    p.add_argument("--reservation-ttl", type=float, default=30.0, help="decode: seconds reserved pages wait for KV")
-    p.add_argument("--transfer-timeout", type=float, default=30.0, help="prefill: seconds allowed for one KV write")
+    p.add_argument("--kv-protocol", default=field_default(TransportConfig, "protocol"), choices=["tcp", "rdma"])
+    p.add_argument(
+        "--kv-device",
+        default=field_default(TransportConfig, "device_name"),
+        help="RDMA device names (rdma protocol only)",
+    )
+    p.add_argument(
+        "--reservation-ttl",
+        type=float,
+        default=field_default(WorkerConfig, "reservation_ttl_s"),
+        help="decode: seconds reserved pages wait for KV",
+    )
+    p.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=field_default(TransportConfig, "transfer_timeout_s"),
+        help="prefill: seconds allowed for one KV write",
+    )
     p.add_argument(
         "--weights-dir",
         action="append",
@@ -143,14 +179,14 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--grammar-compile-timeout",
         type=float,
-        default=5.0,
+        default=field_default(WorkerConfig, "grammar_compile_timeout_s"),
         help="seconds a request's JSON schema, regex or EBNF grammar may take to compile; longer is "
         "a 400 (the compile finishes in the background, holding later compiles back)",
     )
     p.add_argument(
         "--kv-write-grace",
         type=float,
-        default=30.0,
+        default=field_default(WorkerConfig, "write_grace_s"),
         help="decode: seconds the pages of a reservation dropped before its KV arrived stay unused "
         "(a write may still be in flight); keep it >= the prefill side's --transfer-timeout",
     )

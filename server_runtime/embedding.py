@@ -17,7 +17,7 @@ import torch
 
 from engine.embedder import Embedder, EmbeddingModelInfo, load_embedder
 from engine.stats import EngineStats
-from server_runtime.context import WorkerConfig
+from server_runtime.config import WorkerConfig
 from server_runtime.engine_loop import BlockingWork, Lane
 
 

@@ -27,7 +27,8 @@ from engine.engine import Engine
 from engine.runner import FaultHooks
 from engine.weights import open_checkpoint
 from kv_transfer import create_transport
-from server_runtime.context import EngineFacts, WorkerConfig, WorkerContext
+from server_runtime.config import WorkerConfig
+from server_runtime.context import EngineFacts, WorkerContext
 from server_runtime.embedding import EmbeddingContext, start_embedding
 from server_runtime.engine_loop import EngineLoop
 from server_runtime.metrics import WorkerMetrics, serve_metrics

@@ -1,5 +1,5 @@
 """The engine flags of the worker commands and `tandem serve`: chunked prefill, quantization per role,
-the device (resolved once, here) and the attention and sampling backends."""
+the device (resolved once, by the command that builds the config) and the attention and sampling backends."""
 
 from __future__ import annotations
 
@@ -8,14 +8,26 @@ from typing import Callable
 import pytest
 
 from engine.config import EngineConfig
-from launcher.cli import _engine_config
+from launcher.configs import engine_config
 from launcher.flags import build_parser
-from launcher.serve import serve_worker_flags
+from launcher.serve import stack_configs
 from launcher.worker_flags import DEFAULT_CHUNKED_PREFILL_SIZE
 
 
+def _config(*argv: str) -> EngineConfig:
+    """A worker command's engine config, as `tandem prefill|decode` builds it from `argv`."""
+    args = build_parser().parse_args(list(argv))
+    return engine_config(args, args.command, getattr(args, "is_embedding", False))
+
+
+def _serve_engines(*flags: str) -> dict[str, EngineConfig]:
+    """The engine config of each worker `tandem serve` starts, by role."""
+    stack = stack_configs(build_parser().parse_args(["serve", *flags]))
+    return {worker.role: worker.engine for worker in (stack.prefill, stack.decode) if worker is not None}
+
+
 def _worker_engine_size(argv: list[str]) -> int | None:
-    return _engine_config(build_parser().parse_args(argv)).chunked_prefill_size
+    return _config(*argv).chunked_prefill_size
 
 
 def test_a_worker_chunks_by_default_and_minus_one_or_zero_turns_it_off() -> None:
@@ -37,10 +49,8 @@ def test_a_bad_chunk_size_is_refused_at_parse_time(value: str, capsys: pytest.Ca
                                                 (["--chunked-prefill-size", "96"], 96),
                                                 (["--chunked-prefill-size", "-1"], None)])
 def test_serve_passes_the_chunk_size_to_both_workers(flag: list[str], expected: int | None) -> None:
-    args = build_parser().parse_args(["serve", "--dtype", "float32", *flag])
-    worker_flags = serve_worker_flags(args, threads=1)
-    for role in ("prefill", "decode"):
-        assert _worker_engine_size([role, *worker_flags]) == expected
+    engines = _serve_engines("--dtype", "float32", *flag)
+    assert [engine.chunked_prefill_size for engine in engines.values()] == [expected, expected]
 
 
 def test_quantization_auto_packs_the_decode_workers_gguf_weights_only(tmp_path) -> None:
@@ -51,16 +61,17 @@ def test_quantization_auto_packs_the_decode_workers_gguf_weights_only(tmp_path) 
     (folder / "config.json").write_text("{}")
 
     def resolved(role: str, *flags: str) -> str:
-        return _engine_config(build_parser().parse_args([role, *flags])).quantization
+        return _config(role, *flags).quantization
 
     assert resolved("decode", "--model-path", str(gguf)) == "gguf"
     assert resolved("prefill", "--model-path", str(gguf)) == "none"      # prefill computes in floats
     assert resolved("decode", "--model-path", str(folder)) == "none"     # safetensors: floats
     assert resolved("prefill", "--model-path", str(gguf), "-q", "int4") == "q4_1"
     assert resolved("decode", "--model-path", str(folder), "--quantization", "int8") == "q8_0"
-    serve = build_parser().parse_args(["serve", "--int8-activations", "-q", "gguf"])
-    flags = serve_worker_flags(serve, 1)
-    assert flags[flags.index("--quantization") + 1] == "gguf" and "--int8-activations" in flags
+    engines = _serve_engines("--model-path", str(gguf), "--dtype", "float32")
+    assert (engines["prefill"].quantization, engines["decode"].quantization) == ("none", "gguf")
+    engines = _serve_engines("--model-path", str(gguf), "--dtype", "float32", "--int8-activations", "-q", "int8")
+    assert all((e.quantization, e.int8_activations) == ("q8_0", True) for e in engines.values())
 
 
 @pytest.fixture
@@ -72,10 +83,6 @@ def gpus(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     return set_count
-
-
-def _config(*argv: str) -> EngineConfig:
-    return _engine_config(build_parser().parse_args(list(argv)))
 
 
 @pytest.mark.parametrize(("count", "expected"), [(0, "cpu"), (1, "cuda"), (4, "cuda")])
@@ -140,14 +147,21 @@ def test_backend_flags_reach_the_engine_config(gpus: Callable[[int], None]) -> N
     assert (config.attention_backend, config.sampling_backend) == ("auto", "auto")
 
 
-def test_serve_passes_device_and_backends_to_both_workers(gpus: Callable[[int], None]) -> None:
+def test_serve_resolves_device_and_backends_once_for_both_workers(gpus: Callable[[int], None],
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    gpus(1)
+    engines = _serve_engines("--attention-backend", "torch", "--sampling-backend", "torch", "--dtype", "float16")
+    assert {(e.device, e.attention_backend, e.sampling_backend, e.dtype) for e in engines.values()} == \
+        {("cpu", "torch", "torch", "float16")}   # auto keeps KV-moving workers on the CPU, as each worker did
+    assert "KV transfer from GPU memory" in caplog.text
+    embedding = stack_configs(build_parser().parse_args(["serve", "--is-embedding", "--device", "cuda:0",
+                                                         "--attention-backend", "flashinfer"])).prefill.engine
+    assert (embedding.device, embedding.attention_backend, embedding.dtype) == ("cuda:0", "flashinfer", "float32")
+
+
+def test_serve_refuses_flags_that_make_no_valid_worker_before_starting_any(gpus: Callable[[int], None]) -> None:
     gpus(2)
-    args = build_parser().parse_args(["serve", "--device", "cuda:1", "--attention-backend", "flashinfer",
-                                      "--sampling-backend", "torch", "--dtype", "float16"])
-    worker_flags = serve_worker_flags(args, threads=1)
-    for role in ("prefill", "decode"):
-        config = _config(role, *worker_flags)
-        assert (config.device, config.attention_backend, config.sampling_backend, config.dtype) == \
-            ("cuda:1", "flashinfer", "torch", "float16")
-    default_flags = serve_worker_flags(build_parser().parse_args(["serve"]), threads=1)
-    assert default_flags[default_flags.index("--device") + 1] == "auto"   # each worker resolves it itself
+    with pytest.raises(SystemExit, match="tandem serve: KV transfer from cuda:1 memory is not supported yet"):
+        stack_configs(build_parser().parse_args(["serve", "--device", "cuda:1"]))
+    with pytest.raises(SystemExit, match="has 2 CUDA device"):
+        stack_configs(build_parser().parse_args(["serve", "--device", "cuda:2"]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from launcher.flags import build_parser
+from launcher.serve import stack_configs
 from launcher.worker_flags import metrics_port
 
 
@@ -16,6 +17,9 @@ def test_a_worker_defaults_to_its_grpc_port_plus_100_and_0_turns_it_off() -> Non
 
 
 def test_serve_takes_one_metrics_port_per_worker() -> None:
-    args = build_parser().parse_args(["serve", "--prefill-port", "40001", "--decode-metrics-port", "9102"])
-    assert metrics_port(args.prefill_metrics_port, args.prefill_port) == 40101
-    assert metrics_port(args.decode_metrics_port, args.decode_port) == 9102
+    args = build_parser().parse_args(["serve", "--dtype", "float32", "--prefill-port", "40001",
+                                      "--decode-metrics-port", "9102"])
+    stack = stack_configs(args)
+    assert stack.decode is not None
+    assert (stack.prefill.port, stack.prefill.metrics_port) == (40001, 40101)
+    assert (stack.decode.port, stack.decode.metrics_port) == (30002, 9102)

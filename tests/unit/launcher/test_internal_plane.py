@@ -12,7 +12,8 @@ import pytest
 
 from launcher.flags import build_parser
 from launcher.internal_plane import GRANT_SECRET_ENV, GRANT_SECRET_FILE_ENV, TOKEN_ENV, TOKEN_FILE_ENV, \
-    check_open_plane, credentials_from_args, ensure_serve_token, kv_grant_secret_from_args, serve_grant_env
+    check_open_plane, credentials_from_args, kv_grant_secret_from_args, serve_credentials
+from launcher.serve import stack_configs
 from tandem.internal_auth import InternalCredentials
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -46,12 +47,14 @@ def test_token_from_flag_file_or_environment(clean_env: pytest.MonkeyPatch, tmp_
         _credentials("--internal-token", "short")
 
 
-def test_serve_hands_its_children_a_token(clean_env: pytest.MonkeyPatch) -> None:
-    ensure_serve_token(build_parser().parse_args(["serve"]))
-    made = os.environ[TOKEN_ENV]
-    assert len(made) >= 32
-    ensure_serve_token(build_parser().parse_args(["serve", "--internal-token", TOKEN]))
-    assert os.environ[TOKEN_ENV] == TOKEN
+def test_serve_makes_its_children_a_token_unless_given_one(clean_env: pytest.MonkeyPatch) -> None:
+    made = serve_credentials(build_parser().parse_args(["serve"])).token
+    assert made is not None and len(made) >= 32
+    assert serve_credentials(build_parser().parse_args(["serve"])).token != made   # fresh for every stack
+    assert serve_credentials(build_parser().parse_args(["serve", "--internal-token", TOKEN])).token == TOKEN
+    clean_env.setenv(TOKEN_ENV, TOKEN)
+    assert serve_credentials(build_parser().parse_args(["serve"])).token == TOKEN
+    assert os.environ.keys().isdisjoint({TOKEN_FILE_ENV, GRANT_SECRET_ENV})   # its own environment is left alone
 
 
 def _grant_secret(*argv: str) -> str | None:
@@ -81,13 +84,14 @@ def test_a_closed_plane_needs_a_grant_secret(clean_env: pytest.MonkeyPatch) -> N
     assert "the same secret to the prefill and the decode workers" in str(refused.value)
 
 
-def test_serve_hands_the_grant_secret_to_its_workers_only(clean_env: pytest.MonkeyPatch) -> None:
+def test_serve_makes_a_fresh_grant_secret_for_its_workers_only(clean_env: pytest.MonkeyPatch) -> None:
     clean_env.setenv(GRANT_SECRET_ENV, "inherited-by-every-child-0123456789")
-    clean_env.setenv(GRANT_SECRET_FILE_ENV, "/somewhere/grant")
-    env = serve_grant_env()
-    assert env.keys() == {GRANT_SECRET_ENV} and len(env[GRANT_SECRET_ENV]) >= 32
-    assert env[GRANT_SECRET_ENV] != serve_grant_env()[GRANT_SECRET_ENV]   # fresh for every stack
-    assert GRANT_SECRET_ENV not in os.environ and GRANT_SECRET_FILE_ENV not in os.environ   # the gateway inherits none
+    stacks = [stack_configs(build_parser().parse_args(["serve", "--dtype", "float32"])) for _ in range(2)]
+    secret = stacks[0].prefill.kv_grant_secret
+    assert secret is not None and len(secret) >= 32 and secret != "inherited-by-every-child-0123456789"
+    assert stacks[0].decode is not None and stacks[0].decode.kv_grant_secret == secret
+    assert stacks[1].prefill.kv_grant_secret != secret   # fresh for every stack
+    assert secret != stacks[0].prefill.credentials.token == stacks[0].gateway.internal.token
 
 
 def test_open_plane_only_on_loopback_unless_insecure(caplog: pytest.LogCaptureFixture) -> None:

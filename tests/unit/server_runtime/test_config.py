@@ -6,7 +6,7 @@ import pytest
 
 from engine.config import EngineConfig
 from kv_transfer import TransportConfig
-from server_runtime.context import WorkerConfig
+from server_runtime.config import WorkerConfig
 
 
 def _config(role: str, device: str, is_embedding: bool = False) -> WorkerConfig:

@@ -1,0 +1,213 @@
+"""The frozen configs from one parse of the flags: a worker's `WorkerConfig` (with its `EngineConfig`
+and `TransportConfig`) and the gateway's `GatewayConfig`. What the flags leave to the machine or the
+model (the device, dtype, quantization, model path, data directory, sampling defaults) is resolved
+here, once: by the command that runs the server, or by `tandem serve` for each of its children.
+SystemExit with the reason when the flags do not make a valid config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+
+from engine.config import EngineConfig
+from gateway.config import GatewayConfig
+from gateway.sampling_defaults import SamplingDefaults, load_generation_config
+from kv_transfer import TransportConfig
+from launcher.defaults import (
+    BUNDLED_MODEL_SAMPLING,
+    default_data_dir,
+    default_dtype,
+    default_model_path,
+    is_bundled_model,
+    served_name_for,
+)
+from launcher.worker_flags import DTYPE_ALIASES, QUANTIZATION_ALIASES
+from server_runtime.config import WorkerConfig
+from tandem.internal_auth import InternalCredentials
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "TANDEM_API_KEY"
+ADMIN_API_KEY_ENV = "TANDEM_ADMIN_API_KEY"
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def gateway_config(
+    args: argparse.Namespace,
+    *,
+    prefill_addrs: tuple[str, ...],
+    decode_addrs: tuple[str, ...],
+    internal: InternalCredentials,
+) -> GatewayConfig:
+    """The gateway's config from `tandem gateway`'s or `tandem serve`'s flags; TANDEM_API_KEY and
+    TANDEM_ADMIN_API_KEY stand in for a key flag left unset."""
+    model_path = args.model_path or default_model_path()
+    try:
+        return GatewayConfig(
+            model_path=model_path,
+            sampling_defaults=_sampling_defaults(model_path, args.default_sampling),
+            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+            admin_api_key=args.admin_api_key or os.environ.get(ADMIN_API_KEY_ENV) or None,
+            skip_tokenizer_init=args.skip_tokenizer_init,
+            served_model_name=args.served_model_name or served_name_for(args.model_path),
+            prefill_addrs=prefill_addrs,
+            decode_addrs=decode_addrs,
+            is_embedding=args.is_embedding,
+            host=args.host,
+            port=args.port,
+            prefill_timeout_s=args.prefill_timeout,
+            request_timeout_s=args.request_timeout,
+            stall_timeout_s=args.stall_timeout,
+            max_queued_requests=args.max_queued_requests,
+            max_queue_wait_s=args.max_queue_wait,
+            data_dir=os.path.abspath(args.data_dir or default_data_dir()),
+            batch_concurrency=args.batch_concurrency,
+            max_batch_requests=args.max_batch_requests,
+            max_request_body_bytes=args.max_request_body_bytes,
+            drain_timeout_s=args.drain_timeout,
+            expert_distribution_dir=os.path.abspath(args.expert_distribution_dir or os.getcwd()),
+            internal=internal,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"tandem {args.command}: {exc}") from None
+
+
+def _sampling_defaults(model_path: str, flag: str | None) -> SamplingDefaults:
+    """The model's sampling defaults (greedy for the bundled SmolLM2), --default-sampling's JSON over them."""
+    defaults = BUNDLED_MODEL_SAMPLING if is_bundled_model(model_path) else load_generation_config(model_path)
+    if not flag:
+        return defaults
+    try:
+        return defaults.overridden_by(SamplingDefaults.from_mapping(json.loads(flag)))
+    except (ValueError, TypeError) as exc:
+        raise SystemExit(f"--default-sampling: {exc}") from None
+
+
+def worker_config(
+    args: argparse.Namespace,
+    *,
+    role: str,
+    host: str,
+    port: int,
+    metrics_port: int,
+    credentials: InternalCredentials,
+    kv_grant_secret: str | None,
+    torch_threads: int,
+) -> WorkerConfig:
+    """The `role` worker's config from `tandem prefill|decode`'s or `tandem serve`'s flags, listening
+    on `host:port`; the KV transport is reached at --kv-host, else `host` (loopback for a wildcard)."""
+    is_embedding = role == "prefill" and getattr(args, "is_embedding", False)
+    try:
+        return WorkerConfig(
+            role=role,
+            model_path=args.model_path or default_model_path(),
+            host=host,
+            port=port,
+            engine=engine_config(args, role, is_embedding),
+            transport=TransportConfig(
+                backend=args.kv_transport,
+                hostname=args.kv_host or ("127.0.0.1" if host in _WILDCARD_HOSTS else host),
+                protocol=args.kv_protocol,
+                device_name=args.kv_device,
+                transfer_timeout_s=args.transfer_timeout,
+            ),
+            torch_threads=torch_threads,
+            reservation_ttl_s=args.reservation_ttl,
+            write_grace_s=args.kv_write_grace,
+            is_embedding=is_embedding,
+            metrics_port=metrics_port,
+            credentials=credentials,
+            kv_grant_secret=kv_grant_secret,
+            weights_dirs=tuple(os.path.abspath(d) for d in args.weights_dir or ()),
+            grammar_compile_timeout_s=args.grammar_compile_timeout,
+            drain_timeout_s=args.drain_timeout,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"tandem {args.command}: {exc}") from None
+
+
+def engine_config(args: argparse.Namespace, role: str, is_embedding: bool) -> EngineConfig:
+    """The `role` worker's engine settings from its flags; the device is resolved here, once.
+    Exits with the reason when the flags do not fit together (e.g. a quantization on a GPU)."""
+    device = _worker_device(args.device, moves_kv=not is_embedding)
+    try:
+        return EngineConfig(
+            dtype=_worker_dtype(args.dtype, device, is_embedding),
+            page_size=args.page_size,
+            max_total_tokens=args.max_total_tokens,
+            kv_cache_gib=args.kv_cache_gib,
+            max_running_requests=args.max_running_requests,
+            max_prefill_tokens=args.max_prefill_tokens,
+            chunked_prefill_size=args.chunked_prefill_size,
+            context_len=args.context_length,
+            device=device,
+            quantization=_worker_quantization(args, role, device),
+            attention_backend=args.attention_backend,
+            sampling_backend=args.sampling_backend,
+            int8_activations=args.int8_activations,
+            enable_prefix_cache=role == "prefill" and not args.disable_prefix_cache,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"tandem {args.command}: {exc}") from None
+
+
+def _worker_device(flag: str, moves_kv: bool) -> str:
+    """--device resolved: auto is cuda when torch sees a GPU, else cpu. Until the KV transports
+    move GPU memory, a worker that moves KV (prefill, decode) keeps auto on the CPU, so GPU images
+    and charts keep serving; an explicit cuda is refused by WorkerConfig with the reason. A CUDA
+    device this machine does not have is refused here, before any weight is read."""
+    if flag == "cpu":
+        return flag
+    import torch
+
+    if flag == "auto":
+        if torch.cuda.is_available() and moves_kv:
+            logger.warning(
+                "--device auto: a GPU is present, but KV transfer from GPU memory is not there "
+                "yet; this worker computes on the CPU"
+            )
+            return "cpu"
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(flag.partition(":")[2] or 0)
+    if index >= count:
+        raise SystemExit(
+            f"--device {flag}: this machine has {count} CUDA device(s)"
+            f"{'' if count else ' (or this torch build has no CUDA)'}"
+        )
+    return flag
+
+
+def _worker_quantization(args: argparse.Namespace, role: str, device: str) -> str:
+    """--quantization, where auto suits each role: a decode worker keeps a GGUF file's blocks packed
+    (decode is bound by the bytes of weights read per token), a prefill worker computes in the
+    --dtype floats (prefill is bound by arithmetic, where the BLAS matmul is faster than reading
+    packed blocks; measured in docs/performance.md). Safetensors checkpoints load as floats, and so
+    does every checkpoint on a GPU (the packed-block kernel is CPU code)."""
+    if args.quantization != "auto":
+        return QUANTIZATION_ALIASES[args.quantization]
+    if device != "cpu":
+        return "none"
+    model_path = args.model_path or default_model_path()
+    is_gguf = model_path.lower().endswith(".gguf") or _holds_one_gguf(model_path)
+    return "gguf" if is_gguf and role == "decode" else "none"
+
+
+def _holds_one_gguf(path: str) -> bool:
+    return (
+        os.path.isdir(path)
+        and not os.path.exists(os.path.join(path, "config.json"))
+        and sum(name.lower().endswith(".gguf") for name in os.listdir(path)) == 1
+    )
+
+
+def _worker_dtype(flag: str, device: str, is_embedding: bool) -> str:
+    """--dtype, where auto is float32 for embedding models (small, and compared with fp32 references),
+    else bfloat16 on a GPU and on CPUs that compute it natively."""
+    if flag != "auto":
+        return DTYPE_ALIASES[flag]
+    if is_embedding:
+        return "float32"
+    return "bfloat16" if device.startswith("cuda") else default_dtype()

@@ -1,0 +1,64 @@
+"""`WorkerConfig`: everything a prefill or decode server process needs, frozen. Imports no torch, so
+the launcher reads its defaults for the command line and rebuilds it from `tandem serve`'s hand-off
+without loading the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from kv_transfer import TransportConfig
+from tandem.internal_auth import InternalCredentials
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """Everything a prefill or decode server process needs."""
+
+    role: str  # "prefill" or "decode"
+    model_path: str
+    host: str
+    port: int  # 0: any free port (tests; `RunningWorker.address` tells which)
+    engine: EngineConfig
+    transport: TransportConfig  # its transfer_timeout_s: prefill's longest KV write before the request fails
+    torch_threads: int
+    reservation_ttl_s: float = 30.0  # decode: pages held for a prefill that never comes
+    write_grace_s: float = 30.0  # decode: unused reservation pages rest this long before reuse
+    is_embedding: bool = False  # prefill: serve Embed from an embedding model; no engine, KV or decode
+    metrics_port: int = 0  # HTTP port serving Prometheus text; 0: no metrics endpoint
+    credentials: InternalCredentials = InternalCredentials()  # the token (and TLS) every tandem.v1 call needs
+    # Keys KV write grants (kv_grants.py); the workers' alone, never the gateway's. None: an open plane's public key.
+    kv_grant_secret: str | None = field(default=None, repr=False)
+    weights_dirs: tuple[str, ...] = ()  # UpdateWeights loads only from under these; (): the model's directory
+    grammar_compile_timeout_s: float = 5.0  # a request's grammar that takes longer to compile is refused
+    drain_timeout_s: float = 30.0  # on SIGTERM/SIGINT: longest wait for the requests in flight to finish
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
+        if not (0 <= self.port < 65536):
+            raise ValueError(f"port out of range: {self.port}")
+        if not (0 <= self.metrics_port < 65536) or (self.metrics_port and self.metrics_port == self.port):
+            raise ValueError(f"metrics_port must be 0 (off) or a port other than port, got {self.metrics_port}")
+        if self.torch_threads < 1:
+            raise ValueError("torch_threads must be >= 1")
+        if self.grammar_compile_timeout_s <= 0:
+            raise ValueError("grammar_compile_timeout_s must be positive")
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must be >= 0")
+        if self.reservation_ttl_s <= 0 or self.write_grace_s < 0:
+            raise ValueError("reservation_ttl_s must be positive, write_grace_s >= 0")
+        if self.is_embedding and self.role != "prefill":
+            raise ValueError("is_embedding is for prefill workers only: embeddings need no decode")
+        if self.engine.device != "cpu" and not self.is_embedding:
+            # The transports read and write the pool as host memory (memmove, Mooncake's CPU build): a
+            # device pointer there would crash the process or move garbage.
+            raise ValueError(
+                f"KV transfer from {self.engine.device} memory is not supported yet: run prefill "
+                "and decode workers with --device cpu (embedding workers may use a GPU)"
+            )
+
+    @property
+    def kind_name(self) -> str:
+        """The worker kind this config is for: "prefill", "decode" or "embedding"."""
+        return "embedding" if self.is_embedding else self.role

@@ -1,0 +1,78 @@
+"""`tandem serve` builds its three configs from one parse of its flags: one token, the workers on
+loopback where the gateway finds them, an embedding stack without decode."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from engine.config import EngineConfig
+from gateway.config import GatewayConfig
+from kv_transfer import TransportConfig
+from launcher.defaults import field_default
+from launcher.flags import build_parser
+from launcher.handoff import HANDOFF_FLAG
+from launcher.serve import child_spec, stack_configs
+from server_runtime.config import WorkerConfig
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _stack(*flags: str):
+    return stack_configs(build_parser().parse_args(["serve", "--dtype", "float32", *flags]))
+
+
+def test_the_gateway_finds_both_workers_and_all_three_share_one_token(tmp_path: Path) -> None:
+    stack = _stack("--prefill-port", "40001", "--decode-port", "40002", "--port", "40000",
+                   "--served-model-name", "smol", "--data-dir", str(tmp_path), "--drain-timeout", "7")
+    assert stack.decode is not None
+    assert (stack.gateway.prefill_addrs, stack.gateway.decode_addrs) == (("127.0.0.1:40001",), ("127.0.0.1:40002",))
+    assert (stack.gateway.port, stack.gateway.served_model_name, stack.gateway.data_dir) == (40000, "smol",
+                                                                                             str(tmp_path))
+    assert stack.prefill.credentials == stack.decode.credentials == stack.gateway.internal
+    assert [c.drain_timeout_s for c in stack.children] == [7, 7, 7]
+    assert (stack.prefill.engine.enable_prefix_cache, stack.decode.engine.enable_prefix_cache) == (True, False)
+    assert stack.prefill.torch_threads == stack.decode.torch_threads >= 1
+
+
+def test_an_embedding_stack_has_no_decode_and_no_grant_secret() -> None:
+    stack = _stack("--is-embedding")
+    assert stack.decode is None and stack.prefill.is_embedding and stack.gateway.is_embedding
+    assert stack.prefill.kv_grant_secret is None and stack.gateway.decode_addrs == ()
+    assert [type(c).__name__ for c in stack.children] == ["WorkerConfig", "GatewayConfig"]
+
+
+def test_each_child_is_told_its_role_and_log_level_and_nothing_else_on_its_command_line() -> None:
+    stack = _stack("--api-key", "user-key-0123456789", "--max-total-tokens", "4096")
+    specs = [child_spec(config, "debug") for config in stack.children]
+    assert [(s.name, s.args) for s in specs] == [(role, (role, "--log-level", "debug", HANDOFF_FLAG))
+                                                 for role in ("prefill", "decode", "gateway")]
+    assert '"max_total_tokens": 4096' in specs[0].config and "user-key" not in repr(specs[2])
+
+
+def test_flags_left_unset_take_the_config_fields_defaults() -> None:
+    stack = _stack()
+    assert stack.decode is not None
+    gateway_defaults = GatewayConfig(model_path="m", served_model_name="m", prefill_addrs=("p:1",),
+                                     decode_addrs=("d:2",), data_dir="/d")
+    for name in ("host", "port", "prefill_timeout_s", "request_timeout_s", "stall_timeout_s", "max_queued_requests",
+                 "max_queue_wait_s", "batch_concurrency", "max_batch_requests", "max_request_body_bytes",
+                 "drain_timeout_s"):
+        assert getattr(stack.gateway, name) == getattr(gateway_defaults, name), name
+    for name in ("reservation_ttl_s", "write_grace_s", "grammar_compile_timeout_s", "drain_timeout_s"):
+        assert getattr(stack.decode, name) == field_default(WorkerConfig, name), name
+    engine, transport = EngineConfig(), TransportConfig()
+    for name in ("page_size", "max_total_tokens", "kv_cache_gib", "max_running_requests", "max_prefill_tokens",
+                 "context_len", "attention_backend", "sampling_backend", "int8_activations"):
+        assert getattr(stack.decode.engine, name) == getattr(engine, name), name
+    for name in ("backend", "protocol", "device_name", "transfer_timeout_s"):
+        assert getattr(stack.decode.transport, name) == getattr(transport, name), name
+
+
+def test_the_command_line_loads_no_torch() -> None:
+    """The parser reads the configs' defaults from modules that import no torch, so that `tandem
+    healthcheck` (a container's probe) stays quick."""
+    code = "import sys; from launcher.cli import main; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "False", done.stderr
