@@ -63,4 +63,4 @@ bench-peer: install
 	$(PY) benchmarks/vs_llama_cpp.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info protos/tandem/v1/*_pb2*.py protos/tandem/v1/*_pb2.pyi
+	rm -rf $(VENV) build *.egg-info protos/tandem/v1/*_pb2*.py protos/tandem/v1/*_pb2.pyi protos/tandem/api/v1/*_pb2*.py protos/tandem/api/v1/*_pb2.pyi

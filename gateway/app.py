@@ -24,6 +24,7 @@ from gateway.cluster.admission import Admission
 from gateway.cluster.pool import WorkerPool
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
+from gateway.grpc_api.server import serving_grpc_api
 from gateway.metrics import GatewayMetrics
 from gateway.service.generation import GenerationService
 from gateway.state import GatewayState
@@ -63,8 +64,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         app.state.gateway = GatewayState(config, tokenizer, pool, gateway_metrics, generation)
         await pool.probe_all()
         pool.start()
-        async with run_batches(
-            app, config.data_dir, traffic, config.batch_concurrency, lambda: pool.is_ready, config.api_key
+        async with (
+            run_batches(app, config.data_dir, traffic, config.batch_concurrency, lambda: pool.is_ready, config.api_key),
+            serving_grpc_api(app.state.gateway, config.drain_timeout_s),
         ):
             yield
         await pool.close()

@@ -32,6 +32,7 @@ class GatewayConfig:
     data_dir: str
     host: str = "127.0.0.1"
     port: int = 30000
+    grpc_port: int = 30051  # the client gRPC API (tandem.api.v1) on `host`; 0: none
     reserve_timeout_s: float = 10.0
     prefill_timeout_s: float = 600.0
     request_timeout_s: float = 3600.0
@@ -61,6 +62,8 @@ class GatewayConfig:
             raise ValueError("an embedding gateway uses no decode workers")
         if not (0 <= self.port < 65536):
             raise ValueError(f"port out of range: {self.port}")
+        if not (0 <= self.grpc_port < 65536) or (self.grpc_port and self.grpc_port == self.port):
+            raise ValueError(f"grpc_port must be 0 (off) or a port other than port, got {self.grpc_port}")
         if not self.data_dir:
             raise ValueError("data_dir must be set")
         if self.admin_api_key and self.admin_api_key == self.api_key:

@@ -57,6 +57,7 @@ def gateway_config(
             is_embedding=args.is_embedding,
             host=args.host,
             port=args.port,
+            grpc_port=args.grpc_port,
             prefill_timeout_s=args.prefill_timeout,
             request_timeout_s=args.request_timeout,
             stall_timeout_s=args.stall_timeout,

@@ -137,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_drain_arg(serve, GatewayConfig)
     serve.add_argument("--host", default=field_default(GatewayConfig, "host"), help="gateway bind address")
     serve.add_argument("--port", type=int, default=field_default(GatewayConfig, "port"))
+    serve.add_argument(
+        "--grpc-port",
+        type=int,
+        default=field_default(GatewayConfig, "grpc_port"),
+        help="port of the gateway's gRPC API (tandem.api.v1, beside HTTP on --host); 0 turns it off",
+    )
     serve.add_argument("--prefill-port", type=int, default=DEFAULT_PREFILL_PORT)
     serve.add_argument("--decode-port", type=int, default=DEFAULT_DECODE_PORT)
     serve.add_argument("--startup-timeout", type=float, default=600.0)
@@ -161,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_drain_arg(gateway, GatewayConfig)
     gateway.add_argument("--host", default=field_default(GatewayConfig, "host"))
     gateway.add_argument("--port", type=int, default=field_default(GatewayConfig, "port"))
+    gateway.add_argument(
+        "--grpc-port",
+        type=int,
+        default=field_default(GatewayConfig, "grpc_port"),
+        help="port of the gateway's gRPC API (tandem.api.v1, beside HTTP on --host); 0 turns it off",
+    )
     gateway.add_argument(
         "--prefill",
         action="append",

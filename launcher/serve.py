@@ -80,8 +80,10 @@ def serve(args: argparse.Namespace) -> int:
         if stack.decode is None
         else f"prefill {_address(stack.prefill)}, decode {_address(stack.decode)}). Ctrl-C stops all three."
     )
+    grpc_api = f", gRPC API on {url_host}:{gateway.grpc_port}" if gateway.grpc_port else ""
     return supervisor.run(
-        f"Tandem is ready: gateway on http://{url_host}:{gateway.port} (model {gateway.served_model_name!r}; {workers}"
+        f"Tandem is ready: gateway on http://{url_host}:{gateway.port}{grpc_api} "
+        f"(model {gateway.served_model_name!r}; {workers}"
     )
 
 

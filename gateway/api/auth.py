@@ -45,8 +45,8 @@ class AuthMiddleware:
 
     def __init__(self, app, api_key: str | None, admin_api_key: str | None) -> None:
         self.app = app
-        user = (_bearer(api_key),) if api_key else ()
-        admin = (_bearer(admin_api_key),) if admin_api_key else ()
+        user = (bearer(api_key),) if api_key else ()
+        admin = (bearer(admin_api_key),) if admin_api_key else ()
         self._user_route_keys = user + admin if user else ()  # no user key: user routes are open
         self._admin_route_keys = admin or user
 
@@ -65,7 +65,7 @@ class AuthMiddleware:
             await JSONResponse(error.body(), status_code=400)(scope, receive, send)
             return
         accepted = self._keys_for(scope["path"])
-        if accepted and not _matches_any(given[0] if given else b"", accepted):
+        if accepted and not matches_any(given[0] if given else b"", accepted):
             error = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
             await JSONResponse(error.body(), status_code=401)(scope, receive, send)
             return
@@ -78,11 +78,11 @@ class AuthMiddleware:
         return self._admin_route_keys if path in ADMIN_PATHS else self._user_route_keys
 
 
-def _bearer(key: str) -> bytes:
+def bearer(key: str) -> bytes:
     return f"Bearer {key}".encode()
 
 
-def _matches_any(given: bytes, accepted: tuple[bytes, ...]) -> bool:
+def matches_any(given: bytes, accepted: tuple[bytes, ...]) -> bool:
     """Compares against every accepted value (no early exit), each in constant time."""
     matches = [hmac.compare_digest(given, value) for value in accepted]
     return any(matches)

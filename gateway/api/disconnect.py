@@ -15,6 +15,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
+from gateway.api.guard import Guard
 from gateway.errors import APIError
 
 T = TypeVar("T")
@@ -46,3 +47,12 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def disconnect_guard(request: Request) -> Guard:
+    """The `Guard` of an HTTP route: `cancel_on_disconnect` for `request`."""
+
+    async def guard(work: Awaitable[T], /) -> T:
+        return await cancel_on_disconnect(request, work)
+
+    return guard

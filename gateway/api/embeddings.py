@@ -48,6 +48,11 @@ class Embedded:
 
 @router.post("/v1/embeddings")
 async def create_embeddings(body: EmbeddingRequest, state: GatewayState = Depends(gateway_state)) -> JSONResponse:
+    return JSONResponse(await embeddings_answer(state, body))
+
+
+async def embeddings_answer(state: GatewayState, body: EmbeddingRequest) -> dict:
+    """OpenAI's embeddings answer, for every front."""
     state.check_model(body.model)
     limits = embedding_limits(state, "/v1/embeddings")
     token_lists = await _openai_inputs(state, body.input, limits)
@@ -57,23 +62,24 @@ async def create_embeddings(body: EmbeddingRequest, state: GatewayState = Depend
         for i, v in enumerate(result.vectors)
     ]
     usage = {"prompt_tokens": result.num_tokens, "total_tokens": result.num_tokens}
-    return JSONResponse({"object": "list", "data": data, "model": body.model, "usage": usage})
+    return {"object": "list", "data": data, "model": body.model, "usage": usage}
 
 
 @router.post("/encode")
 async def encode(body: EncodeRequest, state: GatewayState = Depends(gateway_state)) -> JSONResponse:
     """SGLang's shape: `{"embedding", "meta_info"}` for one input, a list of them for a list."""
-    return await _encode(body, state, "/encode")
+    return JSONResponse(await encode_answer(state, body, "/encode"))
 
 
 @router.post("/classify")
 async def classify(body: EncodeRequest, state: GatewayState = Depends(gateway_state)) -> JSONResponse:
     """SGLang's reward-model route: the body and answer of /encode, where a classifier's (e.g.
     `LlamaForSequenceClassification`) "embedding" is its `num_labels` scores for the input's last token."""
-    return await _encode(body, state, "/classify")
+    return JSONResponse(await encode_answer(state, body, "/classify"))
 
 
-async def _encode(body: EncodeRequest, state: GatewayState, route: str) -> JSONResponse:
+async def encode_answer(state: GatewayState, body: EncodeRequest, route: str) -> dict | list[dict]:
+    """/encode's or /classify's answer, for every front: one output, or a list for a list of inputs."""
     started = time.perf_counter()
     limits = embedding_limits(state, route)
     if body.text is not None and body.input_ids is None:
@@ -103,7 +109,7 @@ async def _encode(body: EncodeRequest, state: GatewayState, route: str) -> JSONR
         }
         for vector, rid, ids in zip(result.vectors, rids, token_lists)
     ]
-    return JSONResponse(outputs if is_batch else outputs[0])
+    return outputs if is_batch else outputs[0]
 
 
 def embedding_limits(state: GatewayState, route: str) -> ModelLimits:

@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from gateway.api.disconnect import cancel_on_disconnect
+from gateway.api.disconnect import disconnect_guard
+from gateway.api.guard import Guard
 from gateway.api.json_route import JSONRoute
 from gateway.api.native_logprobs import LogprobOptions, logprob_fields, logprob_options
 from gateway.api.responses import (
@@ -43,8 +44,16 @@ async def health(state: GatewayState = Depends(gateway_state)):
 
 @router.post("/generate", response_model=GenerateResponse | list[GenerateResponse])
 async def generate(body: GenerateRequest, http_request: Request, state: GatewayState = Depends(gateway_state)):
-    """One prompt, or a batch (`text` / `input_ids` as lists), each with `n` samples. A single
-    prompt with n == 1 answers one object; anything else answers a list, in prompt-major order."""
+    answer = await run_generate(state, body, disconnect_guard(http_request))
+    return sse_response(answer) if isinstance(answer, AsyncIterator) else answer
+
+
+async def run_generate(
+    state: GatewayState, body: GenerateRequest, guard: Guard
+) -> GenerateResponse | list[GenerateResponse] | AsyncIterator[GenerateResponse]:
+    """/generate for every front: one prompt, or a batch (`text` / `input_ids` as lists), each with
+    `n` samples. A single prompt with n == 1 answers one object; anything else a list, in
+    prompt-major order; `body.stream` answers the stream's events once the first token is there."""
     arrived_at = time.perf_counter()
     state.require_generation()
     limits = state.pool.limits()
@@ -65,9 +74,9 @@ async def generate(body: GenerateRequest, http_request: Request, state: GatewayS
         options += [logprobs] * len(choices)
     state.generation.check_batch_size(requests, "text" if body.text is not None else "input_ids")
     if body.stream:
-        started = await cancel_on_disconnect(http_request, state.generation.started_choices(requests))
-        return sse_response(_stream(state, body, requests, started, options, arrived_at, is_batch or len(requests) > 1))
-    results = await cancel_on_disconnect(http_request, state.generation.gather(requests))
+        started = await guard(state.generation.started_choices(requests))
+        return _stream(state, body, requests, started, options, arrived_at, is_batch or len(requests) > 1)
+    results = await guard(state.generation.gather(requests))
     answers = [_response(state, body, r, o, res, arrived_at) for r, o, res in zip(requests, options, results)]
     return answers if is_batch or len(answers) > 1 else answers[0]
 

@@ -106,10 +106,13 @@ def _never(package: str, forbidden: tuple[str, ...]) -> Rule:
 KV_TRANSFER_ENGINE_TYPES = ("engine.config", "engine.errors", "engine.kv_pool", "engine.request")
 ENGINE_FORBIDDEN = ("grpc", "grpc_health", "grpc_reflection", "fastapi", "starlette", "uvicorn", "pydantic",
                     "threading", "_thread", "concurrent", "asyncio", "socket", "mooncake")
-# The gRPC edge: the generated stubs and the gRPC libraries. In the gateway only the cluster wing, whose
-# `WorkerClient` converts to and from gateway records, imports them (tandem.internal_auth and
+# The gRPC edges: the generated stubs and the gRPC libraries. In the gateway only the cluster wing, whose
+# `WorkerClient` converts to and from gateway records, imports the workers' stubs (tandem.v1); the gRPC
+# libraries also the client API's wing (grpc_api), which serves tandem.api.v1 (tandem.internal_auth and
 # tandem.request_log are plain helpers, open to every wing).
-GRPC_EDGE = ("tandem.v1", "grpc", "grpc_health", "grpc_reflection", "google.protobuf")
+WORKER_STUBS = ("tandem.v1",)
+GRPC_LIBRARIES = ("grpc", "grpc_health", "grpc_reflection", "grpc_status", "google.protobuf", "google.rpc",
+                  "tandem.api")
 
 RULES: dict[str, Rule] = {
     "kernels imports no in-repo package": _only_in_repo("kernels", ()),
@@ -121,9 +124,12 @@ RULES: dict[str, Rule] = {
         _only_in_repo("server_runtime", ("engine", "kernels", "kv_transfer", "tandem")),
     "gateway imports only protos and gateway": _only_in_repo("gateway", ("tandem",)),
     "gateway never imports torch": _never("gateway", ("torch",)),
-    "only gateway.cluster imports tandem.v1 stubs or grpc":
+    "only gateway.cluster imports tandem.v1 stubs":
         lambda imp: (_in_package(imp, "gateway") and not _in_package(imp, "gateway.cluster")
-                     and imp.is_under(*GRPC_EDGE)),
+                     and imp.is_under(*WORKER_STUBS)),
+    "only gateway.cluster and gateway.grpc_api import grpc":
+        lambda imp: (_in_package(imp, "gateway") and not _in_package(imp, "gateway.cluster")
+                     and not _in_package(imp, "gateway.grpc_api") and imp.is_under(*GRPC_LIBRARIES)),
     "prefill_server does not import decode_server": _never("prefill_server", ("decode_server",)),
     "decode_server does not import prefill_server": _never("decode_server", ("prefill_server",)),
     "generated protos import no other in-repo package": _only_in_repo("tandem", ()),
@@ -142,7 +148,7 @@ GATEWAY_FLOORS = (
     ("gateway.service",),
     ("gateway.state",),
     ("gateway.api",),
-    ("gateway.batch",),
+    ("gateway.batch", "gateway.grpc_api"),
     ("gateway.app",),
 )
 
@@ -280,9 +286,9 @@ def test_checker_reports_violations_with_file_and_line(tmp_path: Path) -> None:
     assert found["mooncake is imported only in kv_transfer/mooncake_backend.py"] == [
         "launcher/cli.py:2: launcher.cli imports mooncake.engine"]
     assert found["prefill_server does not import decode_server"] == []
-    assert found["only gateway.cluster imports tandem.v1 stubs or grpc"] == [
-        "gateway/api/routes.py:5: gateway.api.routes imports grpc_health.v1",
-        "gateway/app.py:2: gateway.app imports tandem.v1"]
+    assert found["only gateway.cluster imports tandem.v1 stubs"] == ["gateway/app.py:2: gateway.app imports tandem.v1"]
+    assert found["only gateway.cluster and gateway.grpc_api import grpc"] == [
+        "gateway/api/routes.py:5: gateway.api.routes imports grpc_health.v1"]
     assert found["gateway modules never import a floor above their own"] == [
         "gateway/cluster/pool.py:1: gateway.cluster.pool imports gateway.api.routes"]
     assert find_cycles(collect_imports(tmp_path)) == [["gateway.api.routes", "gateway.cluster.pool"]]

@@ -1,0 +1,1 @@
+"""Tandem's client API (package tandem.api)."""
