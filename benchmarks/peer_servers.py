@@ -61,7 +61,7 @@ def start_tandem(serve_args: list[str], run_dir: Path) -> Server:
     cmd = [str(Path(sys.executable).with_name("tandem")), "serve", "--port", str(port),
            "--prefill-port", str(free_port()), "--decode-port", str(free_port()),
            "--prefill-metrics-port", str(free_port()), "--decode-metrics-port", str(free_port()),
-           "--data-dir", str(run_dir / "tandem-data"), *serve_args]
+           "--grpc-port", str(free_port()), "--data-dir", str(run_dir / "tandem-data"), *serve_args]
     return launch(TANDEM, cmd, port, run_dir / "tandem.log", signal.SIGINT)
 
 

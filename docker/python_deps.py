@@ -20,9 +20,10 @@ INSTALLED_SEPARATELY = frozenset({"torch"})
 # image swaps for the CUDA build (both install the same `mooncake` package).
 MOONCAKE = "mooncake-transfer-engine"
 ACCELERATOR_EXTRAS = {"cpu": (), "cuda": ("mooncake-transfer-engine", "flashinfer-python")}
-# What only the workers import: checkpoint reading, server reflection, stub generation at build time,
-# grammar-constrained decoding (the engine applies the grammar masks).
-WORKER_ONLY = frozenset({"safetensors", "grpcio-reflection", "grpcio-tools", "xgrammar"})
+# What only the workers import: checkpoint reading, stub generation at build time, grammar-constrained
+# decoding (the engine applies the grammar masks). Server reflection (grpcio-reflection) and the rich
+# error details (grpcio-status, which brings googleapis-common-protos) serve the gateway's gRPC API too.
+WORKER_ONLY = frozenset({"safetensors", "grpcio-tools", "xgrammar"})
 
 
 def requirement_name(requirement: str) -> str:

@@ -45,7 +45,9 @@ def _message(values: dict[str, Any]) -> dict[str, Any]:
     if "content_parts" in values:
         if "content" in values:
             raise bad_request("a message has `content` or `content_parts`, not both", "messages.content_parts")
-        values = {**values, "content": values.pop("content_parts")}
+        values = {key: value for key, value in values.items() if key != "content_parts"} | {
+            "content": values["content_parts"]
+        }
     return values
 
 

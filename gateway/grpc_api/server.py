@@ -41,6 +41,7 @@ async def serving_grpc_api(state: GatewayState, drain_timeout_s: float) -> Async
         options=[
             ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),  # gRPC's default on Linux would let a second server share the port silently
         ],
     )
     inference_service_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(state), server)
@@ -48,7 +49,12 @@ async def serving_grpc_api(state: GatewayState, drain_timeout_s: float) -> Async
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"[{config.host}]:{config.grpc_port}" if ":" in config.host else f"{config.host}:{config.grpc_port}"
-    server.add_insecure_port(address)
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError:
+        raise SystemExit(
+            f"the gRPC API cannot listen on {address} (is the port in use?): set --grpc-port, or 0 to turn it off"
+        ) from None
     await server.start()
     logger.info("gRPC API (%s) on %s", SERVICE_NAME, address)
     watcher = asyncio.create_task(_report_health(health_servicer, lambda: state.pool.is_ready))

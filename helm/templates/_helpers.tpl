@@ -45,6 +45,18 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag) -}}
 {{- end -}}
 
+{{/* The gateway's gRPC API port, 0 while the API is off. 30051, the gateway's own default, when the value is
+missing altogether (`helm upgrade --reuse-values` from a release made before it existed). The gateway
+refuses to start with both APIs on one port, so the chart refuses to render that. */}}
+{{- define "tandem.gatewayGrpcPort" -}}
+{{- $g := .Values.gateway -}}
+{{- $port := ternary $g.grpcPort 30051 (hasKey $g "grpcPort") | int -}}
+{{- if eq $port (int $g.port) -}}
+{{- fail (printf "gateway.grpcPort (%d) must differ from gateway.port, or be 0 to turn the gRPC API off" $port) -}}
+{{- end -}}
+{{- $port -}}
+{{- end -}}
+
 {{/* The model volume and its mount, when the model comes from a PVC (call only then). */}}
 {{- define "tandem.modelVolumeMount" -}}
 - name: model

@@ -76,12 +76,22 @@ def test_addresses_by_service_name_and_kv_over_mooncake_tcp():
         env = services[role]["environment"]
         assert int(env["MC_MAX_RPC_PORT"]) - int(env["MC_MIN_RPC_PORT"]) == 1
         assert "--kv-protocol=rdma" not in command           # tcp, the default
-    assert services["gateway"]["ports"] == [{"mode": "ingress", "host_ip": "127.0.0.1", "target": 30000,
-                                             "published": "30000", "protocol": "tcp"}]
+    assert services["gateway"]["ports"][0] == {"mode": "ingress", "host_ip": "127.0.0.1", "target": 30000,
+                                               "published": "30000", "protocol": "tcp"}
     for role, metrics_port in (("prefill", 30101), ("decode", 30102)):   # Prometheus text, on the host too
         assert flag(services[role]["command"], "metrics-port") == str(metrics_port)
         assert services[role]["ports"] == [{"mode": "ingress", "host_ip": "127.0.0.1", "target": metrics_port,
                                             "published": str(metrics_port), "protocol": "tcp"}]
+
+
+def test_the_grpc_api_is_published_beside_http_on_loopback():
+    gateway = compose_config()["services"]["gateway"]
+    port = int(flag(gateway["command"], "grpc-port"))
+    assert port and port != int(flag(gateway["command"], "port"))         # 0 would turn the API off
+    assert gateway["ports"] == [
+        {"mode": "ingress", "host_ip": "127.0.0.1", "target": 30000, "published": "30000", "protocol": "tcp"},
+        {"mode": "ingress", "host_ip": "127.0.0.1", "target": port, "published": "30051", "protocol": "tcp"}]
+    assert flag(gateway["command"], "host") == "0.0.0.0"                  # both APIs, inside the container
 
 
 def test_one_model_volume_shared_by_all_three():
@@ -98,7 +108,8 @@ def test_one_model_volume_shared_by_all_three():
 
 def test_settings_come_from_the_environment():
     config = compose_config(TANDEM_MODELS="/srv/models", TANDEM_MODEL_PATH="/models/Qwen2-0.5B-Instruct",
-                            TANDEM_SERVED_MODEL_NAME="qwen", TANDEM_PORT="8080", TANDEM_BIND="0.0.0.0")
+                            TANDEM_SERVED_MODEL_NAME="qwen", TANDEM_PORT="8080", TANDEM_GRPC_PORT="9051",
+                            TANDEM_BIND="0.0.0.0")
     services = config["services"]
     for name in SERVERS:
         service = services[name]
@@ -106,8 +117,10 @@ def test_settings_come_from_the_environment():
         assert (model["type"], model["source"]) == ("bind", "/srv/models"), name
         assert flag(service["command"], "model-path") == "/models/Qwen2-0.5B-Instruct"
     assert flag(services["gateway"]["command"], "served-model-name") == "qwen"
-    assert services["gateway"]["ports"][0]["published"] == "8080"
-    assert services["gateway"]["ports"][0]["host_ip"] == "0.0.0.0"
+    http, grpc = services["gateway"]["ports"]
+    assert (http["published"], http["target"]) == ("8080", 30000)
+    assert (grpc["published"], grpc["target"]) == ("9051", int(flag(services["gateway"]["command"], "grpc-port")))
+    assert http["host_ip"] == grpc["host_ip"] == "0.0.0.0"
 
 
 def test_cpu_by_default_gpus_for_the_workers_in_the_gpu_variant():
@@ -116,6 +129,7 @@ def test_cpu_by_default_gpus_for_the_workers_in_the_gpu_variant():
     assert {cpu[name]["build"]["args"]["ACCELERATOR"] for name in SERVERS} == {"cpu"}
     gpu = compose_config(GPU_OVERRIDE, TANDEM_DECODE_GPU="1")["services"]
     assert "gpus" not in gpu["gateway"] and gpu["gateway"]["build"]["args"]["ACCELERATOR"] == "cpu"
+    assert gpu["gateway"]["ports"] == cpu["gateway"]["ports"]      # the override leaves both APIs as they are
     # The token service runs the gateway image, CPU in both variants: no extra image to build.
     assert gpu[TOKEN_SERVICE]["image"] == gpu["gateway"]["image"] and "gpus" not in gpu[TOKEN_SERVICE]
     for role, device in (("prefill", "0"), ("decode", "1")):

@@ -151,7 +151,7 @@ def test_every_container_has_probes_resources_and_a_drain(profile):
         assert pod["securityContext"]["runAsNonRoot"] is True
 
 
-def test_workers_are_probed_on_grpc_health_and_the_gateway_on_health(profile):
+def test_workers_and_the_gateways_grpc_api_are_probed_on_grpc_health(profile):
     _, _, docs = profile
     for role in WORKERS:
         c = container(docs, role)
@@ -159,9 +159,34 @@ def test_workers_are_probed_on_grpc_health_and_the_gateway_on_health(profile):
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["grpc"]["port"] == grpc_port
     gateway = container(docs, "gateway")
-    assert gateway["readinessProbe"]["httpGet"]["path"] == "/health"
-    # Workers being away (503 on /health) or an API key must not restart the gateway.
+    (grpc_port,) = [p["containerPort"] for p in gateway["ports"] if p["name"] == "grpc"]
+    assert f"--grpc-port={grpc_port}" in gateway["args"] and grpc_port == 30051
+    # Service "" of the gateway's grpc.health.v1: SERVING only while a prefill and a decode worker are ready.
+    assert gateway["readinessProbe"]["grpc"] == {"port": grpc_port}
+    assert "httpGet" not in gateway["readinessProbe"]
+    # Workers being away (NOT_SERVING, 503 on /health) or an API key must not restart the gateway.
     assert gateway["livenessProbe"]["tcpSocket"]["port"] == "http"
+    assert gateway["startupProbe"]["tcpSocket"]["port"] == "http"
+    (service_port,) = [p for p in by_kind(docs, "Service")[f"{RELEASE}-gateway"]["spec"]["ports"]
+                       if p["name"] == "grpc"]
+    assert (service_port["port"], service_port["targetPort"]) == (30051, "grpc")
+
+
+def test_with_the_grpc_api_off_the_gateway_is_probed_on_health_and_serves_http_only():
+    docs = render({"gateway": {"grpcPort": 0}})
+    gateway = container(docs, "gateway")
+    assert "--grpc-port=0" in gateway["args"]
+    assert [p["name"] for p in gateway["ports"]] == ["http"]
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert [p["name"] for p in by_kind(docs, "Service")[f"{RELEASE}-gateway"]["spec"]["ports"]] == ["http"]
+    for version in KUBE_VERSIONS:
+        for doc in docs:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_the_grpc_api_cannot_share_the_http_port():
+    with pytest.raises(Exception, match="gateway.grpcPort"):
+        render({"gateway": {"grpcPort": 30000}})
 
 
 def test_gpu_requests_only_where_asked(profile):
@@ -432,10 +457,12 @@ def test_network_policies_can_be_narrowed_or_turned_off():
 def test_values_from_before_the_token_and_the_policies_still_render():
     # `helm upgrade --reuse-values` from a release made before these values existed passes none of them
     # (null removes a default, as the missing key would): the chart must still render its defaults.
-    docs = render({"internalToken": None, "kvGrantSecret": None, "networkPolicy": None})
+    docs = render({"internalToken": None, "kvGrantSecret": None, "networkPolicy": None,
+                   "gateway": {"grpcPort": None}})
     assert {TOKEN_SECRET, GRANT_SECRET} <= set(by_kind(docs, "Secret"))
     for component in WORKERS:
         assert grant_secret_file_arg(docs, component) == (GRANT_SECRET, "kv-grant-secret")
     assert set(by_kind(docs, "NetworkPolicy")) == {f"{RELEASE}-{role}" for role in WORKERS}
     for component in ("gateway", *WORKERS):
         assert token_file_arg(docs, component) == (TOKEN_SECRET, "internal-token")
+    assert "--grpc-port=30051" in container(docs, "gateway")["args"]     # the gateway's own default

@@ -45,26 +45,38 @@ def test_cuda_worker_swaps_the_mooncake_build_and_adds_flashinfer():
 def test_gateway_image_leaves_out_the_engine_side():
     gateway = python_deps.image_requirements(DEPENDENCIES, "gateway", "cpu")
     assert set(gateway) <= set(DEPENDENCIES)                  # same specifiers as pyproject
-    assert not names(gateway) & {"torch", "safetensors", "mooncake-transfer-engine-non-cuda", "grpcio-reflection"}
+    assert not names(gateway) & {"torch", "safetensors", "mooncake-transfer-engine-non-cuda", "grpcio-tools", "xgrammar"}
     assert {"transformers", "gguf", "fastapi", "uvicorn", "grpcio", "grpcio-health-checking"} <= names(gateway)
+    # The gRPC API: server reflection, and google.rpc's error details (googleapis-common-protos comes with grpcio-status).
+    assert {"grpcio-reflection", "grpcio-status", "protobuf"} <= names(gateway)
 
 
 def test_gateway_imports_are_covered_by_its_requirements():
-    """Every third-party module the gateway (and `tandem healthcheck`) imports is installed in its image."""
+    """Every third-party module the gateway's packages (and `tandem healthcheck`) import is installed in its image."""
     provided = names(python_deps.image_requirements(DEPENDENCIES, "gateway", "cpu"))
-    module_to_project = {"grpc": "grpcio", "grpc_health": "grpcio-health-checking", "google": "protobuf",
+    # By the longest matching prefix: google.rpc is googleapis-common-protos, which grpcio-status brings.
+    module_to_project = {"grpc": "grpcio", "grpc_health": "grpcio-health-checking",
+                         "grpc_reflection": "grpcio-reflection", "grpc_status": "grpcio-status",
+                         "google.protobuf": "protobuf", "google.rpc": "grpcio-status",
                          "fastapi": "fastapi", "starlette": "fastapi", "pydantic": "fastapi", "uvicorn": "uvicorn",
                          "transformers": "transformers", "jinja2": "jinja2", "httpx": "httpx",
                          "multipart": "python-multipart", "python_multipart": "python-multipart",
                          "prometheus_client": "prometheus-client"}
     imported = set()
-    for path in [*(ROOT / "gateway").glob("*.py"), ROOT / "launcher" / "healthcheck.py"]:
-        imported |= set(re.findall(r"^\s*(?:from|import) ([a-zA-Z_]\w*)", path.read_text(), re.MULTILINE))
+    for path in [*(ROOT / "gateway").rglob("*.py"), ROOT / "launcher" / "healthcheck.py"]:
+        imported |= set(re.findall(r"^\s*(?:from|import) ([a-zA-Z_][\w.]*)", path.read_text(), re.MULTILINE))
     stdlib = set(sys.stdlib_module_names) | {"gateway", "tandem", "launcher", "__future__"}
-    third_party = imported - stdlib
-    unknown = third_party - module_to_project.keys()
+    third_party = {m for m in imported if m.split(".")[0] not in stdlib}
+
+    def project(module: str) -> str | None:
+        parts = module.split(".")
+        prefixes = (".".join(parts[:n]) for n in range(len(parts), 0, -1))
+        return next((module_to_project[p] for p in prefixes if p in module_to_project), None)
+
+    unknown = {m for m in third_party if project(m) is None}
     assert not unknown, f"map these gateway imports to their PyPI projects: {unknown}"
-    missing = {module_to_project[m] for m in third_party} - provided
+    assert "grpc_reflection.v1alpha" in third_party and "google.rpc" in third_party    # the gRPC API's, read
+    missing = {project(m) for m in third_party} - provided
     assert not missing, f"the gateway imports {missing}, which pyproject.toml's dependencies (and so its image) lack"
 
 

@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -90,10 +90,15 @@ class Stack(WorkerPages):
     log_path: Path
     prefill_metrics_port: int = 0
     decode_metrics_port: int = 0
+    grpc_port: int = 0          # the gateway's gRPC API (tandem.api.v1)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
 
     def worker_metrics(self, role: str) -> str:
         """The Prometheus text of the `role` worker's metrics endpoint."""
@@ -117,11 +122,15 @@ class Stack(WorkerPages):
 
 def start_stack(tmp_dir: Path, *flags: str, timeout_s: float = 300) -> Stack:
     """`tandem serve` with `flags`; its gateway keeps files and batches under `tmp_dir/data` unless
-    `flags` has a --data-dir. The workers serve their metrics on free ports (`Stack.worker_metrics`)."""
+    `flags` has a --data-dir. The workers serve their metrics on free ports (`Stack.worker_metrics`), the
+    gateway its gRPC API on one too (`Stack.grpc_port`) unless `flags` has a --grpc-port."""
     port, prefill_port, decode_port = free_port(), free_port(), free_port()
     prefill_metrics_port, decode_metrics_port = free_port(), free_port()
     if "--data-dir" not in flags:
         flags = (*flags, "--data-dir", str(tmp_dir / "data"))
+    if "--grpc-port" not in flags:
+        flags = (*flags, "--grpc-port", str(free_port()))
+    grpc_port = int(flags[flags.index("--grpc-port") + 1])
     flags = (*flags, "--prefill-metrics-port", str(prefill_metrics_port),
              "--decode-metrics-port", str(decode_metrics_port))
     log_path = tmp_dir / "stack.log"
@@ -130,7 +139,8 @@ def start_stack(tmp_dir: Path, *flags: str, timeout_s: float = 300) -> Stack:
         [sys.executable, "-m", "launcher", "serve", "--port", str(port), "--prefill-port", str(prefill_port),
          "--decode-port", str(decode_port), *flags],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **_CHILD_ENV})
-    stack = Stack(proc, port, prefill_port, decode_port, log_path, prefill_metrics_port, decode_metrics_port)
+    stack = Stack(proc, port, prefill_port, decode_port, log_path, prefill_metrics_port, decode_metrics_port,
+                  grpc_port)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -173,16 +183,23 @@ class Services(WorkerPages):
     num_prefill_starts: int = 1
     prefill_env: dict[str, str] | None = None   # extra environment of the prefill worker (fault hooks)
     decode_env: dict[str, str] | None = None
+    grpc_port: int = field(default_factory=free_port)    # the gateway's gRPC API, the same across restarts
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
     def start_gateway(self, *flags: str, timeout_s: float = 120) -> None:
-        """Start a gateway with `flags` (e.g. --data-dir) and wait until /health answers 200."""
+        """Start a gateway with `flags` (e.g. --data-dir), its gRPC API on `grpc_port`, and wait until
+        /health answers 200."""
         self.num_gateway_starts += 1
         log_path = self.log_dir / f"gateway-{self.num_gateway_starts}.log"
-        self.gateway = _launch(["gateway", "--port", str(self.port), "--prefill", f"127.0.0.1:{self.prefill_port}",
+        self.gateway = _launch(["gateway", "--port", str(self.port), "--grpc-port", str(self.grpc_port),
+                                "--prefill", f"127.0.0.1:{self.prefill_port}",
                                 "--decode", f"127.0.0.1:{self.decode_port}", *flags], log_path)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -13,7 +13,7 @@ from gateway.config import GatewayConfig
 
 @pytest.fixture(scope="module")
 def client(smollm2_path: Path, tmp_path_factory):
-    config = GatewayConfig(model_path=str(smollm2_path), served_model_name="m", prefill_addrs=("127.0.0.1:1",),
+    config = GatewayConfig(grpc_port=0, model_path=str(smollm2_path), served_model_name="m", prefill_addrs=("127.0.0.1:1",),
                            decode_addrs=("127.0.0.1:1",), api_key="sekret",
                            data_dir=str(tmp_path_factory.mktemp("data")))
     with TestClient(create_app(config)) as client:

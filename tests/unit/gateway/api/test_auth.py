@@ -25,7 +25,7 @@ ADMIN_REQUESTS = (("POST", "/flush_cache", None), ("GET", "/flush_cache", None),
 
 
 def _config(tmp_path_factory, smollm2_path: Path, **keys) -> GatewayConfig:
-    return GatewayConfig(model_path=str(smollm2_path), served_model_name="m", prefill_addrs=("127.0.0.1:1",),
+    return GatewayConfig(grpc_port=0, model_path=str(smollm2_path), served_model_name="m", prefill_addrs=("127.0.0.1:1",),
                          decode_addrs=("127.0.0.1:1",), data_dir=str(tmp_path_factory.mktemp("data")), **keys)
 
 

@@ -77,7 +77,7 @@ def test_handoff_observations() -> None:
 
 
 def test_metrics_route_needs_no_api_key(tmp_path) -> None:
-    config = GatewayConfig(model_path="unused", served_model_name="m", prefill_addrs=("127.0.0.1:1",),
+    config = GatewayConfig(grpc_port=0, model_path="unused", served_model_name="m", prefill_addrs=("127.0.0.1:1",),
                            decode_addrs=("127.0.0.1:1",), api_key="sekret", skip_tokenizer_init=True,
                            data_dir=str(tmp_path))
     with TestClient(create_app(config)) as client:

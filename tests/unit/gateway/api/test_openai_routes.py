@@ -12,7 +12,7 @@ from gateway.api import openai
 from gateway.config import GatewayConfig
 from gateway.state import GatewayState
 
-CONFIG = GatewayConfig(model_path="/models/smol", served_model_name="smol", prefill_addrs=("p:1",),
+CONFIG = GatewayConfig(grpc_port=0, model_path="/models/smol", served_model_name="smol", prefill_addrs=("p:1",),
                        decode_addrs=("d:1",), data_dir="/tmp/unused")
 
 
