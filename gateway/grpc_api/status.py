@@ -1,11 +1,12 @@
 """The gateway's errors as gRPC statuses: the code, the message the HTTP body would carry, and rich
-details (google.rpc.BadRequest naming the field, ErrorInfo with the HTTP API's error code, RetryInfo
-where HTTP sends Retry-After). One table, read by every RPC."""
+details (google.rpc.BadRequest naming the field, ErrorInfo with the HTTP API's error code and status,
+RetryInfo where HTTP sends Retry-After). One table, read by every RPC."""
 
 from __future__ import annotations
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
+from google.protobuf.message import Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 from pydantic import ValidationError
@@ -48,7 +49,12 @@ def status_of(error: APIError) -> grpc.Status:
     """`error` as a status with details; the message is the HTTP body's (scrubbed of internal names)."""
     code = code_of(error)
     body = error.body()["error"]
-    details = [error_details_pb2.ErrorInfo(reason=str(body["code"]).upper(), domain=_DOMAIN)]
+    # The reason is the HTTP body's code where it has a name (its HTTP status where it has none: the type).
+    reason = error.code if isinstance(error.code, str) else error.type
+    info = error_details_pb2.ErrorInfo(
+        reason=reason.upper(), domain=_DOMAIN, metadata={"http_status": str(error.status)}
+    )
+    details: list[Message] = [info]
     if body["param"] and code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
         violation = error_details_pb2.BadRequest.FieldViolation(field=body["param"], description=body["message"])
         details.append(error_details_pb2.BadRequest(field_violations=[violation]))

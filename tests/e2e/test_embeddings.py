@@ -1,6 +1,6 @@
 """`tandem serve --is-embedding` (gateway + one embedding prefill worker, no decode) serving all-MiniLM-L6-v2:
-the OpenAI SDK's embeddings.create in every input form, SGLang's /encode as in seeds 002/003, and the
-generation stack refusing both routes."""
+the OpenAI SDK's embeddings.create in every input form, SGLang's /encode as in seeds 002/003, the gRPC
+API's Embed equal to /v1/embeddings, and the generation stack refusing both routes."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer
 
+from tandem.api.v1 import embed_pb2, inference_service_pb2
 from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc, worker_pb2_grpc
 from tests.conftest import minilm_dir
+from tests.e2e.grpc_client import bad_fields, call_error, chat_request, error_reason, inference_api
 from tests.e2e.stack import WORKER_METADATA, Stack, start_stack
 
 pytestmark = pytest.mark.slow
@@ -143,6 +145,32 @@ def test_encode_as_in_the_seeds(embedding_stack, model, tokenizer, reference) ->
     single_ids = httpx.post(url, json={"input_ids": tokenizer.encode(TEXTS[1])}).json()
     # alone rather than padded in a batch: equal up to float rounding
     assert torch.allclose(torch.tensor(single_ids["embedding"]), torch.tensor(batch[1]["embedding"]), atol=1e-5)
+
+
+def test_grpc_embed_equals_the_http_route(embedding_stack, embed_client, model, tokenizer) -> None:
+    http = embed_client.embeddings.create(model=model, input=TEXTS, encoding_format="float")
+    with inference_api(embedding_stack.grpc_target) as api:
+        answer = api.Embed(embed_pb2.EmbedRequest(model=model, input=TEXTS), timeout=60)
+        by_ids = embed_pb2.EmbedRequest(model=model)
+        for text in TEXTS:
+            by_ids.input_token_ids.add(ids=tokenizer.encode(text))
+        by_ids_answer = api.Embed(by_ids, timeout=60)
+        narrow = call_error(api.Embed, embed_pb2.EmbedRequest(model=model, input=["x"], dimensions=128), timeout=30)
+        too_long = call_error(api.Embed, embed_pb2.EmbedRequest(model=model, input=["word " * 600]), timeout=30)
+        chat = call_error(api.ChatComplete, chat_request("hi", model=model), timeout=30)
+        info = api.GetModelInfo(inference_service_pb2.GetModelInfoRequest(), timeout=30)
+    assert (answer.object, answer.model) == ("list", model)
+    assert [(d.object, d.index) for d in answer.data] == [("embedding", i) for i in range(len(TEXTS))]
+    # float32 on the wire either way: the same numbers
+    expected = torch.tensor([d.embedding for d in http.data], dtype=torch.float32)
+    assert torch.equal(torch.tensor([list(d.embedding) for d in answer.data]), expected)
+    assert torch.equal(torch.tensor([list(d.embedding) for d in by_ids_answer.data]), expected)
+    assert (answer.usage.prompt_tokens, answer.usage.total_tokens) == (http.usage.prompt_tokens,
+                                                                       http.usage.total_tokens)
+    assert narrow.code() is grpc.StatusCode.INVALID_ARGUMENT and bad_fields(narrow) == ["dimensions"]
+    assert too_long.code() is grpc.StatusCode.OUT_OF_RANGE and error_reason(too_long) == "CONTEXT_LENGTH_EXCEEDED"
+    assert chat.code() is grpc.StatusCode.INVALID_ARGUMENT and error_reason(chat) == "MODEL_NOT_GENERATIVE"
+    assert not info.is_generation
 
 
 def test_embedding_stack_is_healthy_without_a_decode_worker(embedding_stack) -> None:

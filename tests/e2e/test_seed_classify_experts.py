@@ -17,7 +17,9 @@ import requests
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from tandem.api.v1 import embed_pb2
 from tandem.v1 import common_pb2, worker_pb2_grpc
+from tests.e2e.grpc_client import inference_api
 from tests.e2e.stack import WORKER_METADATA, Stack, start_stack
 from tests.tiny_models import save_tiny_classifier, save_tiny_qwen2_moe, save_tiny_tokenizer
 
@@ -34,12 +36,17 @@ def reward_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def reward_port(reward_model: str, tmp_path_factory) -> int:
+def reward_stack(reward_model: str, tmp_path_factory) -> Stack:
     """Seed 002 cell 13 (`--is-embedding`)."""
     stack = start_stack(tmp_path_factory.mktemp("seed_reward"), "--model-path", reward_model, "--is-embedding",
                         "--torch-threads", "1")
-    yield stack.port
+    yield stack
     assert stack.stop() == []
+
+
+@pytest.fixture(scope="module")
+def reward_port(reward_stack: Stack) -> int:
+    return reward_stack.port
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +101,24 @@ def test_cell_14_classify(reward_port: int, reward_model: str) -> None:
     assert expected[0] != pytest.approx(expected[1], abs=1e-4)   # the two answers get different rewards
     by_ids = requests.post(url, json={"input_ids": token_lists[1]}).json()    # one input: one object, not a list
     assert by_ids["embedding"][0] == pytest.approx(responses[1]["embedding"][0], abs=1e-5)
+
+
+def test_grpc_classify_equals_the_classify_route(reward_stack: Stack, reward_model: str) -> None:
+    """The gRPC API's Classify: the same scores as /classify, by text or by token ids, with their ids."""
+    tokenizer = AutoTokenizer.from_pretrained(reward_model)
+    texts = ["The sky is blue.", "The sky is green."]
+    http = requests.post(f"{reward_stack.url}/classify", json={"model": reward_model, "text": texts,
+                                                               "rid": ["sky-0", "sky-1"]}).json()
+    with inference_api(reward_stack.grpc_target) as api:
+        answer = api.Classify(embed_pb2.ClassifyRequest(model=reward_model, text=texts, rid="sky"), timeout=60)
+        by_ids = embed_pb2.ClassifyRequest(model=reward_model)
+        by_ids.input_ids.add(ids=tokenizer.encode(texts[1]))
+        (alone,) = api.Classify(by_ids, timeout=60).outputs
+    assert [(o.id, o.index, o.prompt_tokens) for o in answer.outputs] == [
+        (h["meta_info"]["id"], i, h["meta_info"]["prompt_tokens"]) for i, h in enumerate(http)]
+    assert [list(o.embedding) for o in answer.outputs] == [
+        pytest.approx(h["embedding"], abs=1e-6) for h in http]
+    assert len(alone.embedding) == 1 and alone.embedding[0] == pytest.approx(http[1]["embedding"][0], abs=1e-5)
 
 
 def _routed_tokens(meta: dict) -> int:

@@ -124,3 +124,15 @@ def test_each_error_has_its_status_and_a_field_violation_where_it_names_one(erro
             bad = error_details_pb2.BadRequest()
             detail.Unpack(bad)
             assert bad.field_violations[0].field == error.param
+
+
+def test_error_info_names_the_http_code_or_type_and_status() -> None:
+    for error, reason in ((bad_request("bad", "temperature"), "INVALID_REQUEST_ERROR"),
+                          (context_length_exceeded(1024, 2000, 16), "CONTEXT_LENGTH_EXCEEDED"),
+                          (APIError(503, "busy", "server_overloaded", code="queue_full"), "QUEUE_FULL")):
+        (_, raw), = status_of(error).trailing_metadata
+        (info,) = [d for d in status_pb2.Status.FromString(raw).details if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR)]
+        unpacked = error_details_pb2.ErrorInfo()
+        info.Unpack(unpacked)
+        assert (unpacked.reason, unpacked.domain) == (reason, "tandem.api.v1")
+        assert unpacked.metadata["http_status"] == str(error.status)
