@@ -1,15 +1,18 @@
-"""DecodeService: reserve pages for a handoff, then decode the request in the continuous batch."""
+"""DecodeService: reserve pages for a handoff, then decode the request in the continuous batch; or,
+for prefill on decode, prefill the prompt here through the engine's own prefill (the path a preempted
+request takes to be recomputed) and decode it in the same batch, with no KV transfer."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
 from engine.errors import EngineError
-from engine.request import FinishReason, StepOutput
+from engine.request import FinishReason, Request, StepOutput
 from server_runtime.common_rpcs import add_worker_servicer
 from server_runtime.context import WorkerContext
 from server_runtime.convert import finish_to_proto, layout_to_proto, sampling_from_proto, token_to_proto
@@ -61,7 +64,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         except GrantError as exc:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         received = time.perf_counter()
-        queue_ms: float | None = None
         finished = False
         try:
             try:
@@ -80,25 +82,82 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 )
             except EngineError as exc:
                 await abort_with(context, exc)  # the finally below drops the reservation
-            queue_ms = (time.perf_counter() - received) * 1000
-            while not finished:
-                outputs = [await sink.get()]
-                while not sink.empty():
-                    outputs.append(sink.get_nowait())
-                finished = outputs[-1].finish_reason is not None
-                # A failed request (its pages already freed): the tokens before it, then the error as the status.
-                failure = outputs.pop() if outputs[-1].finish_reason is FinishReason.ERROR else None
-                if outputs:
-                    response = _response(rid, outputs)
-                    if queue_ms is not None:  # the first message
-                        response.queue_ms, queue_ms = queue_ms, None
-                    yield response
-                if failure is not None:
-                    await abort_with(context, RequestFailedError(failure.abort_message))
+            first = decode_pb2.GenerateResponse(queue_ms=(time.perf_counter() - received) * 1000)
+            async for response in _stream(rid, sink, context, first):
+                finished = response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                yield response
         finally:
             if not finished:  # rejected, or the client went away: free the request's pages now
                 # Generate comes after the prefill answered, so its KV write has settled.
                 await asyncio.shield(self.ctx.loop.abort(rid, "client cancelled", write_settled=True))
+
+    async def PrefillAndGenerate(
+        self, request: decode_pb2.PrefillAndGenerateRequest, context: grpc.aio.ServicerContext
+    ):
+        """Prefill the prompt on this worker and stream every token; the first message carries the
+        prompt's queue and compute times."""
+        rid = request.request_id
+        bind_request_id(rid)
+        if self.ctx.is_draining:  # a gateway that has not seen NOT_SERVING yet; it may retry elsewhere
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode worker is shutting down")
+        received = time.perf_counter()
+        finished = False
+        try:
+            try:
+                sampling = sampling_from_proto(request.sampling_params)
+                if sampling.grammar is not None:  # compile off the engine thread (see GrammarBackend)
+                    await self.ctx.loop.prepare_grammar(sampling.grammar, self.ctx.config.grammar_compile_timeout_s)
+                sink = await self.ctx.loop.submit(Request(rid, list(request.prompt_token_ids), sampling))
+            except EngineError as exc:
+                await abort_with(context, exc)
+            async for response in _stream(rid, sink, context, None, received):
+                finished = response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                yield response
+        finally:
+            if not finished:  # rejected, or the client went away: free the request's pages now
+                await asyncio.shield(self.ctx.loop.abort(rid, "client cancelled", write_settled=True))
+
+
+async def _stream(
+    rid: str,
+    sink: asyncio.Queue,
+    context: grpc.aio.ServicerContext,
+    first: decode_pb2.GenerateResponse | None,
+    received: float | None = None,
+) -> AsyncIterator[decode_pb2.GenerateResponse]:
+    """The request's outputs as messages, until its finish; `first`'s fields go into the first
+    message. For a prompt prefilled here (`received`: when the call arrived) the first message
+    carries its queue and compute times, from the first output (its first token)."""
+    finished = False
+    while not finished:
+        outputs = [await sink.get()]
+        while not sink.empty():
+            outputs.append(sink.get_nowait())
+        finished = outputs[-1].finish_reason is not None
+        # A failed request (its pages already freed): the tokens before it, then the error as the status.
+        failure = outputs.pop() if outputs[-1].finish_reason is FinishReason.ERROR else None
+        if outputs:
+            response = _response(rid, outputs)
+            if first is None and received is not None:
+                first = _prefill_times(outputs[0], received)
+            if first is not None:
+                response.MergeFrom(first)
+                first = None
+            received = None
+            yield response
+        if failure is not None:
+            await abort_with(context, RequestFailedError(failure.abort_message))
+
+
+def _prefill_times(output: StepOutput, received: float) -> decode_pb2.GenerateResponse:
+    """The queue and compute times of a prompt prefilled here, from its first output."""
+    started = output.prefill_started_at or received
+    computed = time.perf_counter()
+    return decode_pb2.GenerateResponse(
+        queue_ms=(started - received) * 1000,
+        prefill_compute_ms=(computed - started) * 1000,
+        cached_tokens=output.cached_tokens,
+    )
 
 
 def _response(rid: str, outputs: list[StepOutput]) -> decode_pb2.GenerateResponse:

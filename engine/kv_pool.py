@@ -36,6 +36,9 @@ class KVPool:
     """`tensor[page, layer, 0 | 1, offset, kv_head, head_dim]` on `device`; page i spans bytes
     [base_addr + i * page_bytes, base_addr + (i + 1) * page_bytes) of that device's memory."""
 
+    # The tensor's axes, outermost first: KV moves between workers as bytes, so both must agree on it.
+    AXES = ("page", "layer", "kv", "offset", "kv_head", "head_dim")
+
     def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu") -> None:
         self.layout = layout
         self.num_pages = num_pages

@@ -58,8 +58,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
             config.decode_addrs,
             credentials=config.internal,
             admission=Admission(config.max_queued_requests, config.max_queue_wait_s, gateway_metrics),
+            routing=config.routing,
         )
         gateway_metrics.watch_pool(pool.num_ready)
+        gateway_metrics.watch_loads(pool.loads)
         generation = GenerationService(pool, config, tokenizer, gateway_metrics)
         app.state.gateway = GatewayState(config, tokenizer, pool, gateway_metrics, generation)
         await pool.probe_all()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from gateway.sampling_defaults import SamplingDefaults
@@ -12,6 +13,34 @@ DEFAULT_MAX_QUEUED = 1024  # generations waiting for decode KV space (gateway/cl
 DEFAULT_MAX_QUEUE_WAIT_S = 120.0
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024  # any JSON body; /v1/files uploads have their own limit
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # on SIGTERM, how long the gateway (and, from the CLI, each worker) drains
+
+
+class RouterPolicy(enum.StrEnum):
+    """How the gateway places a request on its prefill and decode workers (gateway/cluster/routing.py)."""
+
+    ROUND_ROBIN = "round_robin"  # each role in turn
+    LEAST_LOAD = "least_load"  # the worker with the fewest requests (decode: then the most free pages)
+    PREFIX_AWARE = "prefix_aware"  # prefill: where the prompt's prefix is likely cached; decode: least load
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    """Where requests go. `policy` picks the workers; `prefix_load_guard` is how many more requests
+    in flight the prefill worker holding a prompt's prefix may have than the least loaded one before
+    the prompt goes elsewhere (prefix_aware only). A prompt shorter than `local_prefill_threshold`
+    tokens, or one arriving while every prefill worker has `prefill_busy_threshold` requests or more
+    in flight, is prefilled by its decode worker, with no KV transfer (0 turns either off)."""
+
+    policy: RouterPolicy = RouterPolicy.PREFIX_AWARE
+    prefix_load_guard: int = 4
+    local_prefill_threshold: int = 0
+    prefill_busy_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", RouterPolicy(self.policy))  # a name from JSON or a flag
+        for name in ("prefix_load_guard", "local_prefill_threshold", "prefill_busy_threshold"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +83,7 @@ class GatewayConfig:
     is_embedding: bool = False  # prefill workers serve an embedding model; no decode workers
     expert_distribution_dir: str = "."  # where /dump_expert_distribution_record writes its CSV files
     internal: InternalCredentials = InternalCredentials()  # what the workers' tandem.v1 calls need
+    routing: RoutingConfig = field(default_factory=RoutingConfig)  # policy and conditional disaggregation
 
     def __post_init__(self) -> None:
         if not self.prefill_addrs or not (self.decode_addrs or self.is_embedding):

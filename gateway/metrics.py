@@ -4,18 +4,22 @@ One `GatewayMetrics` per app, with its own registry (never prometheus_client's g
 writes what: `MetricsMiddleware` (`gateway/api/metrics_routes.py`) counts every HTTP request by route
 template, method and status and keeps the in-flight gauge; the handoff records time to first token,
 inter-token latency, end-to-end latency, its per-phase timings and token counts; admission, the
-queue's depth, waits and refusals. The number of ready workers per role is read from the pool at
-scrape time (`watch_pool`). Everything runs on the event loop.
+queue's depth, waits and refusals; the trip, each routing decision (policy, worker, reason), the
+cached tokens the router estimated and those the prefill worker reported, and failovers. The number
+of ready workers per role and each worker's load are read from the pool at scrape time (`watch_pool`,
+`watch_loads`). Everything runs on the event loop.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
-from gateway.records import HandoffTimings, Role
+from gateway.records import HandoffTimings, PrefillPath, Role
 
 _LATENCY_BUCKETS_S = (
     (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75)  # under a second
@@ -111,8 +115,57 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.route_decisions = Counter(
+            "tandem_gateway_route_decisions",
+            "Workers chosen for requests, by router policy, role, worker address and reason (round_robin, "
+            "least_load, prefix_match, load_guard); a prompt its decode worker prefills has no prefill decision "
+            "(see tandem_gateway_prefill_path)",
+            ["policy", "role", "worker", "reason"],
+            registry=r,
+        )
+        self.prefill_path = Counter(
+            "tandem_gateway_prefill_path",
+            "Requests by the worker that prefilled them: disaggregated (a prefill worker) or local (the decode "
+            "worker: short_prompt, prefill_busy), with the reason",
+            ["path", "reason"],
+            registry=r,
+        )
+        self.route_cached_tokens = Counter(
+            "tandem_gateway_route_cached_tokens",
+            "Prompt tokens of requests sent to each prefill worker that the router estimated it held in its prefix "
+            "cache (kind=estimated) and that it reported serving from there (kind=real)",
+            ["worker", "kind"],
+            registry=r,
+        )
+        self.failovers = Counter(
+            "tandem_gateway_failovers",
+            "Requests tried again on other workers after a worker failed before their first token",
+            registry=r,
+        )
+
+    def observe_route(
+        self, policy: str, prefill: str | None, prefill_reason: str, decode: str, decode_reason: str, estimated: int
+    ) -> None:
+        """One routing decision: the prefill worker's address (None: the decode worker prefills the
+        prompt itself, for `prefill_reason`) and the decode worker's, each with why it was chosen, and the
+        prompt tokens the router expects the prefill worker to hold in its cache."""
+        self.route_decisions.labels(policy, "decode", decode, decode_reason).inc()
+        if prefill is None:
+            self.prefill_path.labels("local", prefill_reason).inc()
+            return
+        self.prefill_path.labels("disaggregated", prefill_reason).inc()
+        self.route_decisions.labels(policy, "prefill", prefill, prefill_reason).inc()
+        self.route_cached_tokens.labels(prefill, "estimated").inc(estimated)
+
+    def observe_cached(self, prefill_address: str, cached_tokens: int) -> None:
+        """The prefill worker at `prefill_address` reports `cached_tokens` of a prompt came from its cache."""
+        self.route_cached_tokens.labels(prefill_address, "real").inc(cached_tokens)
+
     def observe_first_token(self, timings: HandoffTimings, num_prompt_tokens: int) -> None:
+        """The first token's latency and phases (a prompt its decode worker prefilled has no reserve or
+        KV transfer phase), and the prompt's token counts."""
         self.time_to_first_token.observe(timings.first_token_ms / 1000)
+        skipped = ("reserve", "kv_transfer") if timings.prefill_path is PrefillPath.LOCAL else ()
         for phase, ms in zip(
             _PHASES,
             (
@@ -123,7 +176,8 @@ class GatewayMetrics:
                 timings.transfer_ms,
             ),
         ):
-            self.handoff_phase.labels(phase).observe(ms / 1000)
+            if phase not in skipped:
+                self.handoff_phase.labels(phase).observe(ms / 1000)
         self.kv_transfer_bytes.inc(timings.kv_bytes)
         self.prompt_tokens.inc(num_prompt_tokens)
         self.cached_prompt_tokens.inc(timings.cached_tokens)
@@ -149,5 +203,30 @@ class GatewayMetrics:
         for role in Role:
             self.workers_ready.labels(role.value).set_function(functools.partial(num_ready, role))
 
+    def watch_loads(self, read: Callable[[], Iterable[tuple[str, str, dict[str, float]]]]) -> None:
+        """Serve `tandem_gateway_worker_load{role,worker,measure}` from `read()` at each scrape: per worker
+        (role, address, {measure: value}); the measures are the gateway's requests in flight there and
+        the worker's last reported running and waiting requests and free pages."""
+        self.registry.register(_LoadCollector(read))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _LoadCollector(Collector):
+    """Each worker's load, read from the pool when scraped (workers come and go with DNS)."""
+
+    def __init__(self, read: Callable[[], Iterable[tuple[str, str, dict[str, float]]]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "tandem_gateway_worker_load",
+            "Each worker's load as the router sees it: in_flight (this gateway's requests there now), running, "
+            "waiting and free_pages (free or only cached; its last report)",
+            labels=["role", "worker", "measure"],
+        )
+        for role, address, measures in self._read():
+            for measure, value in measures.items():
+                family.add_metric([role, address, measure], value)
+        yield family

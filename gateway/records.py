@@ -63,11 +63,19 @@ class SamplingOptions:
         return replace(self, seed=seed)
 
 
+class PrefillPath(enum.StrEnum):
+    """Which worker prefilled a request's prompt (`--local-prefill-threshold`)."""
+
+    DISAGGREGATED = "disaggregated"  # a prefill worker, which wrote the KV into the decode worker's pages
+    LOCAL = "local"  # the decode worker itself: no KV transfer (reserve, transfer and decode queue are 0 / None)
+
+
 @dataclass(frozen=True, slots=True)
 class HandoffTimings:
     """Per-phase timings of one request, in milliseconds. `first_token_ms` counts from the trip's
     start; `gateway_queue_ms` is the time before it (from the HTTP request's arrival), and
-    `decode_queue_ms` arrives with the decode server's first message (None until then)."""
+    `decode_queue_ms` arrives with the decode server's first message (None until then). `prefill_path`
+    says which worker prefilled the prompt."""
 
     reserve_ms: float
     prefill_queue_ms: float
@@ -78,6 +86,7 @@ class HandoffTimings:
     cached_tokens: int
     gateway_queue_ms: float = 0.0
     decode_queue_ms: float | None = None
+    prefill_path: PrefillPath = PrefillPath.DISAGGREGATED
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ import logging
 import os
 
 from engine.config import EngineConfig
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, RoutingConfig
 from gateway.sampling_defaults import SamplingDefaults, load_generation_config
 from kv_transfer import TransportConfig
 from launcher.defaults import (
@@ -70,6 +70,12 @@ def gateway_config(
             drain_timeout_s=args.drain_timeout,
             expert_distribution_dir=os.path.abspath(args.expert_distribution_dir or os.getcwd()),
             internal=internal,
+            routing=RoutingConfig(
+                policy=args.router_policy,
+                prefix_load_guard=args.prefix_load_guard,
+                local_prefill_threshold=args.local_prefill_threshold,
+                prefill_busy_threshold=args.prefill_busy_threshold,
+            ),
         )
     except ValueError as exc:
         raise SystemExit(f"tandem {args.command}: {exc}") from None

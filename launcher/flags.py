@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from gateway.cluster.discovery import check_worker_spec
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, RouterPolicy, RoutingConfig
 from launcher.defaults import field_default
 from launcher.healthcheck import add_healthcheck_args
 from launcher.internal_plane import (
@@ -24,7 +24,41 @@ DEFAULT_DECODE_PORT = 30002
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
     """The gateway's flags (also taken by `tandem serve`)."""
     _add_gateway_limit_args(p)
+    _add_routing_args(p)
     _add_gateway_plane_args(p)
+
+
+def _add_routing_args(p: argparse.ArgumentParser) -> None:
+    """Where requests go (gateway/cluster/routing.py)."""
+    p.add_argument(
+        "--router-policy",
+        default=field_default(RoutingConfig, "policy").value,
+        choices=[policy.value for policy in RouterPolicy],
+        help="how requests are placed on the workers: round_robin; least_load (fewest requests in flight, "
+        "decode then most free pages); prefix_aware (prefill where the prompt's prefix is likely cached, "
+        "within --prefix-load-guard; decode least_load)",
+    )
+    p.add_argument(
+        "--prefix-load-guard",
+        type=int,
+        default=field_default(RoutingConfig, "prefix_load_guard"),
+        help="prefix_aware: a prompt goes to the prefill worker holding its prefix only while that worker has "
+        "at most this many more requests in flight than the least loaded one",
+    )
+    p.add_argument(
+        "--local-prefill-threshold",
+        type=int,
+        default=field_default(RoutingConfig, "local_prefill_threshold"),
+        help="prompts shorter than this many tokens are prefilled by their decode worker, with no KV "
+        "transfer (0: never)",
+    )
+    p.add_argument(
+        "--prefill-busy-threshold",
+        type=int,
+        default=field_default(RoutingConfig, "prefill_busy_threshold"),
+        help="while every prefill worker has this many requests or more in flight, prompts are prefilled "
+        "by their decode worker (0: never)",
+    )
 
 
 def _add_gateway_limit_args(p: argparse.ArgumentParser) -> None:
@@ -130,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="gateway + 1 prefill + 1 decode on this machine")
+    serve = sub.add_parser("serve", help="gateway + prefill and decode workers on this machine")
     add_model_args(serve)
     add_worker_args(serve)
     add_gateway_args(serve)
@@ -143,21 +177,37 @@ def build_parser() -> argparse.ArgumentParser:
         default=field_default(GatewayConfig, "grpc_port"),
         help="port of the gateway's gRPC API (tandem.api.v1, beside HTTP on --host); 0 turns it off",
     )
-    serve.add_argument("--prefill-port", type=int, default=DEFAULT_PREFILL_PORT)
-    serve.add_argument("--decode-port", type=int, default=DEFAULT_DECODE_PORT)
+    serve.add_argument(
+        "--prefill-workers", type=int, default=1, help="prefill workers to run (ports from --prefill-port up)"
+    )
+    serve.add_argument(
+        "--decode-workers", type=int, default=1, help="decode workers to run (ports from --decode-port up)"
+    )
+    serve.add_argument(
+        "--prefill-port", type=int, default=DEFAULT_PREFILL_PORT, help="the first prefill worker's gRPC port"
+    )
+    serve.add_argument(
+        "--decode-port",
+        type=int,
+        default=None,
+        help="the first decode worker's gRPC port (default: right after the prefill workers' ports, "
+        f"{DEFAULT_DECODE_PORT} with one)",
+    )
     serve.add_argument("--startup-timeout", type=float, default=600.0)
     add_internal_plane_args(serve)
     serve.add_argument(
         "--prefill-metrics-port",
         type=int,
         default=None,
-        help="prefill worker's Prometheus port (default: --prefill-port + 100; 0: off)",
+        help="the first prefill worker's Prometheus port, the others' following it (default: each "
+        "worker's gRPC port + 100; 0: off)",
     )
     serve.add_argument(
         "--decode-metrics-port",
         type=int,
         default=None,
-        help="decode worker's Prometheus port (default: --decode-port + 100; 0: off)",
+        help="the first decode worker's Prometheus port, the others' following it (default: each "
+        "worker's gRPC port + 100; 0: off)",
     )
     add_embedding_arg(serve)
 

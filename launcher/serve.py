@@ -1,4 +1,5 @@
-"""`tandem serve`: the gateway, a prefill and a decode worker as child processes of one supervisor.
+"""`tandem serve`: the gateway and its prefill and decode workers (`--prefill-workers N --decode-workers M`)
+as child processes of one supervisor.
 Their configs are built here from one parse of the flags and handed to each child whole
 (launcher/handoff.py): a child reads no flag of its own but its log level."""
 
@@ -21,52 +22,92 @@ from tandem.internal_auth import generate_token
 
 @dataclass(frozen=True, slots=True)
 class StackConfigs:
-    """What `tandem serve` runs: a prefill worker, a decode worker (none in an embedding stack: embeddings
-    need no decode) and the gateway in front of both, on loopback."""
+    """What `tandem serve` runs: prefill workers, decode workers (none in an embedding stack: embeddings
+    need no decode) and the gateway in front of them all, on loopback."""
 
-    prefill: WorkerConfig
-    decode: WorkerConfig | None
+    prefills: tuple[WorkerConfig, ...]
+    decodes: tuple[WorkerConfig, ...]
     gateway: GatewayConfig
+
+    @property
+    def prefill(self) -> WorkerConfig:
+        """The first prefill worker."""
+        return self.prefills[0]
+
+    @property
+    def decode(self) -> WorkerConfig | None:
+        """The first decode worker; None in an embedding stack."""
+        return self.decodes[0] if self.decodes else None
 
     @property
     def children(self) -> tuple[WorkerConfig | GatewayConfig, ...]:
         """Each child's config, in the order they start."""
-        return (self.prefill, self.gateway) if self.decode is None else (self.prefill, self.decode, self.gateway)
+        return (*self.prefills, *self.decodes, self.gateway)
 
 
 def stack_configs(args: argparse.Namespace) -> StackConfigs:
-    """The three configs from `tandem serve`'s flags: one token for all three (the flags' or a fresh one)
-    and a fresh KV grant secret for the two workers alone."""
+    """The configs from `tandem serve`'s flags: one token for all (the flags' or a fresh one) and a fresh
+    KV grant secret for the workers alone. Worker i of a role listens on its role's first port + i."""
+    num_prefill, num_decode = args.prefill_workers, 0 if args.is_embedding else args.decode_workers
+    if num_prefill < 1 or (num_decode < 1 and not args.is_embedding):
+        raise SystemExit("tandem serve: --prefill-workers and --decode-workers must be >= 1")
     credentials = serve_credentials(args)
     grant_secret = None if args.is_embedding else generate_token()
-    threads = args.torch_threads or default_torch_threads(1 if args.is_embedding else 2)
+    threads = args.torch_threads or default_torch_threads(num_prefill + num_decode)
+    decode_port = args.decode_port if args.decode_port is not None else args.prefill_port + num_prefill
 
-    def worker(role: str, port: int, metrics_port_flag: int | None) -> WorkerConfig:
-        return worker_config(
-            args,
-            role=role,
-            host=DEFAULT_WORKER_HOST,
-            port=port,
-            metrics_port=metrics_port(metrics_port_flag, port),
-            credentials=credentials,
-            kv_grant_secret=grant_secret,
-            torch_threads=threads,
+    def workers(role: str, count: int, first_port: int, first_metrics_port: int | None) -> tuple[WorkerConfig, ...]:
+        return tuple(
+            worker_config(
+                args,
+                role=role,
+                host=DEFAULT_WORKER_HOST,
+                port=first_port + i,
+                metrics_port=metrics_port(_nth(first_metrics_port, i), first_port + i),
+                credentials=credentials,
+                kv_grant_secret=grant_secret,
+                torch_threads=threads,
+            )
+            for i in range(count)
         )
 
-    prefill = worker("prefill", args.prefill_port, args.prefill_metrics_port)
-    decode = None if args.is_embedding else worker("decode", args.decode_port, args.decode_metrics_port)
+    prefills = workers("prefill", num_prefill, args.prefill_port, args.prefill_metrics_port)
+    decodes = workers("decode", num_decode, decode_port, args.decode_metrics_port)
     gateway = gateway_config(
         args,
-        prefill_addrs=(_address(prefill),),
-        decode_addrs=() if decode is None else (_address(decode),),
+        prefill_addrs=tuple(_address(w) for w in prefills),
+        decode_addrs=tuple(_address(w) for w in decodes),
         internal=credentials,
     )
-    return StackConfigs(prefill, decode, gateway)
+    _check_ports(prefills + decodes, gateway)
+    return StackConfigs(prefills, decodes, gateway)
+
+
+def _nth(first_port: int | None, i: int) -> int | None:
+    """Worker i's port after `first_port` (None: unset; 0: off, for every worker)."""
+    return first_port + i if first_port else first_port
+
+
+def _check_ports(workers: tuple[WorkerConfig, ...], gateway: GatewayConfig) -> None:
+    """SystemExit naming the port two of the stack's servers would both listen on."""
+    taken: dict[int, str] = {gateway.port: "the gateway's HTTP port"}
+    if gateway.grpc_port:
+        taken.setdefault(gateway.grpc_port, "the gateway's gRPC port")
+    for worker in workers:
+        for port, what in ((worker.port, "gRPC"), (worker.metrics_port, "metrics")):
+            if not port:
+                continue
+            if port in taken:
+                raise SystemExit(
+                    f"tandem serve: port {port} would be both {taken[port]} and a {worker.role} worker's {what} "
+                    "port; choose --prefill-port / --decode-port (and their metrics ports) apart"
+                )
+            taken[port] = f"a {worker.role} worker's {what} port"
 
 
 def serve(args: argparse.Namespace) -> int:
     stack = stack_configs(args)
-    children = [child_spec(config, args.log_level) for config in stack.children]
+    children = [child_spec(config, args.log_level, _child_name(stack, config)) for config in stack.children]
     gateway = stack.gateway
     url_host = "127.0.0.1" if gateway.host in ("0.0.0.0", "::") else gateway.host
     supervisor = Supervisor(
@@ -75,10 +116,11 @@ def serve(args: argparse.Namespace) -> int:
         args.startup_timeout,
         stop_grace_s=args.drain_timeout + 10,
     )
+    prefills = ", ".join(_address(w) for w in stack.prefills)
     workers = (
-        f"embedding prefill {_address(stack.prefill)}, no decode). Ctrl-C stops both."
-        if stack.decode is None
-        else f"prefill {_address(stack.prefill)}, decode {_address(stack.decode)}). Ctrl-C stops all three."
+        f"embedding prefill {prefills}, no decode). Ctrl-C stops them all."
+        if not stack.decodes
+        else f"prefill {prefills}, decode {', '.join(_address(w) for w in stack.decodes)}). Ctrl-C stops them all."
     )
     grpc_api = f", gRPC API on {url_host}:{gateway.grpc_port}" if gateway.grpc_port else ""
     return supervisor.run(
@@ -87,15 +129,24 @@ def serve(args: argparse.Namespace) -> int:
     )
 
 
-def child_spec(config: WorkerConfig | GatewayConfig, log_level: str) -> ChildSpec:
-    """The child that runs `config`: it reads the config from stdin, its secrets from its environment."""
-    name = config.role if isinstance(config, WorkerConfig) else "gateway"
+def child_spec(config: WorkerConfig | GatewayConfig, log_level: str, name: str | None = None) -> ChildSpec:
+    """The child that runs `config` (named `name` in the supervisor's log, else by its role): it reads
+    the config from stdin, its secrets from its environment."""
+    command = config.role if isinstance(config, WorkerConfig) else "gateway"
     return ChildSpec(
-        name,
-        (name, "--log-level", log_level, HANDOFF_FLAG),
+        name or command,
+        (command, "--log-level", log_level, HANDOFF_FLAG),
         env=child_environment(os.environ, config),
         config=to_json(config),
     )
+
+
+def _child_name(stack: StackConfigs, config: WorkerConfig | GatewayConfig) -> str:
+    """ "prefill", "decode", "gateway"; "prefill-2" and the like where a role has several workers."""
+    if not isinstance(config, WorkerConfig):
+        return "gateway"
+    same_role = stack.prefills if config.role == "prefill" else stack.decodes
+    return config.role if len(same_role) == 1 else f"{config.role}-{same_role.index(config) + 1}"
 
 
 def _address(worker: WorkerConfig) -> str:

@@ -31,6 +31,7 @@ class EngineFacts:
     architecture: str
     context_len: int
     vocab_size: int
+    num_attention_heads: int
     eos_token_ids: tuple[int, ...]  # sorted
     layout: KVLayout
     num_pages: int
@@ -45,6 +46,7 @@ class EngineFacts:
             architecture=engine.model_config.architecture.value,
             context_len=engine.context_len,
             vocab_size=engine.model_config.vocab_size,
+            num_attention_heads=engine.model_config.num_heads,
             eos_token_ids=tuple(sorted(engine.eos_token_ids)),
             layout=engine.runner.layout,
             num_pages=pool.num_pages,

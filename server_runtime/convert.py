@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine.embedder import EmbeddingModelInfo
 from engine.errors import InvalidRequestError
 from engine.grammar_spec import GrammarKind, GrammarSpec
-from engine.kv_pool import KVLayout
+from engine.kv_pool import KVLayout, KVPool
 from engine.moe import ExpertDistribution
 from engine.request import FinishReason, PromptLogprobs, SamplingParams, StepOutput
 from engine.stats import EngineStats
@@ -76,6 +76,7 @@ def layout_to_proto(layout: KVLayout) -> common_pb2.KvLayout:
         head_dim=layout.head_dim,
         dtype=str(layout.dtype).removeprefix("torch."),
         page_bytes=layout.page_bytes,
+        order=",".join(KVPool.AXES),
     )
 
 
@@ -138,6 +139,7 @@ def model_info_to_proto(
         role=role_to_proto(role),
         version=version,
         weights_id=weights_id,
+        num_attention_heads=facts.num_attention_heads,
     )
 
 
@@ -181,5 +183,5 @@ def expert_distribution_to_proto(record: ExpertDistribution) -> common_pb2.DumpE
 def _describe(layout: common_pb2.KvLayout) -> str:
     return (
         f"layers={layout.num_layers} page_size={layout.page_size} kv_heads={layout.num_kv_heads} "
-        f"head_dim={layout.head_dim} dtype={layout.dtype}"
+        f"head_dim={layout.head_dim} dtype={layout.dtype} order={layout.order or 'unstated'}"
     )

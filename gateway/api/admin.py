@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 import tandem
 from gateway.api.json_route import JSONRoute
-from gateway.cluster.pool import Worker
+from gateway.cluster.worker import Worker
 from gateway.cluster.worker_errors import WorkerError
 from gateway.cluster.worker_records import FlushResult, UpdateResult
 from gateway.errors import APIError, public_message
@@ -45,14 +45,25 @@ _SECRET_CONFIG_FIELDS = frozenset({"api_key", "admin_api_key", "internal"})
 
 @router.get("/get_server_info")
 async def get_server_info(state: GatewayState = Depends(gateway_state)) -> dict:
-    """The gateway's arguments plus, per worker, its role, address, pool size and use, and version."""
+    """The gateway's arguments plus, per worker, its role, address, pool size and use, and version; and
+    every prefill/decode pair that is never paired, with what differs (the compatibility handshake)."""
     gateway = {k: v for k, v in dataclasses.asdict(state.config).items() if k not in _SECRET_CONFIG_FIELDS}
     workers = await asyncio.gather(*(_worker_info(w) for w in state.pool.all_workers()))
-    return {**gateway, "version": tandem.version(), "workers": list(workers)}
+    incompatible = [
+        {"prefill": p.address, "decode": d.address, "mismatches": [dataclasses.asdict(m) for m in found]}
+        for p, d, found in state.pool.incompatible_pairs()
+    ]
+    return {**gateway, "version": tandem.version(), "workers": list(workers), "incompatible_pairs": incompatible}
 
 
 async def _worker_info(worker: Worker) -> dict:
-    entry = {"role": worker.role, "address": worker.address, "ready": worker.is_ready}
+    entry = {
+        "role": worker.role,
+        "address": worker.address,
+        "ready": worker.is_ready,
+        "routable": worker.is_routable,
+        "num_in_flight": worker.num_in_flight,  # this gateway's requests there now
+    }
     info = worker.info
     if info is not None:
         entry.update(
@@ -63,6 +74,11 @@ async def _worker_info(worker: Worker) -> dict:
             max_total_num_tokens=info.num_pages * info.kv_layout.page_size,
             kv_pool_bytes=info.num_pages * info.kv_layout.page_bytes,
             kv_dtype=info.kv_layout.dtype,
+            kv_order=info.kv_layout.order,
+            num_layers=info.kv_layout.num_layers,
+            num_attention_heads=info.num_attention_heads,
+            num_kv_heads=info.kv_layout.num_kv_heads,
+            head_dim=info.kv_layout.head_dim,
             weights_id=info.weights_id,
         )
     try:
@@ -126,6 +142,8 @@ async def flush_cache(state: GatewayState = Depends(gateway_state)):
             return FlushResult(success=False, message=exc.message)
 
     replies = await asyncio.gather(*(flush(w) for w in state.pool.all_workers()))
+    if any(r.success for r in replies):
+        state.pool.router.forget_all()  # the router's view of the prefix caches: some are empty now
     if all(r.success for r in replies):
         return PlainTextResponse(f"Cache flushed.\n{_FLUSH_NOTE}\n")
     reasons = public_message("; ".join(r.message for r in replies if not r.success))
@@ -150,6 +168,7 @@ async def update_weights_from_disk(body: UpdateWeightsBody, state: GatewayState 
             return UpdateResult(success=False, message=exc.message)
 
     replies = await asyncio.gather(*(update(w) for w in state.pool.all_workers()))
+    state.pool.router.forget_all()  # an update flushes a worker's prefix cache
     failed = [r for r in replies if not r.success]
     if failed:
         logger.warning("update_weights_from_disk failed: %s", "; ".join(r.message for r in failed))

@@ -211,6 +211,7 @@ def _timings(result: GenerationResult) -> TandemTimings | None:
         kv_bytes=t.kv_bytes,
         decode_queue_ms=t.decode_queue_ms,
         first_token_ms=t.gateway_queue_ms + t.first_token_ms,
+        prefill_path=t.prefill_path.value,
     )
 
 

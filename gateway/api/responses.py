@@ -202,7 +202,8 @@ class AbortFinish(BaseModel):
 
 class TandemTimings(BaseModel):
     """Per-phase milliseconds of one generation (see `HandoffTimings`); `first_token_ms` counts from the
-    HTTP request's arrival."""
+    HTTP request's arrival. `prefill_path` says which worker prefilled the prompt: "disaggregated" (a
+    prefill worker, the KV transferred) or "local" (the decode worker; reserve and KV transfer are 0)."""
 
     gateway_queue_ms: float
     reserve_ms: float
@@ -212,6 +213,7 @@ class TandemTimings(BaseModel):
     kv_bytes: int
     decode_queue_ms: float | None
     first_token_ms: float
+    prefill_path: str
 
 
 # [logprob, token id, token text]: the logprob is None at prompt position 0, the text None unless asked for.

@@ -159,6 +159,21 @@ class WorkerClient:
         )
         return DecodeStream(self, call)
 
+    def prefill_and_generate(
+        self, request_id: str, prompt_ids: list[int], sampling: SamplingOptions, timeout_s: float
+    ) -> DecodeStream:
+        """Decode: prefill the prompt on this worker (no reservation, no KV transfer) and stream every
+        token, the first included; the first chunk carries the prompt's queue and compute times."""
+        call = self._decode.PrefillAndGenerate(
+            decode_pb2.PrefillAndGenerateRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt_ids,
+                sampling_params=convert.sampling_to_proto(sampling),
+            ),
+            timeout=timeout_s,
+        )
+        return DecodeStream(self, call)
+
     async def abort(self, request_id: str, kv_write_settled: bool, timeout_s: float) -> bool:
         """End a request or drop a reservation, freeing its pages (at once when `kv_write_settled`:
         no KV write into them can still be in flight); whether the worker held anything for it."""

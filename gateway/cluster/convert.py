@@ -65,7 +65,7 @@ def token_to_proto(token: GeneratedToken) -> common_pb2.TokenOutput:
 
 
 def layout_from_proto(msg: common_pb2.KvLayout) -> KvLayout:
-    return KvLayout(msg.num_layers, msg.page_size, msg.num_kv_heads, msg.head_dim, msg.dtype, msg.page_bytes)
+    return KvLayout(msg.num_layers, msg.page_size, msg.num_kv_heads, msg.head_dim, msg.dtype, msg.page_bytes, msg.order)
 
 
 def _layout_to_proto(layout: KvLayout) -> common_pb2.KvLayout:
@@ -76,6 +76,7 @@ def _layout_to_proto(layout: KvLayout) -> common_pb2.KvLayout:
         head_dim=layout.head_dim,
         dtype=layout.dtype,
         page_bytes=layout.page_bytes,
+        order=layout.order,
     )
 
 
@@ -121,6 +122,8 @@ def chunk_from_proto(msg: decode_pb2.GenerateResponse) -> DecodeChunk:
         msg.matched_token_id if msg.HasField("matched_token_id") else None,
         msg.message,
         msg.queue_ms if msg.HasField("queue_ms") else None,
+        msg.prefill_compute_ms if msg.HasField("prefill_compute_ms") else None,
+        msg.cached_tokens,
     )
 
 
@@ -140,6 +143,7 @@ def model_info_from_proto(msg: common_pb2.GetModelInfoResponse) -> ModelInfo:
         is_matryoshka=msg.is_matryoshka,
         matryoshka_dimensions=tuple(msg.matryoshka_dimensions),
         weights_id=msg.weights_id,
+        num_attention_heads=msg.num_attention_heads,
     )
 
 

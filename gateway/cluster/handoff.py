@@ -1,8 +1,10 @@
-"""One request's trip through the workers: Reserve (decode) -> Prefill -> Generate (decode).
+"""One request's trip through the workers (`gateway/cluster/trip.py`), with its metrics and failover.
 
-The gateway only moves token ids and small control messages; the KV goes prefill -> decode
-directly. Whatever ends the trip early (an error, a stop string, a client that went away), the
-`finally` block tells the decode server, so no page stays held.
+Failover: if a worker fails (unreachable, refused, reset, draining, stalled) before the request has
+produced a token, the trip is run once more on other workers: the failed attempt has already given
+back everything it held, and the new one is routed afresh without the failed worker. After the first
+token, a failure ends the request (the HTTP routes end a stream with an error event and
+`data: [DONE]`; the gRPC API with an error status). Both fronts call `run_handoff`, so both get it.
 """
 
 from __future__ import annotations
@@ -11,23 +13,19 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable
-from dataclasses import replace
+from collections.abc import AsyncGenerator
 
-from gateway.cluster.client import DecodeStream
-from gateway.cluster.pool import Worker, WorkerPool
+from gateway.cluster.pool import WorkerPool
+from gateway.cluster.trip import TripRequest, run_trip
 from gateway.cluster.worker_errors import WorkerError
-from gateway.cluster.worker_records import DecodeChunk, KvTarget, PrefillResult, Reservation
 from gateway.config import GatewayConfig
-from gateway.errors import WORKER_RETRY_AFTER_S, APIError
 from gateway.metrics import GatewayMetrics
-from gateway.records import FinishReason, HandoffTimings, SamplingOptions, TokenEvent
+from gateway.records import FinishReason, SamplingOptions, TokenEvent
 from tandem.request_log import bind_request_id
 
 logger = logging.getLogger(__name__)
 
-_ABORT_TIMEOUT_S = 2.0
-_SETTLE_TIMEOUT_S = 10.0  # a running KV write finishes within this (or the decode pages rest for the grace)
+_MAX_ATTEMPTS = 2  # the first, and one retry on other workers
 
 
 async def run_handoff(
@@ -46,15 +44,9 @@ async def run_handoff(
     bind_request_id(request_id)
     started = last = time.perf_counter()
     outcome = "error"
-    events = _trip(
-        pool,
-        config,
-        request_id,
-        prompt_ids,
-        sampling,
-        prompt_logprob_start,
-        (started - arrived_at) * 1000 if arrived_at is not None else 0.0,
-    )
+    gateway_queue_ms = (started - arrived_at) * 1000 if arrived_at is not None else 0.0
+    request = TripRequest(request_id, prompt_ids, sampling, prompt_logprob_start, gateway_queue_ms)
+    events = _with_failover(pool, config, metrics, request)
     is_first = True
     try:
         async with contextlib.aclosing(events):
@@ -81,191 +73,27 @@ async def run_handoff(
         metrics.observe_end(outcome, time.perf_counter() - started)
 
 
-async def _trip(
-    pool: WorkerPool,
-    config: GatewayConfig,
-    request_id: str,
-    prompt_ids: list[int],
-    sampling: SamplingOptions,
-    prompt_logprob_start: int | None,
-    gateway_queue_ms: float,
+async def _with_failover(
+    pool: WorkerPool, config: GatewayConfig, metrics: GatewayMetrics, request: TripRequest
 ) -> AsyncGenerator[TokenEvent, None]:
-    """The trip itself, as `run_handoff` describes it, without the metrics."""
-    started = time.perf_counter()
-    prefill, decode, reservation = await _reserve(pool, config, request_id, len(prompt_ids))
-    reserve_ms = (time.perf_counter() - started) * 1000
-    stream: DecodeStream | None = None
-    finished = False
-    write_settled = False  # True once the prefill server has answered: no KV write can be in flight
-    try:
-        first = await _prefill(
-            prefill,
-            prefill.client.prefill(
-                request_id,
-                prompt_ids,
-                sampling,
-                reservation.kv_target,
-                prompt_logprob_start,
-                timeout_s=config.prefill_timeout_s,
-            ),
-            config.stall_timeout_s,
-        )
-        write_settled = True
-        timings = HandoffTimings(
-            reserve_ms,
-            first.queue_ms,
-            first.compute_ms,
-            first.transfer_ms,
-            first.kv_bytes,
-            (time.perf_counter() - started) * 1000,
-            first.cached_tokens,
-            gateway_queue_ms,
-        )
-        yield TokenEvent([first.first_token], timings=timings, prompt_logprobs=list(first.prompt_logprobs))
-        stream = decode.client.generate(
-            request_id,
-            prompt_ids,
-            first.first_token,
-            sampling,
-            first.weights_id,
-            reservation.kv_target.grant,
-            timeout_s=config.request_timeout_s,
-        )
-        async for chunk in _stream(decode, stream, config.stall_timeout_s):
-            finished = chunk.finish_reason is not None
-            yield _event(chunk, timings)
-            if finished:
-                return
-        logger.warning("decode worker %s ended the stream without a finish reason", decode.address)
-        raise APIError(502, "the decode worker ended the stream without a finish reason", "internal_error")
-    except _PrefillAnswered as answered:
-        write_settled = True
-        raise answered.error from None
-    finally:
-        if not finished:
-            if stream is not None:
-                stream.cancel()
-            await _settle(_release(decode, prefill, request_id, None if write_settled else reservation.kv_target))
-        pool.admission.released()
-
-
-async def _reserve(
-    pool: WorkerPool, config: GatewayConfig, request_id: str, prompt_len: int
-) -> tuple[Worker, Worker, Reservation]:
-    """A ready (prefill, decode) pair and the decode worker's reservation, once admission lets the
-    trip through (it waits its turn while the decode pool is full). A trip cancelled meanwhile
-    releases the reservation it may have made (no prefill was sent for it)."""
-    pair: list[Worker] = []  # (prefill, decode) of the Reserve under way
-
-    async def reserve() -> Reservation:
-        pair[:] = pool.pick_pair()
+    """The trip's events; when a worker fails before the first of them, the trip once more on workers
+    other than the failed one, if there are any that may be paired."""
+    avoid: frozenset[str] = frozenset()
+    for attempt in range(1, _MAX_ATTEMPTS + 1):
+        has_output = False
+        trip = run_trip(pool, config, metrics, request, avoid)
         try:
-            return await pair[1].client.reserve(request_id, prompt_len, timeout_s=config.reserve_timeout_s)
-        except APIError:
-            pair.clear()
-            raise
-
-    try:
-        reservation = await pool.admission.admit(reserve)
-    except asyncio.CancelledError:
-        if pair:
-            await _settle(_release(pair[1], pair[0], request_id, None))
-        raise
-    prefill, decode = pair
-    return prefill, decode, reservation
-
-
-def _event(chunk: DecodeChunk, timings: HandoffTimings) -> TokenEvent:
-    """A decode chunk as the trip's event; the first one carries the timings again, now with the decode queue."""
-    return TokenEvent(
-        chunk.tokens,
-        chunk.finish_reason,
-        chunk.matched_token_id,
-        chunk.message,
-        replace(timings, decode_queue_ms=chunk.queue_ms) if chunk.queue_ms is not None else None,
-    )
-
-
-class _PrefillAnswered(Exception):
-    """The prefill server answered with an error: its KV write, if any, is over."""
-
-    def __init__(self, error: APIError) -> None:
-        self.error = error
-
-
-async def _prefill(worker: Worker, call: Awaitable[PrefillResult], stall_timeout_s: float) -> PrefillResult:
-    """The prefill's answer. A failure the worker itself answered is raised as `_PrefillAnswered`;
-    one the client side raised (deadline, cancel, lost connection, a stall) as is: the write may
-    still be running then."""
-    try:
-        return await _unless_stalled(worker, call, stall_timeout_s)
-    except WorkerError as exc:
-        if not exc.is_settled:
-            raise
-        raise _PrefillAnswered(exc) from None
-
-
-async def _stream(worker: Worker, stream: DecodeStream, stall_timeout_s: float) -> AsyncGenerator[DecodeChunk, None]:
-    while (chunk := await _unless_stalled(worker, stream.read(), stall_timeout_s)) is not None:
-        yield chunk
-
-
-async def _unless_stalled(worker: Worker, awaitable, stall_timeout_s: float):
-    """Await a call's answer; each time `stall_timeout_s` passes without one, check that the worker
-    still answers health checks. A worker that does not (frozen, wedged, its host gone) ends the
-    wait with a 503 and is marked unready; a slow but live one (a long prompt, a queue) is waited for."""
-    pending = asyncio.ensure_future(awaitable)
-    try:
-        while True:
-            done, _ = await asyncio.wait((pending,), timeout=stall_timeout_s)
-            if done:
-                return pending.result()
-            if not await worker.responds():
-                logger.warning(
-                    "%s worker %s sent nothing for %g s and does not answer health checks",
-                    worker.role,
-                    worker.address,
-                    stall_timeout_s,
-                )
-                raise APIError(
-                    503,
-                    f"the {worker.role} worker stopped responding (nothing for {stall_timeout_s:g} s)",
-                    "service_unavailable",
-                    code="worker_stalled",
-                    retry_after_s=WORKER_RETRY_AFTER_S,
-                )
-    finally:
-        pending.cancel()
-
-
-async def _release(decode: Worker, prefill: Worker, request_id: str, unsettled: KvTarget | None) -> None:
-    """Free the decode server's pages for an unfinished trip. `unsettled` is the KV target of a
-    Prefill that has not answered: the prefill server is asked to stop it and confirm its write is
-    over, so the decode server frees the pages at once; if it cannot confirm, they rest for the
-    write grace instead. (Cancelling a Generate stream frees them too; the Abort makes it certain.)"""
-    write_settled = unsettled is None
-    if unsettled is not None:
-        with contextlib.suppress(WorkerError):
-            await prefill.client.cancel_prefill(request_id, unsettled, timeout_s=_SETTLE_TIMEOUT_S)
-            write_settled = True
-        if not write_settled:
+            async with contextlib.aclosing(trip):
+                async for event in trip:
+                    has_output = True
+                    yield event
+            return
+        except WorkerError as exc:
+            retry_avoid = avoid | {exc.address}
+            if has_output or not exc.is_worker_failure or attempt == _MAX_ATTEMPTS or not pool.can_route(retry_avoid):
+                raise
             logger.warning(
-                "prefill worker %s did not confirm that %s's KV write is over; its decode pages "
-                "rest for the write grace",
-                prefill.address,
-                request_id,
+                "worker %s failed before the first token (%s); trying other workers", exc.address, exc.detail
             )
-    with contextlib.suppress(WorkerError):
-        await decode.client.abort(request_id, write_settled, timeout_s=_ABORT_TIMEOUT_S)
-
-
-_releasing: set[asyncio.Task] = set()  # strong references: a shielded release outlives its cancelled trip
-
-
-async def _settle(release) -> None:
-    """Run a release to its end even if the trip that started it is cancelled again meanwhile."""
-    task = asyncio.ensure_future(release)
-    _releasing.add(task)
-    task.add_done_callback(_releasing.discard)
-    with contextlib.suppress(asyncio.CancelledError):
-        await asyncio.shield(task)
+            metrics.failovers.inc()
+            avoid = retry_avoid

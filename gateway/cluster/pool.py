@@ -1,5 +1,6 @@
-"""The prefill and decode workers: readiness tracking and round-robin picking of prefill/decode pairs
-that hold the same weights. Each `Worker` talks to its process through its own `WorkerClient`."""
+"""The prefill and decode workers: membership (static and DNS), readiness and load polling, which
+prefill and decode workers may be paired (`compatibility.py`), and each request's `Route` through them
+(`routing.py`). Each `Worker` (`worker.py`) talks to its process through its own `WorkerClient`."""
 
 from __future__ import annotations
 
@@ -7,21 +8,21 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.cluster.admission import Admission
-from gateway.cluster.client import WorkerClient
+from gateway.cluster.compatibility import Mismatch, mismatches
 from gateway.cluster.discovery import REFRESH_INTERVAL_S, RoleDiscovery
-from gateway.cluster.worker_records import ModelInfo
-from gateway.config import DEFAULT_MAX_QUEUE_WAIT_S, DEFAULT_MAX_QUEUED
+from gateway.cluster.routing import Route, Router
+from gateway.cluster.worker import Worker
+from gateway.config import DEFAULT_MAX_QUEUE_WAIT_S, DEFAULT_MAX_QUEUED, RoutingConfig
 from gateway.errors import WORKER_RETRY_AFTER_S, APIError
-from gateway.records import Role
 from tandem.internal_auth import InternalCredentials
 
 logger = logging.getLogger(__name__)
 
 _POLL_INTERVAL_S = 1.0
-_PROBE_TIMEOUT_S = 2.0
 # A worker whose address left DNS gets no new requests, but its channel stays open this long so
 # that streams already on it can finish (the gateway's default --request-timeout).
 _RETIRED_CHANNEL_GRACE_S = 3600.0
@@ -43,57 +44,11 @@ class ModelLimits:
     matryoshka_dimensions: tuple[int, ...] = ()
 
 
-class Worker:
-    """One worker as the pool sees it: its `client`, and whether it is ready (its health service says
-    SERVING and it reported its model `info`, kept from the last probe that got one)."""
-
-    def __init__(
-        self, role: Role | str, address: str, credentials: InternalCredentials = InternalCredentials()
-    ) -> None:
-        self.client = WorkerClient(role, address, credentials)
-        self.is_ready = False
-        self.info: ModelInfo | None = None
-
-    @property
-    def role(self) -> Role:
-        return self.client.role
-
-    @property
-    def address(self) -> str:
-        return self.client.address
-
-    async def probe(self) -> bool:
-        """Ask the worker's health service, then its model info (a restarted worker may come back with
-        another context length or pool, and an update changes its weights)."""
-        info = await self.client.model_info(_PROBE_TIMEOUT_S)
-        ready = info is not None
-        if info is not None:
-            self.info = info
-        if ready != self.is_ready:
-            logger.info("%s worker %s is %s", self.role, self.address, "ready" if ready else "not ready")
-        self.is_ready = ready
-        return ready
-
-    async def responds(self) -> bool:
-        """Whether the worker answers a health check now; one that does not is marked unready until
-        the next probe round finds it answering again."""
-        if await self.client.responds(_PROBE_TIMEOUT_S):
-            return True
-        if self.is_ready:
-            logger.warning("%s worker %s stopped responding; it gets no new requests", self.role, self.address)
-        self.is_ready = False
-        return False
-
-    @property
-    def weights_id(self) -> str | None:
-        return self.info.weights_id if self.info is not None else None
-
-
 class WorkerPool:
     """The prefill and decode workers: static addresses, plus `dns:///name:port` ones re-resolved
     (`gateway/cluster/discovery.py`) on every probe round once their refresh interval has passed.
     Every channel carries `credentials` (the internal token, TLS). Handoffs wait for decode KV space
-    through `admission`."""
+    through `admission` and are placed by `router` (`routing`'s policy)."""
 
     def __init__(
         self,
@@ -102,8 +57,10 @@ class WorkerPool:
         refresh_interval_s: float = REFRESH_INTERVAL_S,
         credentials: InternalCredentials = InternalCredentials(),
         admission: Admission | None = None,
+        routing: RoutingConfig = RoutingConfig(),
     ) -> None:
         self.admission = admission or Admission(DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUE_WAIT_S)
+        self.router = Router(routing)
         self._credentials = credentials
         self._discovery = {
             "prefill": RoleDiscovery("prefill", prefill_addrs, refresh_interval_s),
@@ -115,6 +72,8 @@ class WorkerPool:
         self._retired: list[tuple[float, Worker]] = []
         self._turns = {role: itertools.count() for role in self.workers}
         self._poller: asyncio.Task | None = None
+        self._checked: dict[tuple[str, str], tuple[object, object, tuple[Mismatch, ...]]] = {}
+        self._logged: dict[tuple[str, str], tuple[Mismatch, ...]] = {}
 
     def start(self) -> None:
         self._poller = asyncio.create_task(self._poll_forever())
@@ -128,9 +87,13 @@ class WorkerPool:
     def all_workers(self) -> list[Worker]:
         return self.workers["prefill"] + self.workers["decode"]
 
+    def worker(self, role: str, address: str) -> Worker | None:
+        return next((w for w in self.workers[role] if w.address == address), None)
+
     async def probe_all(self) -> None:
         await self.refresh_members()
         await asyncio.gather(*(w.probe() for w in self.all_workers()))
+        self.incompatible_pairs()  # logs each new mismatch once
 
     def num_ready(self, role: str) -> int:
         return sum(w.is_ready for w in self.workers[role])
@@ -163,47 +126,117 @@ class WorkerPool:
 
     @property
     def is_ready(self) -> bool:
-        """Generation: a ready prefill and a ready decode worker that hold the same weights.
-        Embeddings (no decode role): a ready prefill worker."""
+        """Generation: a ready prefill and a ready decode worker that may be paired (same weights and
+        KV layout). Embeddings (no decode role): a ready prefill worker."""
         if not self._discovery["decode"].specs:
             return any(w.is_ready for w in self.workers["prefill"])
-        return bool(self._paired_decodes())
+        return any(self._pairs(frozenset(), routable_only=False).values())
 
     def pick(self, role: str) -> Worker:
-        """Round-robin over ready workers of `role`; 503 when none is ready."""
-        ready = [w for w in self.workers[role] if w.is_ready]
+        """Round-robin over routable workers of `role` (embeddings, admin calls); 503 when there is none."""
+        ready = [w for w in self.workers[role] if w.is_routable]
         if not ready:
-            raise APIError(
-                503,
-                f"no {role} worker is ready",
-                "service_unavailable",
-                code="worker_unavailable",
-                retry_after_s=WORKER_RETRY_AFTER_S,
-            )
+            raise _unavailable(f"no {role} worker is ready")
         return ready[next(self._turns[role]) % len(ready)]
 
-    def pick_pair(self) -> tuple[Worker, Worker]:
-        """A ready (prefill, decode) pair holding the same weights, round-robin over decode workers
-        and then over the prefill workers that match; 503 when there is none."""
-        decodes = self._paired_decodes()
-        if not decodes:
-            for role in ("prefill", "decode"):
-                self.pick(role)  # 503 naming the role when it has no ready worker at all
-            raise APIError(
-                503,
-                "no ready prefill and decode workers hold the same model weights (update them to the same checkpoint)",
-                "service_unavailable",
-                code="worker_unavailable",
-                retry_after_s=WORKER_RETRY_AFTER_S,
-            )
-        decode = decodes[next(self._turns["decode"]) % len(decodes)]
-        prefills = [w for w in self.workers["prefill"] if w.is_ready and w.weights_id == decode.weights_id]
-        return prefills[next(self._turns["prefill"]) % len(prefills)], decode
+    def can_route(self, avoid: frozenset[str]) -> bool:
+        """Whether some pair of routable workers whose addresses are not in `avoid` may be paired."""
+        return any(self._pairs(avoid).values())
 
-    def _paired_decodes(self) -> list[Worker]:
-        """Ready decode workers with a ready prefill worker of the same weights."""
-        prefill_weights = {w.weights_id for w in self.workers["prefill"] if w.is_ready}
-        return [w for w in self.workers["decode"] if w.is_ready and w.weights_id in prefill_weights]
+    def route(
+        self, prompt_ids: Sequence[int], avoid: frozenset[str] = frozenset(), may_prefill_locally: bool = True
+    ) -> Route:
+        """The workers of one request, counted in flight on each from now (`Route.end`): by the
+        router's policy among routable workers not in `avoid` that may be paired, or a decode worker
+        alone when the router says it should prefill the prompt itself (and `may_prefill_locally`).
+        503 when no such pair exists."""
+        pairs = self._pairs(avoid)
+        decodes = [d for d, prefills in pairs.items() if prefills]
+        if not decodes:
+            raise self._no_pair_error()
+        prefills = list(dict.fromkeys(p for d in decodes for p in pairs[d]))
+        policy = self.router.config.policy
+        local = self.router.local_reason(len(prompt_ids), prefills) if may_prefill_locally else None
+        fitting = [d for d in decodes if _fits(d, len(prompt_ids))]
+        if local is not None and fitting:
+            decode = self.router.choose_decode(fitting)
+            route = Route(None, decode.worker, policy, local, decode.reason)
+        else:
+            prefill = self.router.choose_prefill(prompt_ids, prefills)
+            decode = self.router.choose_decode([d for d in decodes if prefill.worker in pairs[d]])
+            route = Route(
+                prefill.worker,
+                decode.worker,
+                policy,
+                prefill.reason,
+                decode.reason,
+                prefill.estimated_cached_tokens,
+                prefill.page_hashes,
+            )
+            self.router.routed(route)
+        route.begin()
+        return route
+
+    def loads(self) -> list[tuple[str, str, dict[str, float]]]:
+        """Each worker's load as the router sees it: (role, address, measures), for the metrics."""
+        found = []
+        for worker in self.all_workers():
+            measures = {"in_flight": float(worker.num_in_flight)}
+            if worker.load is not None:
+                measures.update(
+                    running=worker.load.num_running, waiting=worker.load.num_waiting, free_pages=worker.num_free_pages
+                )
+            found.append((worker.role.value, worker.address, measures))
+        return found
+
+    def incompatible_pairs(self) -> list[tuple[Worker, Worker, tuple[Mismatch, ...]]]:
+        """Every (prefill, decode) pair of workers that reported their model and may not be paired,
+        with what differs. A pair's mismatch is logged once (again only if it changes)."""
+        found = []
+        for prefill in self.workers["prefill"]:
+            for decode in self.workers["decode"]:
+                if prefill.info is not None and decode.info is not None and (diff := self._mismatches(prefill, decode)):
+                    found.append((prefill, decode, diff))
+        return found
+
+    def _pairs(self, avoid: frozenset[str], routable_only: bool = True) -> dict[Worker, list[Worker]]:
+        """Each usable decode worker with the usable prefill workers it may be paired with."""
+
+        def usable(w: Worker) -> bool:
+            return (w.is_routable if routable_only else w.is_ready) and w.address not in avoid
+
+        prefills = [p for p in self.workers["prefill"] if usable(p)]
+        return {d: [p for p in prefills if not self._mismatches(p, d)] for d in self.workers["decode"] if usable(d)}
+
+    def _mismatches(self, prefill: Worker, decode: Worker) -> tuple[Mismatch, ...]:
+        """What differs between two workers' model infos (cached until either reports again)."""
+        if prefill.info is None or decode.info is None:
+            return (Mismatch("model_info", "unreported", "unreported"),)
+        key = (prefill.address, decode.address)
+        cached = self._checked.get(key)
+        if cached is not None and cached[0] is prefill.info and cached[1] is decode.info:
+            return cached[2]
+        found = mismatches(prefill.info, decode.info)
+        self._checked[key] = (prefill.info, decode.info, found)
+        if found and self._logged.get(key) != found:
+            logger.warning(
+                "prefill worker %s and decode worker %s are never paired: %s",
+                prefill.address,
+                decode.address,
+                "; ".join(str(m) for m in found),
+            )
+        self._logged[key] = found
+        return found
+
+    def _no_pair_error(self) -> APIError:
+        """503 naming the role when it has no ready worker at all, else saying none may be paired."""
+        for role in ("prefill", "decode"):
+            if not any(w.is_routable for w in self.workers[role]):
+                return _unavailable(f"no {role} worker is ready")
+        return _unavailable(
+            "no ready prefill and decode workers may be paired: they must hold the same model weights and KV "
+            "layout (update them to the same checkpoint and settings; /get_server_info lists what differs)"
+        )
 
     def limits(self) -> ModelLimits:
         """The tightest limits over every worker that has reported; 503 before any has."""
@@ -224,3 +257,13 @@ class WorkerPool:
             is_matryoshka=first.is_matryoshka,
             matryoshka_dimensions=tuple(first.matryoshka_dimensions),
         )
+
+
+def _fits(decode: Worker, prompt_len: int) -> bool:
+    """Whether the decode worker's whole pool could hold the prompt (prefilling it there may wait for pages)."""
+    info = decode.info
+    return info is not None and prompt_len < info.num_pages * max(1, info.kv_layout.page_size)
+
+
+def _unavailable(message: str) -> APIError:
+    return APIError(503, message, "service_unavailable", code="worker_unavailable", retry_after_s=WORKER_RETRY_AFTER_S)

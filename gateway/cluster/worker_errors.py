@@ -59,13 +59,29 @@ _UNSETTLED_CODES = frozenset(
 )
 
 
+# Codes that say the worker itself failed (unreachable, refused, reset, draining), not the request:
+# the gateway may send the request to another worker instead.
+_WORKER_FAILURE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+_STALLED = ErrorKind(503, "service_unavailable", "worker_stalled")
+
+
 class WorkerError(APIError):
     """A failed call to a worker, answered to the HTTP client as an `APIError`. For the gateway
     itself it also keeps `detail`, the worker's full answer (for the log and the admin views, never
-    an error body), and `is_settled`: False when the code is one the client side can raise on its
-    own (deadline, cancel, a lost connection, unknown), so the call may still be running on the worker."""
+    an error body), `is_settled`: False when the code is one the client side can raise on its
+    own (deadline, cancel, a lost connection, unknown), so the call may still be running on the worker,
+    and `is_worker_failure`: the worker failed (unreachable, refused, reset, draining, stalled), not the
+    request, so another worker may serve it. `address` names the worker, for the gateway alone."""
 
-    def __init__(self, kind: ErrorKind, message: str, detail: str, is_settled: bool) -> None:
+    def __init__(
+        self,
+        kind: ErrorKind,
+        message: str,
+        detail: str,
+        is_settled: bool,
+        address: str = "",
+        is_worker_failure: bool = False,
+    ) -> None:
         super().__init__(
             kind.http_status,
             message,
@@ -75,6 +91,20 @@ class WorkerError(APIError):
         )
         self.detail = detail
         self.is_settled = is_settled
+        self.address = address
+        self.is_worker_failure = is_worker_failure
+
+
+def stalled_error(role: Role, address: str, stall_timeout_s: float) -> WorkerError:
+    """A call that got nothing for `stall_timeout_s` from a worker that no longer answers health checks."""
+    return WorkerError(
+        _STALLED,
+        f"the {role} worker stopped responding (nothing for {stall_timeout_s:g} s)",
+        f"no answer for {stall_timeout_s:g} s and no answer to a health check",
+        is_settled=False,
+        address=address,
+        is_worker_failure=True,
+    )
 
 
 def worker_error(exc: grpc.aio.AioRpcError, role: Role, address: str) -> WorkerError:
@@ -82,14 +112,18 @@ def worker_error(exc: grpc.aio.AioRpcError, role: Role, address: str) -> WorkerE
     Retry-After. The address and the worker's full answer go to the log only."""
     kind = HTTP_OF_GRPC.get(exc.code(), _INTERNAL)
     detail = exc.details() or exc.code().name
-    is_settled = exc.code() not in _UNSETTLED_CODES
+    is_settled, is_failure = exc.code() not in _UNSETTLED_CODES, exc.code() in _WORKER_FAILURE_CODES
+
+    def error(message: str) -> WorkerError:
+        return WorkerError(kind, message, detail, is_settled, address, is_failure)
+
     log = logger.warning if kind.http_status >= 500 else logger.info
     log("%s worker %s answered %s: %s", role, address, exc.code().name, detail)
     if kind.http_status < 500:  # the worker's words about the request itself
-        return WorkerError(kind, public_message(detail), detail, is_settled)
+        return error(public_message(detail))
     fixed = _INTERNAL_MESSAGE if kind is _INTERNAL else _FIXED_MESSAGE.get(exc.code())
     if fixed is None:  # capacity, aborted: the worker's own message says why
-        return WorkerError(kind, f"the {role} worker: {public_message(detail)}", detail, is_settled)
+        return error(f"the {role} worker: {public_message(detail)}")
     request_id = current_request_id()
     where = f" (request {request_id}; details in the gateway log)" if request_id != NO_REQUEST else ""
-    return WorkerError(kind, fixed.format(role=role) + where, detail, is_settled)
+    return error(fixed.format(role=role) + where)

@@ -29,7 +29,8 @@ class ExpertRecordOp(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class KvLayout:
     """Shape of one KV page; prefill and decode must agree on it byte for byte. `dtype` is torch's
-    name ("bfloat16"); `page_bytes` counts all layers, K and V."""
+    name ("bfloat16"); `page_bytes` counts all layers, K and V; `order` is the pool tensor's axis
+    order ("" from a worker that does not say)."""
 
     num_layers: int
     page_size: int
@@ -37,6 +38,7 @@ class KvLayout:
     head_dim: int
     dtype: str
     page_bytes: int
+    order: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,14 +79,18 @@ class PrefillResult:
 
 @dataclass(frozen=True, slots=True)
 class DecodeChunk:
-    """One message of a Generate stream: tokens after the first; the last one has `finish_reason`
-    (with `matched_token_id` for a stop, `message` for an abort). `queue_ms` comes with the first."""
+    """One message of a Generate stream (tokens after the first) or a PrefillAndGenerate stream (tokens
+    from the first); the last one has `finish_reason` (with `matched_token_id` for a stop, `message` for
+    an abort). `queue_ms` comes with the first; `prefill_compute_ms` and `cached_tokens` with the first
+    of a PrefillAndGenerate stream."""
 
     tokens: list[GeneratedToken]
     finish_reason: FinishReason | None = None
     matched_token_id: int | None = None
     message: str = ""
     queue_ms: float | None = None
+    prefill_compute_ms: float | None = None
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +120,7 @@ class ModelInfo:
     is_matryoshka: bool
     matryoshka_dimensions: tuple[int, ...]
     weights_id: str
+    num_attention_heads: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -148,7 +148,9 @@ def test_an_expired_reservation_frees_its_pages_and_its_grant_is_refused(model_p
     TTL and the write grace, and a prefill that arrives later with its grant is refused."""
     async def scenario() -> APIError:
         async with _gateway(model_path, reservation_ttl_s=0.5, write_grace_s=0.3) as (pool, config, _):
-            prefill, decode = pool.pick_pair()
+            route = pool.route(PROMPT)
+            prefill, decode = route.prefill, route.decode
+            assert prefill is not None
             reservation = await decode.client.reserve("late", len(PROMPT), _TIMEOUT_S)
             held = await decode.client.load(_TIMEOUT_S)
             assert held.num_total_pages - held.num_free_pages == len(reservation.kv_target.page_ids) == 3

@@ -22,4 +22,4 @@ def test_serve_takes_one_metrics_port_per_worker() -> None:
     stack = stack_configs(args)
     assert stack.decode is not None
     assert (stack.prefill.port, stack.prefill.metrics_port) == (40001, 40101)
-    assert (stack.decode.port, stack.decode.metrics_port) == (30002, 9102)
+    assert (stack.decode.port, stack.decode.metrics_port) == (40002, 9102)   # right after the prefill worker

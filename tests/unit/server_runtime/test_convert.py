@@ -58,7 +58,15 @@ def test_layout_to_proto() -> None:
 
 def test_matching_layout_passes() -> None:
     check_layout_matches(LAYOUT, common_pb2.KvLayout(num_layers=2, page_size=16, num_kv_heads=2, head_dim=64,
-                                                     dtype="bfloat16", page_bytes=LAYOUT.page_bytes))
+                                                     dtype="bfloat16", page_bytes=LAYOUT.page_bytes,
+                                                     order="page,layer,kv,offset,kv_head,head_dim"))
+
+
+def test_pages_laid_out_in_another_axis_order_are_rejected() -> None:
+    remote = layout_to_proto(LAYOUT)
+    remote.order = "page,kv,layer,offset,kv_head,head_dim"
+    with pytest.raises(InvalidRequestError, match="order=page,kv,layer"):
+        check_layout_matches(LAYOUT, remote)
 
 
 @pytest.mark.parametrize("change", [dict(num_layers=3), dict(page_size=32), dict(num_kv_heads=4),

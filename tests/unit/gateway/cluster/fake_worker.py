@@ -55,10 +55,11 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
         self.received: list = []
         self.failure: Failure | None = None
         self.is_stuck = False
+        self.fails_reserve = True  # False: only the Generate stream fails with `failure`; Reserve answers
 
     async def Reserve(self, request, context):
         self.received.append(request)
-        if self.failure is not None:
+        if self.failure is not None and self.fails_reserve:
             await context.abort(*self.failure)
         return decode_pb2.ReserveResponse(request_id=request.request_id, kv_target=KV_TARGET, ttl_ms=5000)
 
@@ -73,6 +74,18 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
                                           finish_reason=common_pb2.FINISH_REASON_STOP, matched_token_id=2)
 
 
+    async def PrefillAndGenerate(self, request, context):
+        """Prefill on decode: tokens 7 and 8 in the first message (with its times), then 2 and a stop,
+        unless `failure` aborts it before any token."""
+        self.received.append(request)
+        if self.failure is not None:
+            await context.abort(*self.failure)
+        yield decode_pb2.GenerateResponse(request_id=request.request_id, tokens=[token(7), token(8)], queue_ms=0.25,
+                                          prefill_compute_ms=1.75, cached_tokens=0)
+        yield decode_pb2.GenerateResponse(request_id=request.request_id, tokens=[token(2)],
+                                          finish_reason=common_pb2.FINISH_REASON_STOP, matched_token_id=2)
+
+
 class FakeControl(worker_pb2_grpc.WorkerServiceServicer):
     """FlushCache is left to the base class: UNIMPLEMENTED, as on an embedding worker."""
 
@@ -83,6 +96,9 @@ class FakeControl(worker_pb2_grpc.WorkerServiceServicer):
         return common_pb2.GetModelInfoResponse(model_path="m", architecture="LlamaForCausalLM", context_len=2048,
                                                vocab_size=100, eos_token_ids=[2], kv_layout=LAYOUT, num_pages=64,
                                                role=common_pb2.WORKER_ROLE_DECODE, version="1", weights_id="w-1")
+
+    async def GetLoad(self, request, context):
+        return common_pb2.GetLoadResponse(num_free_pages=64, num_total_pages=64)
 
     async def Abort(self, request, context):
         self.received.append(request)

@@ -15,10 +15,11 @@ import pytest
 
 from gateway.cluster.handoff import run_handoff
 from gateway.cluster.pool import WorkerPool
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, RouterPolicy, RoutingConfig
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
-from gateway.records import FinishReason, SamplingOptions, TokenEvent
+from gateway.records import FinishReason, PrefillPath, SamplingOptions, TokenEvent
+from tandem.v1 import decode_pb2
 from tests.unit.gateway.cluster.fake_worker import KV_TARGET, FakeWorker, serve_fake_worker
 
 PROMPT = [1, 2, 3]
@@ -114,3 +115,81 @@ def test_a_reader_that_stops_early_releases_the_pages(tmp_path: Path) -> None:
         assert worker.aborts() == [("r1", True)]
 
     _run(tmp_path, scenario)
+
+
+def _run_pair(tmp_path: Path, scenario, routing: RoutingConfig = RoutingConfig(policy=RouterPolicy.ROUND_ROBIN),
+              **config) -> None:
+    """`scenario(pool, config, a, b)` with prefill workers (a, b) and decode worker b, round-robin."""
+    async def main() -> None:
+        async with serve_fake_worker() as a, serve_fake_worker() as b:
+            gateway_config = GatewayConfig(model_path="m", served_model_name="m", prefill_addrs=(a.address, b.address),
+                                           decode_addrs=(b.address,), data_dir=str(tmp_path), routing=routing,
+                                           **config)
+            pool = WorkerPool(gateway_config.prefill_addrs, gateway_config.decode_addrs, routing=routing)
+            try:
+                await pool.probe_all()
+                await scenario(pool, gateway_config, a, b)
+            finally:
+                await pool.close()
+
+    asyncio.run(main())
+
+
+def test_a_prefill_worker_that_fails_before_the_first_token_is_replaced_once(tmp_path: Path) -> None:
+    async def scenario(pool: WorkerPool, config: GatewayConfig, a: FakeWorker, b: FakeWorker) -> None:
+        a.prefill.failure = (grpc.StatusCode.UNAVAILABLE, "the prefill worker is shutting down")
+        metrics = GatewayMetrics()
+        events = [e async for e in run_handoff(pool, config, metrics, "r1", PROMPT, SAMPLING)]
+        assert [e.token_ids for e in events] == [[7], [8], [2]]
+        assert [len(w.prefill.received) for w in (a, b)] == [2, 1]   # a: Prefill, then CancelPrefill; b: Prefill
+        assert b.aborts() == [("r1", True)]   # the first reservation, freed once a confirmed its write is over
+        assert not pool.workers["prefill"][0].is_ready and pool.workers["prefill"][1].is_ready
+        assert metrics.failovers._value.get() == 1
+        a.prefill.failure = (grpc.StatusCode.UNAVAILABLE, "still down")   # the next request avoids a at once
+        assert [e.token_ids async for e in run_handoff(pool, config, metrics, "r2", PROMPT, SAMPLING)][0] == [7]
+        assert len(a.prefill.received) == 2
+
+    _run_pair(tmp_path, scenario)
+
+
+def test_a_failure_after_the_first_token_is_not_retried(tmp_path: Path) -> None:
+    async def scenario(pool: WorkerPool, config: GatewayConfig, a: FakeWorker, b: FakeWorker) -> None:
+        b.decode.failure, b.decode.fails_reserve = (grpc.StatusCode.UNAVAILABLE, "connection reset"), False
+        events = []
+        with pytest.raises(APIError) as failed:
+            async for event in run_handoff(pool, config, GatewayMetrics(), "r1", PROMPT, SAMPLING):
+                events.append(event)
+        assert failed.value.status == 503 and [e.token_ids for e in events] == [[7], [8]]
+        generates = [r for r in b.decode.received if isinstance(r, decode_pb2.GenerateRequest)]
+        assert len(generates) == 1
+
+    _run_pair(tmp_path, scenario)
+
+
+def test_a_request_error_is_not_retried(tmp_path: Path) -> None:
+    async def scenario(pool: WorkerPool, config: GatewayConfig, a: FakeWorker, b: FakeWorker) -> None:
+        a.prefill.failure = (grpc.StatusCode.INVALID_ARGUMENT, "invalid regex")
+        with pytest.raises(APIError) as refused:
+            [e async for e in run_handoff(pool, config, GatewayMetrics(), "r1", PROMPT, SAMPLING)]
+        assert refused.value.status == 400 and len(b.prefill.received) == 0
+        assert pool.workers["prefill"][0].is_ready   # the request's fault, not the worker's
+
+    _run_pair(tmp_path, scenario)
+
+
+def test_a_short_prompt_is_prefilled_by_its_decode_worker(tmp_path: Path) -> None:
+    async def scenario(pool: WorkerPool, config: GatewayConfig, a: FakeWorker, b: FakeWorker) -> None:
+        events = [e async for e in run_handoff(pool, config, GatewayMetrics(), "r1", PROMPT, SAMPLING)]
+        assert [e.token_ids for e in events] == [[7], [8], [2]]
+        timings = events[0].timings
+        assert timings.prefill_path is PrefillPath.LOCAL and (timings.kv_bytes, timings.reserve_ms) == (0, 0.0)
+        assert (timings.prefill_queue_ms, timings.prefill_compute_ms) == (0.25, 1.75)
+        assert all(e.timings is None for e in events[1:]) and events[-1].finish_reason == FinishReason.STOP
+        assert a.prefill.received == [] and b.prefill.received == []   # no prefill worker was asked
+        assert [type(r).__name__ for r in b.decode.received] == ["PrefillAndGenerateRequest"]
+        assert b.aborts() == []
+        with_logprobs = run_handoff(pool, config, GatewayMetrics(), "r2", PROMPT, SAMPLING, prompt_logprob_start=1)
+        assert (await anext(with_logprobs)).timings.prefill_path is PrefillPath.DISAGGREGATED   # scored by prefill
+        await with_logprobs.aclose()
+
+    _run_pair(tmp_path, scenario, RoutingConfig(policy=RouterPolicy.ROUND_ROBIN, local_prefill_threshold=8))

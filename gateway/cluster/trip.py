@@ -1,0 +1,337 @@
+"""One attempt at a request's trip through the workers, on the route the pool gives it.
+
+Disaggregated: Reserve (decode) -> Prefill -> Generate (decode); the gateway only moves token ids and
+small control messages, the KV goes prefill -> decode directly. Local (the router's conditional
+disaggregation): PrefillAndGenerate on the decode worker alone, no KV transfer. Whatever ends a trip
+early (an error, a stop string, a client that went away), the `finally` blocks tell the workers, so no
+page stays held, and take the request off its workers' in-flight counts. A call that fails because of
+its worker (`WorkerError.is_worker_failure`) marks that worker (`Worker.record_failure`); whether to
+try again elsewhere is the caller's choice (`gateway/cluster/handoff.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+from gateway.cluster.client import DecodeStream
+from gateway.cluster.pool import WorkerPool
+from gateway.cluster.routing import Route
+from gateway.cluster.worker import Worker
+from gateway.cluster.worker_errors import WorkerError, stalled_error
+from gateway.cluster.worker_records import DecodeChunk, KvTarget, PrefillResult, Reservation
+from gateway.config import GatewayConfig
+from gateway.errors import APIError
+from gateway.metrics import GatewayMetrics
+from gateway.records import HandoffTimings, PrefillPath, SamplingOptions, TokenEvent
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_ABORT_TIMEOUT_S = 2.0
+_SETTLE_TIMEOUT_S = 10.0  # a running KV write finishes within this (or the decode pages rest for the grace)
+
+
+@dataclass(frozen=True, slots=True)
+class TripRequest:
+    """What a trip carries: the prompt, its sampling, the prompt logprobs asked for (from
+    `prompt_logprob_start`) and the time it waited before the trip (`gateway_queue_ms`)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingOptions
+    prompt_logprob_start: int | None = None
+    gateway_queue_ms: float = 0.0
+
+
+async def run_trip(
+    pool: WorkerPool, config: GatewayConfig, metrics: GatewayMetrics, request: TripRequest, avoid: frozenset[str]
+) -> AsyncGenerator[TokenEvent, None]:
+    """One attempt on workers whose addresses are not in `avoid`: the first token (with the timings),
+    then the rest until a finish. Records the route in `metrics`."""
+    started = time.perf_counter()
+    # Prompt logprobs come from a prefill worker's scoring pass, so such a request is never prefilled locally.
+    route = pool.route(request.prompt_ids, avoid, may_prefill_locally=request.prompt_logprob_start is None)
+    if route.is_local:
+        _observe(metrics, route)
+        events = _local_trip(config, route, request, started)
+    else:
+        events = _disaggregated_trip(pool, config, metrics, route, request, started, avoid)
+    try:
+        async with contextlib.aclosing(events):  # a reader that stops closes the trip now, not at collection
+            async for event in events:
+                yield event
+    finally:
+        route.end()
+
+
+async def _disaggregated_trip(
+    pool: WorkerPool,
+    config: GatewayConfig,
+    metrics: GatewayMetrics,
+    first_route: Route,
+    request: TripRequest,
+    started: float,
+    avoid: frozenset[str],
+) -> AsyncGenerator[TokenEvent, None]:
+    route, reservation = await _reserve(pool, config, first_route, request, avoid)
+    prefill, decode = route.prefill, route.decode
+    assert prefill is not None  # a disaggregated route has one
+    reserve_ms = (time.perf_counter() - started) * 1000
+    stream: DecodeStream | None = None
+    finished = False
+    write_settled = False  # True once the prefill server has answered: no KV write can be in flight
+    rid = request.request_id
+    try:
+        _observe(metrics, route)
+        call = prefill.client.prefill(
+            rid,
+            request.prompt_ids,
+            request.sampling,
+            reservation.kv_target,
+            request.prompt_logprob_start,
+            timeout_s=config.prefill_timeout_s,
+        )
+        first = await _prefill(prefill, call, config.stall_timeout_s)
+        write_settled = True
+        route.end_prefill()
+        prefill.record_success()
+        pool.router.prefilled(route, first.cached_tokens)
+        metrics.observe_cached(prefill.address, first.cached_tokens)
+        timings = HandoffTimings(
+            reserve_ms,
+            first.queue_ms,
+            first.compute_ms,
+            first.transfer_ms,
+            first.kv_bytes,
+            (time.perf_counter() - started) * 1000,
+            first.cached_tokens,
+            request.gateway_queue_ms,
+        )
+        yield TokenEvent([first.first_token], timings=timings, prompt_logprobs=list(first.prompt_logprobs))
+        stream = decode.client.generate(
+            rid,
+            request.prompt_ids,
+            first.first_token,
+            request.sampling,
+            first.weights_id,
+            reservation.kv_target.grant,
+            timeout_s=config.request_timeout_s,
+        )
+        async for chunk in _stream(decode, stream, config.stall_timeout_s):
+            finished = chunk.finish_reason is not None
+            yield _event(chunk, timings)
+            if finished:
+                return
+        raise _no_finish(decode)
+    except _PrefillAnswered as answered:
+        write_settled = True
+        raise answered.error from None
+    finally:
+        route.end()
+        if not finished:
+            if stream is not None:
+                stream.cancel()
+            await _settle(_release(decode, prefill, rid, None if write_settled else reservation.kv_target))
+        pool.admission.released()
+
+
+async def _local_trip(
+    config: GatewayConfig, route: Route, request: TripRequest, started: float
+) -> AsyncGenerator[TokenEvent, None]:
+    """The decode worker prefills the prompt and streams every token. The first token comes alone in
+    the first event, with the timings; cancelling the stream frees the request's pages on the worker."""
+    decode = route.decode
+    stream = decode.client.prefill_and_generate(
+        request.request_id, request.prompt_ids, request.sampling, timeout_s=config.request_timeout_s
+    )
+    timings: HandoffTimings | None = None
+    finished = False
+    try:
+        async for chunk in _stream(decode, stream, config.stall_timeout_s):
+            finished = chunk.finish_reason is not None
+            if timings is None:
+                decode.record_success()
+                timings = HandoffTimings(
+                    0.0,
+                    chunk.queue_ms or 0.0,
+                    chunk.prefill_compute_ms or 0.0,
+                    0.0,
+                    0,
+                    (time.perf_counter() - started) * 1000,
+                    chunk.cached_tokens,
+                    request.gateway_queue_ms,
+                    prefill_path=PrefillPath.LOCAL,
+                )
+                first = chunk.tokens[:1]
+                rest = replace(chunk, tokens=chunk.tokens[1:], queue_ms=None) if len(chunk.tokens) > 1 else None
+                head = DecodeChunk(first) if rest is not None else replace(chunk, tokens=first)
+                yield _event(head, timings, is_first=True)
+                if rest is None:
+                    if head.finish_reason is not None:
+                        return
+                    continue
+                chunk = rest
+            yield _event(chunk, timings)
+            if chunk.finish_reason is not None:
+                return
+        raise _no_finish(decode)
+    finally:
+        if not finished:
+            stream.cancel()
+            await _settle(_abort(decode, request.request_id))
+
+
+async def _reserve(
+    pool: WorkerPool, config: GatewayConfig, first_route: Route, request: TripRequest, avoid: frozenset[str]
+) -> tuple[Route, Reservation]:
+    """The route and its decode worker's reservation, once admission lets the trip through (it waits
+    its turn while the decode pool is full; each later try is routed afresh). A trip cancelled
+    meanwhile releases the reservation it may have made (no prefill was sent for it)."""
+    routes: list[Route] = [first_route]  # the route of the Reserve under way, if any
+    rid = request.request_id
+
+    async def reserve() -> Reservation:
+        if not routes:
+            routes.append(pool.route(request.prompt_ids, avoid, may_prefill_locally=False))
+        route = routes[0]
+        try:
+            call = route.decode.client.reserve(rid, len(request.prompt_ids), timeout_s=config.reserve_timeout_s)
+            return await _unless_stalled(route.decode, call, config.stall_timeout_s)
+        except APIError:
+            route.end()
+            routes.clear()
+            raise
+
+    try:
+        reservation = await pool.admission.admit(reserve)
+    except asyncio.CancelledError:
+        if routes:
+            routes[0].end()
+            prefill = routes[0].prefill
+            assert prefill is not None
+            await _settle(_release(routes[0].decode, prefill, rid, None))
+        raise
+    return routes[0], reservation
+
+
+def _observe(metrics: GatewayMetrics, route: Route) -> None:
+    metrics.observe_route(
+        route.policy.value,
+        None if route.prefill is None else route.prefill.address,
+        route.prefill_reason.value,
+        route.decode.address,
+        route.decode_reason.value,
+        route.estimated_cached_tokens,
+    )
+
+
+def _event(chunk: DecodeChunk, timings: HandoffTimings, is_first: bool = False) -> TokenEvent:
+    """A decode chunk as the trip's event; the first one carries the timings (again, for a Generate
+    stream, now with the decode queue)."""
+    if is_first:
+        event_timings: HandoffTimings | None = timings
+    elif chunk.queue_ms is not None:
+        event_timings = replace(timings, decode_queue_ms=chunk.queue_ms)
+    else:
+        event_timings = None
+    return TokenEvent(chunk.tokens, chunk.finish_reason, chunk.matched_token_id, chunk.message, event_timings)
+
+
+def _no_finish(decode: Worker) -> APIError:
+    logger.warning("decode worker %s ended the stream without a finish reason", decode.address)
+    return APIError(502, "the decode worker ended the stream without a finish reason", "internal_error")
+
+
+class _PrefillAnswered(Exception):
+    """The prefill server answered with an error: its KV write, if any, is over."""
+
+    def __init__(self, error: APIError) -> None:
+        self.error = error
+
+
+async def _prefill(worker: Worker, call: Awaitable[PrefillResult], stall_timeout_s: float) -> PrefillResult:
+    """The prefill's answer. A failure the worker itself answered is raised as `_PrefillAnswered`;
+    one the client side raised (deadline, cancel, lost connection, a stall) as is: the write may
+    still be running then."""
+    try:
+        return await _unless_stalled(worker, call, stall_timeout_s)
+    except WorkerError as exc:
+        if not exc.is_settled:
+            raise
+        raise _PrefillAnswered(exc) from None
+
+
+async def _stream(worker: Worker, stream: DecodeStream, stall_timeout_s: float) -> AsyncGenerator[DecodeChunk, None]:
+    while (chunk := await _unless_stalled(worker, stream.read(), stall_timeout_s)) is not None:
+        yield chunk
+
+
+async def _unless_stalled(worker: Worker, awaitable: Awaitable[T], stall_timeout_s: float) -> T:
+    """Await a call's answer; each time `stall_timeout_s` passes without one, check that the worker
+    still answers health checks. A worker that does not (frozen, wedged, its host gone) ends the
+    wait with a 503 and is marked unready; a slow but live one (a long prompt, a queue) is waited for.
+    A call that fails because of its worker marks the worker (`Worker.record_failure`)."""
+    pending = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait((pending,), timeout=stall_timeout_s)
+            if done:
+                return pending.result()
+            if not await worker.responds():
+                logger.warning(
+                    "%s worker %s sent nothing for %g s and does not answer health checks",
+                    worker.role,
+                    worker.address,
+                    stall_timeout_s,
+                )
+                raise stalled_error(worker.role, worker.address, stall_timeout_s)
+    except WorkerError as exc:
+        if exc.is_worker_failure:
+            worker.record_failure(exc)
+        raise
+    finally:
+        pending.cancel()
+
+
+async def _release(decode: Worker, prefill: Worker, request_id: str, unsettled: KvTarget | None) -> None:
+    """Free the decode server's pages for an unfinished trip. `unsettled` is the KV target of a
+    Prefill that has not answered: the prefill server is asked to stop it and confirm its write is
+    over, so the decode server frees the pages at once; if it cannot confirm, they rest for the
+    write grace instead. (Cancelling a Generate stream frees them too; the Abort makes it certain.)"""
+    write_settled = unsettled is None
+    if unsettled is not None:
+        with contextlib.suppress(WorkerError):
+            await prefill.client.cancel_prefill(request_id, unsettled, timeout_s=_SETTLE_TIMEOUT_S)
+            write_settled = True
+        if not write_settled:
+            logger.warning(
+                "prefill worker %s did not confirm that %s's KV write is over; its decode pages "
+                "rest for the write grace",
+                prefill.address,
+                request_id,
+            )
+    await _abort(decode, request_id, write_settled)
+
+
+async def _abort(decode: Worker, request_id: str, write_settled: bool = True) -> None:
+    with contextlib.suppress(WorkerError):
+        await decode.client.abort(request_id, write_settled, timeout_s=_ABORT_TIMEOUT_S)
+
+
+_releasing: set[asyncio.Task] = set()  # strong references: a shielded release outlives its cancelled trip
+
+
+async def _settle(release: Awaitable[None]) -> None:
+    """Run a release to its end even if the trip that started it is cancelled again meanwhile."""
+    task = asyncio.ensure_future(release)
+    _releasing.add(task)
+    task.add_done_callback(_releasing.discard)
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.shield(task)

@@ -1,0 +1,162 @@
+"""The routing policies over workers whose load and model info are set by hand (no process behind
+them: the router only reads what the pool's probes would have recorded)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+
+from gateway.cluster.routing import Route, RouteReason, Router
+from gateway.cluster.worker import Worker
+from gateway.cluster.worker_records import KvLayout, ModelInfo, WorkerLoad
+from gateway.config import RouterPolicy, RoutingConfig
+from gateway.records import Role
+
+LAYOUT = KvLayout(num_layers=2, page_size=16, num_kv_heads=2, head_dim=8, dtype="float32", page_bytes=4096,
+                  order="page,layer,kv,offset,kv_head,head_dim")
+
+
+def _info(role: Role, num_pages: int = 64) -> ModelInfo:
+    return ModelInfo("m", "LlamaForCausalLM", 2048, 100, (2,), LAYOUT, num_pages, role, "1", False, 0, False, (),
+                     "w", 4)
+
+
+def _workers(role: Role, count: int) -> list[Worker]:
+    workers = []
+    for i in range(count):
+        worker = Worker(role, f"10.0.0.{i + 1}:3000{i}")
+        worker.info, worker.is_ready = _info(role), True
+        worker.load = WorkerLoad(0, 0, 64, 64, 0)
+        workers.append(worker)
+    return workers
+
+
+def _in_loop(test: Callable[[], None]) -> None:
+    """Run `test` where a gRPC channel may be opened (each `Worker` opens one, never connected here)."""
+    async def main() -> None:
+        test()
+
+    asyncio.run(main())
+
+
+def _prompt(prefix: int, question: int, num_prefix_tokens: int = 64) -> list[int]:
+    return [prefix] * num_prefix_tokens + [1000 + question] * 8
+
+
+def test_one_prefix_stays_on_one_prefill_worker_and_new_prefixes_spread() -> None:
+    def test() -> None:
+        router, prefills = Router(RoutingConfig(RouterPolicy.PREFIX_AWARE)), _workers(Role.PREFILL, 2)
+        first = {}
+        for prefix in (1, 2, 3, 4):
+            for question in range(3):
+                choice = router.choose_prefill(_prompt(prefix, question), prefills)
+                router.routed(Route(choice.worker, prefills[0], RouterPolicy.PREFIX_AWARE, choice.reason,
+                                    RouteReason.LEAST_LOAD, choice.estimated_cached_tokens, choice.page_hashes))
+                first.setdefault(prefix, choice.worker)
+                assert choice.worker is first[prefix]
+                assert choice.reason is (RouteReason.LEAST_LOAD if question == 0 else RouteReason.PREFIX_MATCH)
+                assert choice.estimated_cached_tokens == (0 if question == 0 else 64)
+        assert Counter(w.address for w in first.values()) == Counter({prefills[0].address: 2, prefills[1].address: 2})
+
+    _in_loop(test)
+
+
+def test_the_load_guard_sends_a_prefix_elsewhere_when_its_worker_is_too_busy() -> None:
+    def test() -> None:
+        router, prefills = Router(RoutingConfig(RouterPolicy.PREFIX_AWARE, prefix_load_guard=2)), _workers(
+            Role.PREFILL, 2)
+        holder = router.choose_prefill(_prompt(7, 0), prefills)
+        router.routed(Route(holder.worker, prefills[0], RouterPolicy.PREFIX_AWARE, holder.reason,
+                            RouteReason.LEAST_LOAD, 0, holder.page_hashes))
+        holder.worker.num_in_flight = 2   # within the guard: the prefix stays
+        assert router.choose_prefill(_prompt(7, 1), prefills).worker is holder.worker
+        holder.worker.num_in_flight = 3   # past it
+        moved = router.choose_prefill(_prompt(7, 2), prefills)
+        assert moved.worker is not holder.worker and moved.reason is RouteReason.LOAD_GUARD
+        # requests other gateways put there count too (the worker's last report, beyond our own)
+        holder.worker.num_in_flight, holder.worker.load = 0, WorkerLoad(2, 2, 64, 64, 0)
+        assert router.choose_prefill(_prompt(7, 3), prefills).reason is RouteReason.LOAD_GUARD
+
+    _in_loop(test)
+
+
+def test_decisions_counted_in_flight_spread_a_burst_over_decode_workers() -> None:
+    def test() -> None:
+        router, decodes = Router(RoutingConfig(RouterPolicy.LEAST_LOAD)), _workers(Role.DECODE, 2)
+        picks = []
+        for _ in range(16):   # all decided before any worker reports again
+            choice = router.choose_decode(decodes)
+            choice.worker.num_in_flight += 1
+            picks.append(choice.worker.address)
+        assert Counter(picks) == Counter({decodes[0].address: 8, decodes[1].address: 8})
+        assert picks[:4] == [decodes[0].address, decodes[1].address] * 2   # ties: the pool's order
+        decodes[0].num_in_flight = decodes[1].num_in_flight = 0
+        decodes[0].load = WorkerLoad(0, 0, 10, 64, 0)   # same requests, fewer free pages
+        assert router.choose_decode(decodes).worker is decodes[1]
+
+    _in_loop(test)
+
+
+def test_round_robin_takes_each_worker_in_turn_whatever_the_load() -> None:
+    def test() -> None:
+        router, prefills = Router(RoutingConfig(RouterPolicy.ROUND_ROBIN)), _workers(Role.PREFILL, 3)
+        prefills[0].num_in_flight = 10
+        picks = [router.choose_prefill(_prompt(1, 0), prefills).worker for _ in range(6)]
+        assert picks == prefills * 2
+
+    _in_loop(test)
+
+
+def test_short_prompts_and_a_busy_prefill_pool_prefill_on_decode() -> None:
+    def test() -> None:
+        prefills = _workers(Role.PREFILL, 2)
+        router = Router(RoutingConfig(local_prefill_threshold=32, prefill_busy_threshold=3))
+        assert router.local_reason(31, prefills) is RouteReason.SHORT_PROMPT
+        assert router.local_reason(32, prefills) is None
+        prefills[0].num_in_flight = 3
+        assert router.local_reason(500, prefills) is None   # one prefill worker still has room
+        prefills[1].num_in_flight = 3
+        assert router.local_reason(500, prefills) is RouteReason.PREFILL_BUSY
+        assert Router(RoutingConfig()).local_reason(1, prefills) is None   # both off by default
+
+    _in_loop(test)
+
+
+def test_a_restarted_worker_starts_with_an_empty_index() -> None:
+    def test() -> None:
+        router, prefills = Router(RoutingConfig(RouterPolicy.PREFIX_AWARE)), _workers(Role.PREFILL, 1)
+        choice = router.choose_prefill(_prompt(3, 0), prefills)
+        router.routed(Route(choice.worker, prefills[0], RouterPolicy.PREFIX_AWARE, choice.reason,
+                            RouteReason.LEAST_LOAD, 0, choice.page_hashes))
+        assert router.choose_prefill(_prompt(3, 1), prefills).estimated_cached_tokens == 64
+        prefills[0].num_ready_changes += 1   # it went away and came back: its cache is empty
+        assert router.choose_prefill(_prompt(3, 2), prefills).estimated_cached_tokens == 0
+
+    _in_loop(test)
+
+
+def test_a_route_counts_its_request_in_flight_until_each_part_ends() -> None:
+    def test() -> None:
+        prefill, decode = _workers(Role.PREFILL, 1)[0], _workers(Role.DECODE, 1)[0]
+        route = Route(prefill, decode, RouterPolicy.LEAST_LOAD, RouteReason.LEAST_LOAD, RouteReason.LEAST_LOAD)
+        route.begin()
+        assert (prefill.num_in_flight, decode.num_in_flight) == (1, 1)
+        route.end_prefill()
+        route.end_prefill()
+        assert (prefill.num_in_flight, decode.num_in_flight) == (0, 1)
+        route.end()
+        route.end()
+        assert (prefill.num_in_flight, decode.num_in_flight) == (0, 0)
+
+    _in_loop(test)
+
+
+def test_a_policy_is_named_and_bad_thresholds_are_refused() -> None:
+    assert RoutingConfig(policy="least_load").policy is RouterPolicy.LEAST_LOAD   # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        RoutingConfig(policy="fastest")   # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        RoutingConfig(local_prefill_threshold=-1)
