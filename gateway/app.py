@@ -5,13 +5,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator
+import sys
+from collections.abc import AsyncIterator, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.main import STARTUP_FAILURE
 
 from gateway.api import admin, embeddings, experts, metrics_routes, native, openai, vllm
 from gateway.api.auth import AuthMiddleware, log_key_policy
@@ -46,7 +48,9 @@ ROUTERS = (
 logger = logging.getLogger(__name__)
 
 
-def create_app(config: GatewayConfig) -> FastAPI:
+def create_app(config: GatewayConfig, is_stopping: Callable[[], bool] = lambda: False) -> FastAPI:
+    """The gateway's app. `is_stopping()` turns true when the HTTP server got its stop signal: the
+    gRPC API then drains alongside HTTP, not after it."""
     tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model_path)
     traffic = InteractiveTraffic(config.batch_yield_threshold)
     gateway_metrics = GatewayMetrics()
@@ -68,7 +72,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         pool.start()
         async with (
             run_batches(app, config.data_dir, traffic, config.batch_concurrency, lambda: pool.is_ready, config.api_key),
-            serving_grpc_api(app.state.gateway, config.drain_timeout_s),
+            serving_grpc_api(app.state.gateway, config.drain_timeout_s, is_stopping),
         ):
             yield
         await pool.close()
@@ -144,13 +148,21 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 def serve_gateway(config: GatewayConfig) -> None:
-    app = create_app(config)
+    server: uvicorn.Server | None = None
+    app = create_app(config, is_stopping=lambda: server is not None and server.should_exit)
     # On SIGTERM uvicorn closes the listening socket, lets the responses in flight finish (streams
-    # included) for up to the drain timeout, then runs the lifespan's shutdown.
-    uvicorn.run(
-        app,
-        host=config.host,
-        port=config.port,
-        log_level="info",
-        timeout_graceful_shutdown=math.ceil(config.drain_timeout_s),
+    # included) for up to the drain timeout, then runs the lifespan's shutdown; the gRPC API drains
+    # meanwhile (it sees `should_exit`).
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level="info",
+            timeout_graceful_shutdown=math.ceil(config.drain_timeout_s),
+        )
     )
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    if not server.started:  # the lifespan's start-up failed: exit as uvicorn.run would
+        sys.exit(STARTUP_FAILURE)

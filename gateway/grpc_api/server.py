@@ -28,9 +28,13 @@ _MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a request as large as an HTTP body may 
 
 
 @contextlib.asynccontextmanager
-async def serving_grpc_api(state: GatewayState, drain_timeout_s: float) -> AsyncIterator[None]:
+async def serving_grpc_api(
+    state: GatewayState, drain_timeout_s: float, is_stopping: Callable[[], bool] = lambda: False
+) -> AsyncIterator[None]:
     """The gRPC API on the gateway's host and --grpc-port while the block runs; none for port 0.
-    On exit it stops taking calls and lets those in flight finish for up to `drain_timeout_s`."""
+    It drains once `is_stopping()` (the HTTP server's SIGTERM, seen within a health poll) or on exit,
+    whichever comes first: health turns NOT_SERVING, no new call is taken, and the calls in flight
+    get up to `drain_timeout_s` to finish. The exit waits for the drain."""
     config = state.config
     if not config.grpc_port:
         yield
@@ -55,28 +59,55 @@ async def serving_grpc_api(state: GatewayState, drain_timeout_s: float) -> Async
         raise SystemExit(
             f"the gRPC API cannot listen on {address} (is the port in use?): set --grpc-port, or 0 to turn it off"
         ) from None
+    stopping = asyncio.Event()
+
+    def is_ready() -> bool:
+        return state.pool.is_ready
+
+    reported = await _set_health(health_servicer, is_ready)  # before the port opens: never SERVING too soon
     await server.start()
     logger.info("gRPC API (%s) on %s", SERVICE_NAME, address)
-    watcher = asyncio.create_task(_report_health(health_servicer, lambda: state.pool.is_ready))
+    watcher = asyncio.create_task(_report_health(health_servicer, reported, is_ready, is_stopping, stopping))
+    drain = asyncio.create_task(_drain(server, health_servicer, stopping, drain_timeout_s))
     try:
         yield
     finally:
+        stopping.set()
+        await drain
         watcher.cancel()
-        await health_servicer.enter_graceful_shutdown()
-        await server.stop(drain_timeout_s)
 
 
-async def _report_health(servicer: health.aio.HealthServicer, is_ready: Callable[[], bool]) -> None:
-    """Keep the health status of "" and the service in step with the pool (Watch sees each change)."""
-    reported: bool | None = None
-    while True:
-        ready = is_ready()
-        if ready != reported:
-            status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
-            for service in ("", SERVICE_NAME):
-                await servicer.set(service, status)
-            reported = ready
+async def _drain(
+    server: grpc.aio.Server, servicer: health.aio.HealthServicer, stopping: asyncio.Event, drain_timeout_s: float
+) -> None:
+    await stopping.wait()
+    logger.info("gRPC API draining: no new call; up to %g s for those in flight", drain_timeout_s)
+    await servicer.enter_graceful_shutdown()  # NOT_SERVING, for good
+    await server.stop(drain_timeout_s)
+
+
+async def _report_health(
+    servicer: health.aio.HealthServicer,
+    reported: bool,
+    is_ready: Callable[[], bool],
+    is_stopping: Callable[[], bool],
+    stopping: asyncio.Event,
+) -> None:
+    """Keep the health status of "" and the service (`reported`: SERVING now) in step with the pool
+    (Watch sees each change), and set `stopping` once the gateway is."""
+    while not is_stopping():
         await asyncio.sleep(_HEALTH_POLL_S)
+        if is_ready() != reported:
+            reported = await _set_health(servicer, is_ready)
+    stopping.set()
+
+
+async def _set_health(servicer: health.aio.HealthServicer, is_ready: Callable[[], bool]) -> bool:
+    ready = is_ready()
+    status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+    for service in ("", SERVICE_NAME):
+        await servicer.set(service, status)
+    return ready
 
 
 class _KeyCheck(grpc.aio.ServerInterceptor):

@@ -2,7 +2,8 @@
 on its gRPC health service and refuses new reservations, the gateway stops routing to it (503 with
 Retry-After), the streams in flight finish normally, and the process exits 0 once they have, well
 before --drain-timeout. Started again, it serves the canary byte for byte. The gateway drains too:
-it stops accepting connections at once and exits once its streams are done."""
+it stops accepting connections at once, its gRPC API (tandem.api.v1) drains alongside HTTP (new calls
+refused while the HTTP streams still run, its own stream finished), and it exits once all are done."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.api.v1 import completion_pb2
 from tandem.v1 import decode_pb2, decode_pb2_grpc
 from tests.chaos.checks import assert_nothing_leaked, assert_still_serving, canary
 from tests.chaos.clients import Reply, completion, wait_until
+from tests.e2e.grpc_client import MODEL, Stub
 from tests.e2e.stack import WORKER_METADATA, Services, running_services, wait_health
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos_extended]
@@ -94,17 +97,25 @@ def test_a_draining_decode_worker_finishes_its_streams_refuses_new_ones_and_exit
 def test_a_draining_gateway_finishes_its_streams_and_takes_no_new_connection(services: Services) -> None:
     baseline = canary(services.url)
     streams = [Reply() for _ in range(NUM_STREAMS)]
-    with ThreadPoolExecutor(NUM_STREAMS) as pool:
+    grpc_chunks: list[completion_pb2.CompletionChunk] = []
+    with ThreadPoolExecutor(NUM_STREAMS + 1) as pool, grpc.insecure_channel(services.grpc_target) as channel:
         futures = [pool.submit(completion, services.url, f"Tell me story number {i}.", GATEWAY_MAX_TOKENS, True,
                                reply) for i, reply in enumerate(streams)]
-        wait_until(lambda: all(len(s.events) >= 3 for s in streams), 120, "three tokens on every stream")
+        grpc_stream = pool.submit(_grpc_stream, channel, GATEWAY_MAX_TOKENS, grpc_chunks)
+        wait_until(lambda: all(len(s.events) >= 3 for s in streams) and len(grpc_chunks) >= 3, 120,
+                   "three tokens on every stream")
         services.gateway.send_signal(signal.SIGTERM)
         signalled_at = time.monotonic()
         wait_until(lambda: _refuses_connections(services.url), 2, "the gateway to stop accepting connections")
         seconds_to_refuse = time.monotonic() - signalled_at
+        # The gRPC API drains now too, not once HTTP's streams are done.
+        wait_until(lambda: _grpc_refuses(services.grpc_target), 2, "the gRPC API to refuse new calls")
         assert not all(s.is_done for s in streams), "the streams ended before the drain could be seen"
         for future in futures:
             future.result()
+        grpc_stream.result()
+    finishes = [c.choices[0].finish_reason for c in grpc_chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"] and grpc_chunks[-1].usage.completion_tokens == GATEWAY_MAX_TOKENS
 
     # uvicorn re-raises the signal once it has shut down, so the process ends "killed by SIGTERM"
     assert services.gateway.wait(DRAIN_TIMEOUT_S) == -signal.SIGTERM
@@ -122,6 +133,24 @@ def test_a_draining_gateway_finishes_its_streams_and_takes_no_new_connection(ser
     services.start_gateway("--data-dir", str(services.log_dir / "data"), timeout_s=120)
     assert_still_serving(services.url, baseline, within_s=120)
     assert_nothing_leaked(services)
+
+
+def _grpc_stream(channel: grpc.Channel, max_tokens: int, chunks: list) -> None:
+    request = completion_pb2.CompletionRequest(model=MODEL, prompt=["Tell me a story."], max_tokens=max_tokens,
+                                               temperature=0, ignore_eos=True)
+    request.stream_options.include_usage = True
+    for chunk in Stub(channel).CompleteStream(request, timeout=120):
+        chunks.append(chunk)
+
+
+def _grpc_refuses(target: str) -> bool:
+    """Whether the gateway's gRPC API refuses a new call (or reports NOT_SERVING, which comes first)."""
+    with grpc.insecure_channel(target) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+        except grpc.RpcError:
+            return True
+    return reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def _refuses_connections(url: str) -> bool:

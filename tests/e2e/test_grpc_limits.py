@@ -78,8 +78,9 @@ def test_every_rpc_but_health_needs_the_key_before_its_body_is_read(channel: grp
     (listed,) = reflection.ServerReflectionInfo(iter([ask]), timeout=10, metadata=AUTH)
     assert SERVICE.full_name in {s.name for s in listed.list_services_response.service}
     health = health_pb2_grpc.HealthStub(channel)
-    for service in ("", SERVICE.full_name):
-        assert health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status == SERVING
+    for service in ("", SERVICE.full_name):   # SERVING within a poll (0.5 s) of /health's 200
+        _wait_for(lambda: health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status == SERVING,
+                  2, f"{service!r} SERVING")
     answer = Stub(channel).ChatComplete(chat_request("Hi!", max_tokens=2), timeout=30, metadata=AUTH)
     assert answer.usage.completion_tokens == 2
 
