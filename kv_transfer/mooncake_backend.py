@@ -127,7 +127,11 @@ def _run_batch(
 
 @register_transport("mooncake")
 class MooncakeTransport(KVTransport):
-    """A Mooncake TransferEngine with P2P handshake; `session_id` is `"<hostname>:<rpc port>"`.
+    """A Mooncake TransferEngine with P2P handshake; `session_id` is `"<address>:<rpc port>"`, where the
+    address is the one of this machine that `TransportConfig.hostname` names (the hostname itself only
+    when it is a wildcard). Peers get the address, not the name: a name several machines share (a
+    Compose service scaled to several replicas, each resolving its own name to itself) would send a
+    peer's writes to whichever replica the peer's resolver picked.
 
     Writes are one-sided: the peer's CPU does not take part beyond its transport threads, and the
     peer's engine rejects writes outside memory it registered. Mooncake does not check that the
@@ -144,17 +148,18 @@ class MooncakeTransport(KVTransport):
             logger.warning("KV host %s is a wildcard: Mooncake listens on every interface", config.hostname)
         else:
             listening = wildcard_binds_redirected(_engine_library_dir(), bind_address)
+        advertised = bind_address or config.hostname
         with listening:
             engine = engine_class()
-            rc = engine.initialize(config.hostname, "P2PHANDSHAKE", config.protocol, config.device_name)
+            rc = engine.initialize(advertised, "P2PHANDSHAKE", config.protocol, config.device_name)
         if rc != 0:
             hint = " (an IPv6 KV address needs MC_USE_IPV6=1)" if ":" in (bind_address or "") else ""
             raise KVTransferError(
-                f"Mooncake TransferEngine.initialize({config.hostname!r}, P2PHANDSHAKE, "
+                f"Mooncake TransferEngine.initialize({advertised!r}, P2PHANDSHAKE, "
                 f"{config.protocol!r}, {config.device_name!r}) failed with code {rc}{hint}"
             )
         self._engine: Any = engine
-        self._session_id = f"{config.hostname}:{engine.get_rpc_port()}"
+        self._session_id = f"{advertised}:{engine.get_rpc_port()}"
         self._regions = MemoryRegions()
         self._lock = threading.Lock()
         logger.info(

@@ -57,6 +57,17 @@ refuses to start with both APIs on one port, so the chart refuses to render that
 {{- $port -}}
 {{- end -}}
 
+{{/* A pod's --drain-timeout (30, the servers' own default, when the value is missing: `helm upgrade
+--reuse-values` from an older release), refused unless the preStop sleep and the drain fit in the grace
+period: Kubernetes kills the pod when the grace period ends, whatever is still in flight. */}}
+{{- define "tandem.drainTimeout" -}}
+{{- $drain := ternary .values.drainTimeoutSeconds 30 (hasKey .values "drainTimeoutSeconds") | int -}}
+{{- if ge (add (int .values.preStopSleepSeconds) $drain) (int .values.terminationGracePeriodSeconds) -}}
+{{- fail (printf "%s: preStopSleepSeconds (%d) + drainTimeoutSeconds (%d) must be less than terminationGracePeriodSeconds (%d)" .name (int .values.preStopSleepSeconds) $drain (int .values.terminationGracePeriodSeconds)) -}}
+{{- end -}}
+{{- $drain -}}
+{{- end -}}
+
 {{/* The model volume and its mount, when the model comes from a PVC (call only then). */}}
 {{- define "tandem.modelVolumeMount" -}}
 - name: model

@@ -66,7 +66,7 @@ def test_addresses_by_service_name_and_kv_over_mooncake_tcp():
     for role in WORKERS:
         command = services[role]["command"]
         port = flag(command, "port")
-        assert flag(gateway, role) == f"{role}:{port}"
+        assert flag(gateway, role) == f"dns:///{role}:{port}"   # every replica: --scale {role}=N
         # gRPC (and metrics) listen on the container's own address on the network, which its
         # hostname resolves to; the health check dials that address, not 127.0.0.1.
         assert services[role]["hostname"] == role
@@ -80,8 +80,27 @@ def test_addresses_by_service_name_and_kv_over_mooncake_tcp():
                                                "published": "30000", "protocol": "tcp"}
     for role, metrics_port in (("prefill", 30101), ("decode", 30102)):   # Prometheus text, on the host too
         assert flag(services[role]["command"], "metrics-port") == str(metrics_port)
+        # a free host port for each replica, so that --scale works; a fixed one only when asked for
         assert services[role]["ports"] == [{"mode": "ingress", "host_ip": "127.0.0.1", "target": metrics_port,
-                                            "published": str(metrics_port), "protocol": "tcp"}]
+                                            "protocol": "tcp"}]
+        pinned = compose_config(**{f"TANDEM_{role.upper()}_METRICS_PORT": str(metrics_port)})["services"][role]
+        assert pinned["ports"][0]["published"] == str(metrics_port)
+
+
+def test_scaled_workers_are_each_found_and_drained():
+    """`docker compose up --scale prefill=2 --scale decode=2`: no container name or fixed host port that two
+    replicas would share; each replica's own address (its hostname resolves to itself in its container)
+    for gRPC and KV; a stop grace longer than the drain; routing from the environment."""
+    config = compose_config(TANDEM_ROUTER_POLICY="least_load", TANDEM_LOCAL_PREFILL_THRESHOLD="32")
+    services = config["services"]
+    for role in WORKERS:
+        service = services[role]
+        assert "container_name" not in service and all("published" not in p for p in service.get("ports", []))
+        assert flag(service["command"], "host") == flag(service["command"], "kv-host") == service["hostname"]
+    for name in SERVERS:
+        assert services[name]["stop_grace_period"] == "40s"   # > --drain-timeout's 30 s
+    gateway = services["gateway"]["command"]
+    assert (flag(gateway, "router-policy"), flag(gateway, "local-prefill-threshold")) == ("least_load", "32")
 
 
 def test_the_grpc_api_is_published_beside_http_on_loopback():

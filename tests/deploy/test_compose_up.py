@@ -17,6 +17,7 @@ import re
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
@@ -173,8 +174,9 @@ def test_each_container_served_its_part(stack: ComposeStack):
     assert prefill_running == 0, loads    # the prefill container handed it off
 
     assert re.search(r'"POST /v1/chat/completions HTTP/1\.1" 200', stack.logs("gateway"))
-    # Mooncake session ids are "<--kv-host>:<port>": the KV went to the decode container by name.
-    assert re.search(r"wrote \d+ bytes in \d+ runs to decode:170\d\d", stack.logs("prefill")), \
+    # Mooncake session ids are "<the address --kv-host names>:<port>": the decode container's own address,
+    # which a scaled-out decode service's replicas do not share as they share its name.
+    assert re.search(r"wrote \d+ bytes in \d+ runs to \d+\.\d+\.\d+\.\d+:170\d\d", stack.logs("prefill")), \
         stack.logs("prefill")[-3000:]
     assert "decode server ready" in stack.logs("decode")
     for role in ("prefill", "decode"):   # each worker's metrics are published on the host
@@ -200,3 +202,29 @@ def test_images_are_non_root_with_health_checks(stack: ComposeStack, capsys):
         sizes[image] = round(config["Size"] / 1e9, 2)
     with capsys.disabled():
         print(f"\n[compose] image sizes (GB): {sizes}")
+
+
+def test_scaled_to_two_prefill_and_two_decode_replicas_the_gateway_uses_them_all(stack: ComposeStack):
+    """`docker compose up --scale prefill=2 --scale decode=2`: the gateway finds every replica by DNS, pairs
+    them, and a burst reaches both decode replicas (the metrics ports left to Docker: one each)."""
+    env = {k: v for k, v in stack.env.items() if not k.endswith("_METRICS_PORT")}
+    run(["docker", "compose", "-p", PROJECT, "-f", "docker-compose.yml", "up", "-d", "--scale", "prefill=2",
+         "--scale", "decode=2"], timeout=STARTUP_TIMEOUT_S, env=env, cwd=REPO_ROOT)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        info = httpx.get(f"{stack.url}/get_server_info", timeout=10).json()
+        ready = [w["role"] for w in info["workers"] if w["ready"]]
+        if sorted(ready) == ["decode", "decode", "prefill", "prefill"]:
+            break
+        time.sleep(2)
+    else:
+        raise AssertionError(f"not every replica ready: {info['workers']}")
+    assert info["incompatible_pairs"] == []
+    body = {"text": "Count to five:", "sampling_params": {"temperature": 0, "max_new_tokens": 16}}
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda _: httpx.post(f"{stack.url}/generate", json=body, timeout=300), range(8)))
+    assert [r.status_code for r in replies] == [200] * 8
+    assert len({r.json()["text"] for r in replies}) == 1   # the same greedy answer from every pair
+    metrics = httpx.get(f"{stack.url}/metrics", timeout=10).text
+    decodes = set(re.findall(r'tandem_gateway_route_decisions_total\{[^}]*role="decode",worker="([^"]+)"', metrics))
+    assert len(decodes) == 2, decodes

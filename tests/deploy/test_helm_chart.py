@@ -145,8 +145,10 @@ def test_every_container_has_probes_resources_and_a_drain(profile):
                 assert probe in c, (deploy["metadata"]["name"], probe)
             assert c["resources"].get("requests") and c["resources"].get("limits"), deploy["metadata"]["name"]
             sleep = int(c["lifecycle"]["preStop"]["exec"]["command"][-1])
-            # the preStop sleep, then the drain (--drain-timeout, 30 s by default), fit in the grace period
-            assert 0 < sleep and sleep + DEFAULT_DRAIN_TIMEOUT_S < pod["terminationGracePeriodSeconds"]
+            (drain,) = [int(a.split("=", 1)[1]) for a in c["args"] if a.startswith("--drain-timeout=")]
+            # the preStop sleep, then the drain the server is told (--drain-timeout), fit in the grace period
+            assert 0 < sleep and sleep + drain < pod["terminationGracePeriodSeconds"]
+            assert drain == DEFAULT_DRAIN_TIMEOUT_S   # the servers' own default, stated per pod
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
         assert pod["securityContext"]["runAsNonRoot"] is True
 
@@ -329,6 +331,31 @@ def test_optional_ingress_autoscaler_and_replicas():
     assert not by_kind(render(None), "Ingress") and not by_kind(render(None), "HorizontalPodAutoscaler")
 
 
+def test_a_grace_period_shorter_than_the_sleep_and_the_drain_is_refused():
+    for role in ("gateway", *WORKERS):
+        with pytest.raises(Exception, match=f"{role}: preStopSleepSeconds"):
+            render({role: {"terminationGracePeriodSeconds": 40, "preStopSleepSeconds": 20, "drainTimeoutSeconds": 20}})
+    docs = render({"decode": {"terminationGracePeriodSeconds": 50, "preStopSleepSeconds": 5, "drainTimeoutSeconds": 40}})
+    assert "--drain-timeout=40" in container(docs, "decode")["args"]
+
+
+def test_four_prefill_and_four_decode_pods_with_the_routing_set():
+    """What docs/deploy.md tells a user to set for 4P4D: replicas per role and the gateway's router; the
+    gateway still finds every pod through the headless Services."""
+    docs = render({"prefill": {"replicas": 4}, "decode": {"replicas": 4},
+                   "gateway": {"router": {"policy": "least_load", "localPrefillThreshold": 64}}})
+    assert [deployment(docs, role)["spec"]["replicas"] for role in WORKERS] == [4, 4]
+    args = container(docs, "gateway")["args"]
+    assert {"--router-policy=least_load", "--local-prefill-threshold=64", "--prefix-load-guard=4",
+            "--prefill-busy-threshold=0"} <= set(args)
+    assert [a for a in args if a.startswith("--prefill=")] == [
+        f"--prefill=dns:///{RELEASE}-prefill-headless.{NAMESPACE}.svc.cluster.local:30001"]
+    default = container(render(None), "gateway")["args"]
+    assert "--router-policy=prefix_aware" in default and "--local-prefill-threshold=0" in default
+    with pytest.raises(helm.HelmError):
+        render({"gateway": {"router": {"policy": "fastest"}}})
+
+
 def test_values_schema_rejects_an_unknown_protocol():
     with pytest.raises(helm.HelmError):
         render({"kv": {"protocol": "carrier-pigeon"}})
@@ -458,7 +485,10 @@ def test_values_from_before_the_token_and_the_policies_still_render():
     # `helm upgrade --reuse-values` from a release made before these values existed passes none of them
     # (null removes a default, as the missing key would): the chart must still render its defaults.
     docs = render({"internalToken": None, "kvGrantSecret": None, "networkPolicy": None,
-                   "gateway": {"grpcPort": None}})
+                   "gateway": {"grpcPort": None, "router": None, "drainTimeoutSeconds": None},
+                   "prefill": {"drainTimeoutSeconds": None}})
+    assert "--drain-timeout=30" in container(docs, "prefill")["args"]
+    assert not any(a.startswith("--router-policy") for a in container(docs, "gateway")["args"])   # its default
     assert {TOKEN_SECRET, GRANT_SECRET} <= set(by_kind(docs, "Secret"))
     for component in WORKERS:
         assert grant_secret_file_arg(docs, component) == (GRANT_SECRET, "kv-grant-secret")

@@ -64,6 +64,14 @@ def test_session_id_is_host_and_rpc_port(pair: Pair) -> None:
     assert sender.session_id != receiver.session_id
 
 
+def test_a_kv_host_given_by_name_is_advertised_by_its_address() -> None:
+    """Peers dial the session id: a name shared by several replicas (each resolving it to itself) must
+    not reach them, so the address this machine listens on is what they get."""
+    with create_transport(TransportConfig(backend="mooncake", hostname="localhost")) as transport:
+        host, port = transport.session_id.rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) > 0
+
+
 def test_large_single_run_write() -> None:
     src_pool = torch.randn(256, 64, 256, dtype=torch.bfloat16)
     dst_pool = torch.zeros_like(src_pool)
