@@ -4,7 +4,8 @@ repo's protos, request builders, and readers of a failed call's status and googl
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -74,3 +75,12 @@ def call_error(call: Any, *args: Any, **kwargs: Any) -> grpc.RpcError:
     except grpc.RpcError as error:
         return error
     raise AssertionError("the call succeeded")
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Until `condition()` holds; AssertionError naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout_s} s")
+        time.sleep(0.02)

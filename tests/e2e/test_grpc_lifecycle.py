@@ -12,7 +12,8 @@ import grpc
 import pytest
 
 from tandem.api.v1 import completion_pb2, generate_pb2, inference_service_pb2
-from tests.e2e.grpc_client import MODEL, bad_fields, call_error, chat_request, error_reason, inference_api
+from tests.e2e.grpc_client import (MODEL, Stub, bad_fields, call_error, chat_request, error_reason, inference_api,
+                                   wait_for)
 from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.slow
@@ -90,6 +91,30 @@ def test_a_cancelled_stream_frees_its_pages_on_both_workers_at_once(api, stack: 
         list(stream)
     assert ended.value.code() is grpc.StatusCode.CANCELLED
     stack.assert_no_pages_held(within_s=FREED_WITHIN_S)
+    loads = stack.load()
+    assert all(load.num_running == 0 and load.num_waiting == 0 for load in loads.values()), loads
+
+
+def test_a_dropped_connection_and_a_cancelled_unary_call_free_their_pages_too(api, stack: Stack) -> None:
+    with grpc.insecure_channel(stack.grpc_target) as channel:   # a client that goes away mid-stream
+        stream = Stub(channel).ChatCompleteStream(chat_request("Write a long story about a cat.", **LONG), timeout=120)
+        next(stream), next(stream)
+        assert _pages_held(stack)["decode"] > 0
+    stack.assert_no_pages_held(within_s=FREED_WITHIN_S)
+
+    unary = api.Complete.future(completion_pb2.CompletionRequest(model=MODEL, prompt=["Once upon a time"], **LONG),
+                                timeout=120)
+    wait_for(lambda: _pages_held(stack)["decode"] > 0, 30, "the unary call decoding")
+    assert unary.cancel()
+    stack.assert_no_pages_held(within_s=FREED_WITHIN_S)
+
+    # Cancelled while its long prompt is still prefilling (chunks of 512 tokens, seconds each here).
+    prefilling = api.Complete.future(completion_pb2.CompletionRequest(
+        model=MODEL, prompt=["a river and a mountain " * 180], max_tokens=4), timeout=120)
+    wait_for(lambda: stack.load()["prefill"].num_running + stack.load()["prefill"].num_waiting > 0, 30,
+              "the prompt prefilling")
+    assert prefilling.cancel()
+    stack.assert_no_pages_held(within_s=10)
     loads = stack.load()
     assert all(load.num_running == 0 and load.num_waiting == 0 for load in loads.values()), loads
 

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tandem.api.v1 import completion_pb2, inference_service_pb2
-from tests.e2e.grpc_client import MODEL, Stub, call_error, chat_request, details_of, error_reason
+from tests.e2e.grpc_client import MODEL, Stub, call_error, chat_request, details_of, error_reason, wait_for
 from tests.e2e.stack import Services, running_services
 from tests.e2e.test_health import wait_for_grpc_health
 
@@ -79,7 +79,7 @@ def test_every_rpc_but_health_needs_the_key_before_its_body_is_read(channel: grp
     assert SERVICE.full_name in {s.name for s in listed.list_services_response.service}
     health = health_pb2_grpc.HealthStub(channel)
     for service in ("", SERVICE.full_name):   # SERVING within a poll (0.5 s) of /health's 200
-        _wait_for(lambda: health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status == SERVING,
+        wait_for(lambda: health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status == SERVING,
                   2, f"{service!r} SERVING")
     answer = Stub(channel).ChatComplete(chat_request("Hi!", max_tokens=2), timeout=30, metadata=AUTH)
     assert answer.usage.completion_tokens == 2
@@ -147,9 +147,9 @@ def test_health_check_and_watch_follow_a_killed_and_restarted_decode_worker(chan
     follower = threading.Thread(target=follow)
     follower.start()
     try:
-        _wait_for(lambda: seen == [SERVING], 10, "Watch's first status")
+        wait_for(lambda: seen == [SERVING], 10, "Watch's first status")
         services.kill_decode()
-        _wait_for(lambda: NOT_SERVING in seen, 5, "Watch to report NOT_SERVING")
+        wait_for(lambda: NOT_SERVING in seen, 5, "Watch to report NOT_SERVING")
         assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == NOT_SERVING
         refused = call_error(Stub(channel).ChatComplete, chat_request("Hi!", max_tokens=2), timeout=30, metadata=AUTH)
         assert refused.code() is grpc.StatusCode.UNAVAILABLE and error_reason(refused) == "WORKER_UNAVAILABLE"
@@ -158,18 +158,10 @@ def test_health_check_and_watch_follow_a_killed_and_restarted_decode_worker(chan
 
         services.start_decode()
         wait_for_grpc_health(services.decode_port, timeout_s=120)
-        _wait_for(lambda: seen[-1] == SERVING, 5, "Watch to report SERVING again")
+        wait_for(lambda: seen[-1] == SERVING, 5, "Watch to report SERVING again")
         assert seen == [SERVING, NOT_SERVING, SERVING]
         answer = Stub(channel).ChatComplete(chat_request("Hi!", max_tokens=2), timeout=30, metadata=AUTH)
         assert answer.usage.completion_tokens == 2
     finally:
         watch.cancel()
         follower.join(10)
-
-
-def _wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout_s} s")
-        time.sleep(0.05)
