@@ -26,7 +26,7 @@ from engine.request import PromptLogprobs, Request
 from engine.step_inputs import StepInputs, build_step_inputs
 from engine.weights import Checkpoint
 from kernels.attention import resolve_attention_backend
-from kernels.quant import QuantizedEmbedding, QuantizedLinear
+from kernels.quant_linear import QuantizedEmbedding, QuantizedLinear
 from kernels.sampling import SamplingBatch, create_sampler, resolve_sampler
 
 logger = logging.getLogger(__name__)
@@ -221,8 +221,7 @@ def _weight_bytes(model: torch.nn.Module) -> int:
     tensors: dict[int, torch.Tensor] = {id(p): p for p in model.parameters()}
     for module in model.modules():
         if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
-            w = module.quantized
-            tensors.update({id(t): t for t in (w.qs, w.scales, w.mins) if t is not None})
+            tensors[id(module.quantized.data)] = module.quantized.data
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from engine.config import QUANTIZATIONS, ConfigError
-from kernels.quant import BLOCK, QuantFormat, QuantizedEmbedding, QuantizedLinear, QuantizedWeight, quantize
+from kernels.quant import BLOCK, QuantFormat, QuantizedWeight, quantize
+from kernels.quant_linear import QuantizedEmbedding, QuantizedLinear
 
 logger = logging.getLogger(__name__)
 

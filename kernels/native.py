@@ -1,10 +1,15 @@
-"""Tandem's C++ CPU kernels (`kernels/csrc/tandem_cpu.cpp`), compiled once per machine and cached.
+"""Tandem's C++ CPU kernels (`kernels/csrc/`), compiled once per machine and cached.
 
 `make install` builds them (`python -m kernels.native`); a process that finds no build compiles
 them on first use. The build targets the compiling machine's instruction set (`-march=native`,
-or `TANDEM_KERNEL_ARCH`, e.g. `x86-64-v3` for images that run elsewhere) and lands in
-`TANDEM_KERNEL_CACHE` (default: `<python prefix>/share/tandem-kernels`), named by a hash of the
-source and flags, so an edit or another architecture builds anew.
+or `TANDEM_KERNEL_ARCH`, e.g. `x86-64-v3` for images that run elsewhere): AVX-512 with VNNI,
+AVX2 or scalar paths are chosen at compile time (`kernels/csrc/common.h`; `load().isa()` says
+which). The build lands in `TANDEM_KERNEL_CACHE` (default: `<python prefix>/share/tandem-kernels`),
+named by a hash of the sources and flags, so an edit or another architecture builds anew.
+
+The sources: `qmatmul.cpp` (quantized matmul), `attention.cpp` (paged attention), `layers.cpp`
+(norm, SiLU, rotary), each on raw pointers, and `bindings.cpp`, the only one that includes torch's
+extension headers (the slow part of a build), which checks the tensors and calls them.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "tandem_cpu.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ("bindings.cpp", "qmatmul.cpp", "attention.cpp", "layers.cpp")
+_HEADERS = ("common.h", "kernels.h", "vec.h")
 
 
 class KernelBuildError(RuntimeError):
@@ -56,7 +63,8 @@ def load() -> ModuleType:
     from torch.utils import cpp_extension
 
     flags = _flags()
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    content = b"".join((_CSRC / name).read_bytes() for name in _SOURCES + _HEADERS)
+    digest = hashlib.sha256(content + " ".join(flags).encode()).hexdigest()[:12]
     name = f"tandem_cpu_{digest}"
     build_dir = _build_dir(name)
     is_built = any(build_dir.glob(f"{name}*.so"))
@@ -65,7 +73,11 @@ def load() -> ModuleType:
     started = time.perf_counter()
     try:
         module = cpp_extension.load(
-            name=name, sources=[str(_SOURCE)], extra_cflags=flags, build_directory=str(build_dir), verbose=False
+            name=name,
+            sources=[str(_CSRC / source) for source in _SOURCES],
+            extra_cflags=flags,
+            build_directory=str(build_dir),
+            verbose=False,
         )
     except Exception as exc:  # compiler missing, headers missing, link errors: all mean "no kernels"
         raise KernelBuildError(f"cannot build Tandem's CPU kernels ({type(exc).__name__}: {exc})") from exc

@@ -7,9 +7,9 @@ A weight [N, K] is stored per output row in blocks of 32 input elements, each wi
 4-bit values are packed two per byte in GGUF's order: byte i of a block holds element i in its low
 nibble and element i + 16 in its high nibble. Scales are kept as float32.
 
-`quantized_matmul` runs the C++ kernel (`kernels.native`), which quantizes each activation row to
-int8 blocks and takes integer dot products, as llama.cpp does; its per-row results do not depend
-on the other rows. `reference_matmul` is the torch oracle: the dequantized weight in float32.
+This is the form checkpoints are read, quantized, fused and checked in; `kernels.packing` repacks
+it for the matmul (`kernels.quant_linear`). `reference_matmul` is the torch oracle: the
+dequantized weight in float32.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import enum
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 BLOCK = 32
 
@@ -137,56 +136,6 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> QuantizedWeight:
     return QuantizedWeight(fmt, packed.reshape(n, k // 2).contiguous(), scales.contiguous(), mins)
 
 
-def quantized_matmul(x: torch.Tensor, weight: QuantizedWeight, int8_activations: bool = False) -> torch.Tensor:
-    """x [..., K] (float32 or bfloat16) times weight^T -> [..., N] in x's dtype, by the C++ kernel.
-
-    The weight's blocks are dequantized on the fly and multiplied with the float32 activations; with
-    `int8_activations` each activation row is first rounded to int8 blocks and the products are
-    integer dot products, as llama.cpp computes (faster, less exact)."""
-    from kernels import native
-
-    if not native.is_available():  # no compiler where these weights run: slow but correct
-        return reference_matmul(x, weight).to(x.dtype)
-    lead = x.shape[:-1]
-    flat = x.reshape(-1, x.shape[-1]).float().contiguous()
-    mins = weight.mins if weight.mins is not None else torch.empty(0)
-    out = native.load().qmatmul(flat, weight.qs, weight.scales, mins, weight.format.value, int8_activations)
-    return out.to(x.dtype).reshape(*lead, out.shape[-1])
-
-
 def reference_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """The oracle: x times the dequantized weight, in float32."""
     return x.float() @ weight.dequantize().T
-
-
-class QuantizedLinear(nn.Module):
-    """`nn.Linear` over a block-quantized weight; the bias (if any) stays in the activation dtype.
-    `int8_activations` picks llama.cpp's arithmetic (see `quantized_matmul`)."""
-
-    def __init__(
-        self, weight: QuantizedWeight, bias: torch.Tensor | None = None, int8_activations: bool = False
-    ) -> None:
-        super().__init__()
-        self.quantized = weight
-        self.int8_activations = int8_activations
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.in_features, self.out_features = weight.in_features, weight.shape[0]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = quantized_matmul(x, self.quantized, self.int8_activations)
-        return out if self.bias is None else out + self.bias
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.quantized.format.name}"
-
-
-class QuantizedEmbedding(nn.Module):
-    """`nn.Embedding` over a block-quantized table: looked-up rows are dequantized to `dtype`."""
-
-    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.quantized = weight
-        self.dtype = dtype
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.quantized.dequantize(ids.reshape(-1)).to(self.dtype).reshape(*ids.shape, -1)

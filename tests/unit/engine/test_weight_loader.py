@@ -14,7 +14,8 @@ from engine.page_allocator import pages_needed
 from engine.request import Request, SamplingParams
 from engine.weight_loader import MergedLinear
 from engine.weights import open_checkpoint
-from kernels.quant import QuantFormat, QuantizedEmbedding, QuantizedLinear
+from kernels.quant import QuantFormat
+from kernels.quant_linear import QuantizedEmbedding, QuantizedLinear
 from tests.tiny_models import save_tiny_gguf, save_tiny_llama
 
 MIXED = {"q_proj.weight": GGML.Q4_1, "k_proj.weight": GGML.Q8_0, "v_proj.weight": GGML.Q4_1,

@@ -1,0 +1,68 @@
+// The kernels' C++ interface, on raw pointers (kernels/csrc/bindings.cpp checks the tensors and calls
+// these). See each .cpp file for the algorithm and the layout it reads.
+#pragma once
+
+#include <cstdint>
+
+namespace tandem {
+
+// ---- quantized matmul (qmatmul.cpp) -------------------------------------------------------------
+
+constexpr int64_t kPanel = 16;   // output columns interleaved in one panel of packed weights
+
+// Bytes of one (panel, block) of packed weights: the 16 columns' quantized values for 32 inputs,
+// then their 16 float32 scales, then (4-bit formats) their 16 float32 offsets.
+constexpr int64_t panel_block_bytes(int bits) { return bits == 8 ? 512 + 64 : 256 + 128; }
+
+// out [m, n] = x [m, k] times the packed weight [n, k]^T (`bits` 8 or 4), float32. Each activation
+// row is first rounded to int16 blocks of 32 with one scale each (amax / qmax; qmax 32767, or 127
+// for llama.cpp's int8 rounding), then every product is an exact integer dot per block, scaled
+// in float32. k is a multiple of 32; `packed` holds ceil(n / 16) panels of k / 32 blocks.
+void qmatmul(const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n, int bits, int qmax,
+             float* out);
+
+// ---- paged attention (attention.cpp) --------------------------------------------------------------
+
+// The KV cache [pages, 2, page_size, kv_heads, head_dim], K at 0 and V at 1; strides in elements.
+struct PagedKV {
+  const void* base;
+  bool is_bf16;   // else float32
+  int64_t page_stride, kv_stride, token_stride, head_stride, page_size, num_kv_heads, head_dim;
+};
+
+// Causal attention of q [rows, q_heads, head_dim] (float32) over the paged cache, for `batch`
+// sequences in FlashInfer's CSR form (int32): sequence b owns q rows qo_indptr[b]..qo_indptr[b+1]
+// and pages kv_indices[kv_indptr[b]..kv_indptr[b+1]], the last holding last_page_len[b] tokens.
+// The page table must have been checked (bindings.cpp). out: [rows, q_heads, head_dim] float32.
+void paged_attention(const float* q, int64_t num_q_heads, const PagedKV& kv, const int32_t* qo_indptr,
+                     const int32_t* kv_indptr, const int32_t* kv_indices, const int32_t* last_page_len,
+                     int64_t batch, float scale, float* out);
+
+// ---- elementwise layers (layers.cpp), float32 rows ------------------------------------------------
+
+// out[r] = weight * x[r] / sqrt(mean(x[r]^2) + eps); with `residual` (not null) residual[r] += x[r]
+// first, in place, and the sum is normalized.
+void rms_norm(const float* x, int64_t rows, int64_t h, const float* weight, float eps, float* residual, float* out);
+
+// out [rows, width] = silu(gate) * up for gate_up [rows, 2 * width] = [gate | up].
+void silu_and_mul(const float* gate_up, int64_t rows, int64_t width, float* out);
+
+// Rotary embedding (rotate-half) of q and k rows in place, then k and v written into the cache.
+struct RopeStore {
+  float* q;
+  float* k;
+  const float* v;
+  int64_t q_row_stride, k_row_stride, v_row_stride;   // rows may be views of one fused projection
+  int64_t num_q_heads, num_kv_heads, head_dim;
+  const float* cos;   // [max_pos, head_dim] tables
+  const float* sin;
+  const int64_t* positions;
+  const int64_t* write_pages;   // token t goes to (write_pages[t], write_offsets[t])
+  const int64_t* write_offsets;
+  void* cache;   // [pages, 2, page_size, kv_heads, head_dim], float32 or bfloat16 (rounded to nearest even)
+  bool cache_is_bf16;
+  int64_t page_stride, kv_stride, token_stride;
+};
+void rope_and_store(const RopeStore& a, int64_t tokens);
+
+}  // namespace tandem

@@ -1,0 +1,71 @@
+"""The kernels' other instruction-set paths, each built in a child process (TANDEM_KERNEL_ARCH):
+AVX2 (x86-64-v3, what images are built for) and portable scalar code (x86-64). The quantized
+matmul gives the same bits on every path (same integer sums, same float operations per column);
+attention and SiLU agree to float rounding. Each build is cached, so only the first run compiles."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import native
+from kernels.attention import AttentionMetadata
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+# run in the child: build for the requested architecture, compute on fixed inputs, save the outputs
+_CHILD = """
+import sys, torch
+sys.path.insert(0, {root!r})
+from tests.unit.kernels.test_native_isas import compute
+torch.save(compute(), {out!r})
+"""
+
+
+def compute() -> dict[str, torch.Tensor]:
+    """Every kernel on fixed inputs, with the kernels this process builds (the matmul's rows in
+    tiles of every length, a partial last panel; attention over pages of both dtypes, GQA 3, a short
+    last tile; SiLU over a width with a scalar tail)."""
+    from kernels.packing import pack
+    from kernels.quant import QuantFormat, quantize
+
+    kernels = native.load()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(13, 96, generator=gen)
+    out: dict[str, torch.Tensor] = {"isa": torch.tensor(list(kernels.isa().encode()))}
+    for fmt in QuantFormat:
+        weight = pack(quantize(torch.randn(40, 96, generator=gen) * 0.05, fmt))
+        out[f"qmatmul-{fmt.name}"] = kernels.qmatmul(x, weight.data, 40, fmt.bits, 32767)
+    pages, size = [[3, 0, 5], [1, 4]], 16
+    meta = AttentionMetadata.build(pages, [1, 20], [37, 20], size)
+    pool = torch.randn(6, 2, size, 3, 64, generator=gen)
+    q = torch.randn(21, 9, 64, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        cache = pool.to(dtype)
+        out[f"attention-{dtype}"] = kernels.paged_attention(
+            q, cache, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, 0.125
+        )
+    out["silu"] = kernels.silu_and_mul(torch.randn(3, 2 * 37, generator=gen) * 4)
+    return out
+
+
+@pytest.mark.parametrize(("arch", "isa"), [("x86-64-v3", "avx2"), ("x86-64", "scalar")])
+def test_every_instruction_set_path_computes_what_this_one_does(arch: str, isa: str, tmp_path: Path) -> None:
+    if not native._cpu_has("avx2", "fma") and arch == "x86-64-v3":
+        pytest.skip("this CPU has no AVX2")
+    path = tmp_path / "outputs.pt"
+    env = {**os.environ, "TANDEM_KERNEL_ARCH": arch}
+    script = _CHILD.format(root=str(REPO_ROOT), out=str(path))
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, cwd=REPO_ROOT, timeout=900)
+    theirs, ours = torch.load(path), compute()
+    assert bytes(theirs["isa"].tolist()).decode() == isa
+    for name, value in ours.items():
+        if name.startswith("qmatmul"):
+            assert torch.equal(theirs[name], value), name
+        elif name != "isa":
+            torch.testing.assert_close(theirs[name], value, atol=2e-6, rtol=2e-5, msg=name)
