@@ -276,3 +276,37 @@ def test_metadata_moves_to_a_device_with_its_lengths_as_ints() -> None:
         assert getattr(moved, name).dtype == getattr(meta, name).dtype
         assert getattr(moved, name).shape == getattr(meta, name).shape
     assert moved.query_lens == (2, 3) and moved.seq_lens == (11, 6)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "size"), [
+    (4, 4, 16, 4),      # no GQA, the narrowest vector head, pages shorter than a key tile
+    (8, 2, 128, 32),    # GQA 4, two 64-float output chunks, pages longer than a tile
+    (16, 2, 32, 16),    # GQA 8: two groups of four query heads per value load
+    (5, 1, 256, 8),     # GQA 5 (4 + 1), the widest vector head
+], ids=["mha-d16-p4", "gqa4-d128-p32", "gqa8-d32-p16", "gqa5-d256-p8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_vector_path_across_geometries(heads: int, kv_heads: int, dim: int, size: int,
+                                                  dtype: torch.dtype) -> None:
+    """Every shape the vector path splits differently, against the torch oracle; and bitwise, each
+    sequence alone gives what it gives in the batch (items then cover one kv head, not all)."""
+    gen = torch.Generator().manual_seed(heads * dim + size)
+    pool = torch.randn(64, 2, size, kv_heads, dim, generator=gen).to(dtype)
+    order = torch.randperm(64, generator=gen).tolist()
+    seq_lens, query_lens = [size * 3, 1, 2 * size + 5, 33, 70], [size * 3, 1, 1, 9, 1]
+    pages = []
+    for n in seq_lens:
+        count = -(-n // size)
+        pages.append(order[:count])
+        order = order[count:]
+    q = torch.randn(sum(query_lens), heads, dim, generator=gen)
+    make = lambda name: create_attention_backend(name, num_heads=heads, num_kv_heads=kv_heads,   # noqa: E731
+                                                 head_dim=dim, page_size=size)
+    cpu = make("cpu")
+    meta = AttentionMetadata.build(pages, query_lens, seq_lens, size)
+    together = cpu.attend(q, pool, meta)
+    torch.testing.assert_close(together, make("torch").attend(q, pool.float(), meta), atol=2e-5, rtol=1e-4)
+    start = 0
+    for seq, (n, length) in enumerate(zip(query_lens, seq_lens)):
+        alone = AttentionMetadata.build([pages[seq]], [n], [length], size)
+        assert torch.equal(cpu.attend(q[start:start + n], pool, alone), together[start:start + n])
+        start += n
