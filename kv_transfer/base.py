@@ -141,11 +141,20 @@ class KVTransport(abc.ABC):
     def session_id(self) -> str:
         """How peers address this transport; goes into `RemotePages.session_id`."""
 
+    def check_device(self, device: str) -> None:
+        """Raise `KVTransferError` with the reason unless this transport can move memory of `device`
+        (a torch device name: "cpu", "cuda", "cuda:<n>"). The default moves host memory only; a
+        worker asks before it loads a model onto `device`."""
+        if device != "cpu":
+            raise KVTransferError(f"the {type(self).__name__} KV transport moves host memory only, not {device} memory")
+
     @abc.abstractmethod
-    def register(self, base_addr: int, num_bytes: int) -> None:
-        """Register `[base_addr, base_addr + num_bytes)` so it can be the source of writes from
-        here and the destination of writes from peers. Called once per pool at start-up; raises
-        `KVTransferError` for an invalid or overlapping range or if the backend refuses it."""
+    def register(self, base_addr: int, num_bytes: int, device: str = "cpu") -> None:
+        """Register `[base_addr, base_addr + num_bytes)` of `device`'s memory ("cpu", or "cuda:<n>"
+        for a pool on a GPU: the address is then a device pointer) so it can be the source of writes
+        from here and the destination of writes from peers. Called once per pool at start-up; raises
+        `KVTransferError` for an invalid or overlapping range, a device `check_device` refuses, or if
+        the backend refuses it."""
 
     @abc.abstractmethod
     def write_pages(

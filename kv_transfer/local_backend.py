@@ -55,10 +55,12 @@ class LocalTransport(KVTransport):
     def session_id(self) -> str:
         return self._session_id
 
-    def register(self, base_addr: int, num_bytes: int) -> None:
+    def register(self, base_addr: int, num_bytes: int, device: str = "cpu") -> None:
+        """Host memory only (`ctypes.memmove` cannot reach a GPU): other devices are refused."""
         if self._is_closed:
             raise KVTransferError(f"transport {self._session_id} is closed")
-        region = self._regions.add(base_addr, num_bytes)
+        self.check_device(device)
+        region = self._regions.add(base_addr, num_bytes, device)
         logger.info(
             "local KV transport %s registered %d bytes at %#x", self._session_id, region.num_bytes, region.base_addr
         )

@@ -70,6 +70,23 @@ def load_transfer_engine_class() -> Any:
     return TransferEngine
 
 
+def moves_gpu_memory(engine_class: Any) -> bool:
+    """Whether this Mooncake build can register and move GPU memory: only the CUDA build (wheel
+    `mooncake-transfer-engine`, built with USE_CUDA) binds the stream-ordered `*_on_cuda` calls, and
+    only it resolves a device pointer's location (Mooncake's build docs: USE_CUDA is needed to
+    transfer GPU memory, over TCP too). The CPU wheel (`mooncake-transfer-engine-non-cuda`) has the
+    same module and calls otherwise, so its methods tell the two apart."""
+    return hasattr(engine_class, "batch_transfer_write_on_cuda")
+
+
+def installed_build_moves_gpu_memory() -> bool:
+    """`moves_gpu_memory` of the installed Mooncake; False when none is importable."""
+    try:
+        return moves_gpu_memory(load_transfer_engine_class())
+    except KVTransferError:
+        return False
+
+
 def _engine_library_dir() -> Path:
     """The folder of Mooncake's `engine` extension, which the shared objects it loads sit in or
     beside."""
@@ -159,6 +176,7 @@ class MooncakeTransport(KVTransport):
                 f"{config.protocol!r}, {config.device_name!r}) failed with code {rc}{hint}"
             )
         self._engine: Any = engine
+        self._moves_gpu_memory = moves_gpu_memory(engine_class)
         self._session_id = f"{advertised}:{engine.get_rpc_port()}"
         self._regions = MemoryRegions()
         self._lock = threading.Lock()
@@ -179,17 +197,35 @@ class MooncakeTransport(KVTransport):
                 raise KVTransferError(f"Mooncake transport {self._session_id} is closed")
             return self._engine
 
-    def register(self, base_addr: int, num_bytes: int) -> None:
+    def check_device(self, device: str) -> None:
+        """Host memory always; GPU memory only with Mooncake's CUDA build."""
+        if device != "cpu" and not self._moves_gpu_memory:
+            raise KVTransferError(
+                f"the installed Mooncake is its CPU build (mooncake-transfer-engine-non-cuda), which cannot "
+                f"move {device} memory: install the CUDA build `mooncake-transfer-engine` in its place (the "
+                f"CUDA worker image does; pip uninstall the CPU wheel first), or run with --device cpu"
+            )
+
+    def register(self, base_addr: int, num_bytes: int, device: str = "cpu") -> None:
+        """One `register_memory` call. Its location stays Mooncake's default "*": the CUDA build then
+        asks CUDA where the pointer lives (`cuda:<n>` for a device pool, which also picks the NICs
+        nearest that GPU for RDMA), as SGLang registers its GPU KV buffers."""
         engine = self._live_engine()
-        region = self._regions.add(base_addr, num_bytes)
+        self.check_device(device)
+        region = self._regions.add(base_addr, num_bytes, device)
         rc = engine.register_memory(region.base_addr, region.num_bytes)
         if rc != 0:
             self._regions.remove(region)
             raise KVTransferError(
-                f"Mooncake register_memory({region.base_addr:#x}, {region.num_bytes}) failed with code {rc}"
+                f"Mooncake register_memory({region.base_addr:#x}, {region.num_bytes}) of {device} memory "
+                f"failed with code {rc}"
             )
         logger.info(
-            "Mooncake KV transport %s registered %d bytes at %#x", self._session_id, region.num_bytes, region.base_addr
+            "Mooncake KV transport %s registered %d bytes of %s memory at %#x",
+            self._session_id,
+            region.num_bytes,
+            device,
+            region.base_addr,
         )
 
     def write_pages(

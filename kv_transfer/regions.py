@@ -11,10 +11,12 @@ from kv_transfer.base import KVTransferError
 
 @dataclass(frozen=True, slots=True)
 class MemoryRegion:
-    """The byte range `[base_addr, base_addr + num_bytes)` of this process."""
+    """The byte range `[base_addr, base_addr + num_bytes)` of this process, in `device`'s memory
+    ("cpu", or "cuda:<n>": the addresses are then device pointers)."""
 
     base_addr: int
     num_bytes: int
+    device: str = "cpu"
 
     @property
     def end_addr(self) -> int:
@@ -32,12 +34,13 @@ class MemoryRegions:
         self._lock = threading.Lock()
         self._regions: list[MemoryRegion] = []
 
-    def add(self, base_addr: int, num_bytes: int) -> MemoryRegion:
-        """Record a region; raises `KVTransferError` if it is empty, starts at a non-positive
-        address, or overlaps a region already recorded."""
+    def add(self, base_addr: int, num_bytes: int, device: str = "cpu") -> MemoryRegion:
+        """Record a region of `device`'s memory; raises `KVTransferError` if it is empty, starts at a
+        non-positive address, or overlaps a region already recorded (host and device addresses share
+        one space under CUDA's unified addressing, so regions of any devices are compared)."""
         if base_addr <= 0 or num_bytes <= 0:
             raise KVTransferError(f"cannot register base_addr={base_addr} num_bytes={num_bytes}: both must be positive")
-        region = MemoryRegion(base_addr, num_bytes)
+        region = MemoryRegion(base_addr, num_bytes, device)
         with self._lock:
             for other in self._regions:
                 if region.base_addr < other.end_addr and other.base_addr < region.end_addr:

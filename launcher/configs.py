@@ -138,7 +138,7 @@ def worker_config(
 def engine_config(args: argparse.Namespace, role: str, is_embedding: bool) -> EngineConfig:
     """The `role` worker's engine settings from its flags; the device is resolved here, once.
     Exits with the reason when the flags do not fit together (e.g. a quantization on a GPU)."""
-    device = _worker_device(args.device, moves_kv=not is_embedding)
+    device = _worker_device(args.device, kv_transport=None if is_embedding else args.kv_transport)
     try:
         return EngineConfig(
             dtype=_worker_dtype(args.dtype, device, is_embedding),
@@ -160,23 +160,24 @@ def engine_config(args: argparse.Namespace, role: str, is_embedding: bool) -> En
         raise SystemExit(f"tandem {args.command}: {exc}") from None
 
 
-def _worker_device(flag: str, moves_kv: bool) -> str:
-    """--device resolved: auto is cuda when torch sees a GPU, else cpu. Until the KV transports
-    move GPU memory, a worker that moves KV (prefill, decode) keeps auto on the CPU, so GPU images
-    and charts keep serving; an explicit cuda is refused by WorkerConfig with the reason. A CUDA
-    device this machine does not have is refused here, before any weight is read."""
+def _worker_device(flag: str, kv_transport: str | None) -> str:
+    """--device resolved: auto is cuda when torch sees a GPU, else cpu. A worker that moves KV
+    (`kv_transport` names its transport; None for an embedding worker) stays on the CPU under auto,
+    with a warning, where its transport cannot move GPU memory: the local transport, or Mooncake's
+    CPU build. An explicit cuda is kept (the transport refuses it at start-up with the reason); a
+    CUDA device this machine does not have is refused here, before any weight is read."""
     if flag == "cpu":
         return flag
     import torch
 
     if flag == "auto":
-        if torch.cuda.is_available() and moves_kv:
-            logger.warning(
-                "--device auto: a GPU is present, but KV transfer from GPU memory is not there "
-                "yet; this worker computes on the CPU"
-            )
+        if not torch.cuda.is_available():
             return "cpu"
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        reason = _why_kv_stays_on_the_host(kv_transport)
+        if reason:
+            logger.warning("--device auto: a GPU is present, but %s; this worker computes on the CPU", reason)
+            return "cpu"
+        return "cuda"
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     index = int(flag.partition(":")[2] or 0)
     if index >= count:
@@ -185,6 +186,21 @@ def _worker_device(flag: str, moves_kv: bool) -> str:
             f"{'' if count else ' (or this torch build has no CUDA)'}"
         )
     return flag
+
+
+def _why_kv_stays_on_the_host(kv_transport: str | None) -> str | None:
+    """Why a worker's KV transport cannot move GPU memory here, or None when it can (or moves no KV)."""
+    if kv_transport == "local":
+        return "the local KV transport copies host memory only"
+    if kv_transport == "mooncake":
+        from kv_transfer.mooncake_backend import installed_build_moves_gpu_memory
+
+        if not installed_build_moves_gpu_memory():
+            return (
+                "the installed Mooncake is its CPU build, which cannot move KV from GPU memory "
+                "(install mooncake-transfer-engine in place of mooncake-transfer-engine-non-cuda)"
+            )
+    return None
 
 
 def _worker_quantization(args: argparse.Namespace, role: str, device: str) -> str:

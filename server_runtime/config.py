@@ -50,12 +50,13 @@ class WorkerConfig:
             raise ValueError("reservation_ttl_s must be positive, write_grace_s >= 0")
         if self.is_embedding and self.role != "prefill":
             raise ValueError("is_embedding is for prefill workers only: embeddings need no decode")
-        if self.engine.device != "cpu" and not self.is_embedding:
-            # The transports read and write the pool as host memory (memmove, Mooncake's CPU build): a
-            # device pointer there would crash the process or move garbage.
+        if self.engine.device != "cpu" and not self.is_embedding and self.transport.backend == "local":
+            # memmove reads and writes host memory: a device pointer there would crash the process.
+            # (Mooncake's CPU build is refused when the transport starts: which build is installed
+            # is a fact of the machine, not of the config.)
             raise ValueError(
-                f"KV transfer from {self.engine.device} memory is not supported yet: run prefill "
-                "and decode workers with --device cpu (embedding workers may use a GPU)"
+                f"the local KV transport copies host memory only, not {self.engine.device} memory: run "
+                "prefill and decode workers with --kv-transport mooncake, or with --device cpu"
             )
 
     @property

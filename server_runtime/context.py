@@ -37,6 +37,7 @@ class EngineFacts:
     num_pages: int
     pool_base_addr: int  # the KV pool, as registered with the transport
     pool_num_bytes: int
+    pool_device: str  # whose memory the pool is in: "cpu" or "cuda:<n>" (the base address is then a device pointer)
 
     @classmethod
     def read(cls, engine: Engine) -> EngineFacts:
@@ -52,6 +53,7 @@ class EngineFacts:
             num_pages=pool.num_pages,
             pool_base_addr=pool.base_addr,
             pool_num_bytes=pool.num_bytes,
+            pool_device=str(pool.device),
         )
 
 

@@ -168,13 +168,16 @@ async def serve_worker(config: WorkerConfig, kind: WorkerKind) -> None:
 
 
 def start_engine_worker(config: WorkerConfig, metrics: WorkerMetrics) -> WorkerContext:
-    """Load the model into an `Engine`, register its KV pool with a new transport and start the
-    engine thread (a prefill or decode worker's runtime)."""
-    engine = build_engine(config)
-    facts, weights_id = EngineFacts.read(engine), engine.weights_id  # before the engine thread starts
+    """Start a KV transport, load the model into an `Engine`, register its KV pool (in the engine
+    device's memory) with the transport and start the engine thread (a prefill or decode worker's
+    runtime). The transport is asked first whether it can move that device's memory, so a worker
+    that could never send or receive KV stops before it loads a model."""
     transport = create_transport(config.transport)
     try:
-        transport.register(facts.pool_base_addr, facts.pool_num_bytes)
+        transport.check_device(config.engine.device)
+        engine = build_engine(config)
+        facts, weights_id = EngineFacts.read(engine), engine.weights_id  # before the engine thread starts
+        transport.register(facts.pool_base_addr, facts.pool_num_bytes, facts.pool_device)
     except BaseException:
         transport.close()
         raise

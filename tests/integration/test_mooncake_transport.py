@@ -72,6 +72,28 @@ def test_a_kv_host_given_by_name_is_advertised_by_its_address() -> None:
         assert host == "127.0.0.1" and int(port) > 0
 
 
+def test_the_cpu_build_refuses_gpu_memory_before_registering_it(pair: Pair) -> None:
+    """This machine's Mooncake is the CPU wheel: a pool on a GPU is refused with the wheel to install,
+    and nothing is registered (the same host pool registers as before)."""
+    from mooncake.engine import TransferEngine
+
+    from kv_transfer.mooncake_backend import installed_build_moves_gpu_memory, moves_gpu_memory
+
+    assert not moves_gpu_memory(TransferEngine) and not installed_build_moves_gpu_memory()
+    _, sender, _, _ = pair
+    sender.check_device("cpu")
+    for device in ("cuda", "cuda:1"):
+        with pytest.raises(KVTransferError, match=f"CPU build .* cannot move {device} memory") as info:
+            sender.check_device(device)
+        assert "`mooncake-transfer-engine`" in str(info.value)
+    spare = make_pool(random=False, num_pages=4)
+    with pytest.raises(KVTransferError, match="CPU build"):
+        sender.register(spare.data_ptr(), pool_bytes(spare), "cuda:0")
+    assert len(sender._regions.snapshot()) == 1          # the pair's own pool only
+    sender.register(spare.data_ptr(), pool_bytes(spare), "cpu")
+    assert [r.device for r in sender._regions.snapshot()] == ["cpu", "cpu"]
+
+
 def test_large_single_run_write() -> None:
     src_pool = torch.randn(256, 64, 256, dtype=torch.bfloat16)
     dst_pool = torch.zeros_like(src_pool)

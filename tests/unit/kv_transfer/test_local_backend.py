@@ -46,3 +46,15 @@ def test_errors_name_what_is_wrong() -> None:
         with pytest.raises(KVTransferError, match="destination on local:"):
             sender.write_pages(src_pool.data_ptr(), [0, 1], outside).result()
     assert torch.count_nonzero(dst_pool) == 0
+
+
+def test_gpu_memory_is_refused_with_the_reason() -> None:
+    """memmove reaches host memory only: a pool on a GPU is refused before it is recorded."""
+    pool = make_pool(random=False)
+    with LocalTransport() as transport:
+        transport.check_device("cpu")
+        with pytest.raises(KVTransferError, match="moves host memory only, not cuda:0 memory"):
+            transport.register(pool.data_ptr(), pool_bytes(pool), "cuda:0")
+        assert transport._regions.snapshot() == ()
+        transport.register(pool.data_ptr(), pool_bytes(pool), "cpu")
+        assert [r.device for r in transport._regions.snapshot()] == ["cpu"]

@@ -46,3 +46,13 @@ def test_remove_and_clear() -> None:
     assert not regions.covers(1000, 10)
     assert regions.clear() == (MemoryRegion(2000, 10),)
     assert not regions.covers(2000, 10)
+
+
+def test_a_region_records_whose_memory_it_is() -> None:
+    regions = MemoryRegions()
+    host = regions.add(0x1000, 0x100)
+    gpu = regions.add(0x7F00_0000_0000, 0x1000, "cuda:1")
+    assert (host.device, gpu.device) == ("cpu", "cuda:1")
+    assert regions.snapshot() == (MemoryRegion(0x1000, 0x100, "cpu"), MemoryRegion(0x7F00_0000_0000, 0x1000, "cuda:1"))
+    with pytest.raises(KVTransferError, match="overlaps"):   # one address space under CUDA's unified addressing
+        regions.add(0x7F00_0000_0800, 0x1000, "cpu")

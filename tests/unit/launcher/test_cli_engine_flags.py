@@ -93,12 +93,35 @@ def test_device_auto_is_cuda_where_torch_sees_a_gpu(gpus: Callable[[int], None],
     assert _config("prefill", "--is-embedding", "--dtype", "float32", "--device", "auto").device == expected
 
 
+@pytest.fixture
+def mooncake_build(monkeypatch: pytest.MonkeyPatch) -> Callable[[bool], None]:
+    """Set whether the installed Mooncake is its CUDA build (a fact of the machine; this one has the
+    CPU build, which the tests that do not call this see)."""
+    from kv_transfer import mooncake_backend
+
+    def set_cuda(is_cuda: bool) -> None:
+        monkeypatch.setattr(mooncake_backend, "installed_build_moves_gpu_memory", lambda: is_cuda)
+    return set_cuda
+
+
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_device_auto_keeps_kv_moving_workers_on_the_cpu_until_kv_leaves_gpu_memory(
+def test_device_auto_keeps_kv_on_the_host_where_mooncake_is_its_cpu_build(
         gpus: Callable[[int], None], role: str, caplog: pytest.LogCaptureFixture) -> None:
-    gpus(1)
+    gpus(1)   # the installed Mooncake, the real one here, is the CPU build
     assert _config(role, "--dtype", "float32").device == "cpu"
-    assert "KV transfer from GPU memory" in caplog.text
+    assert "Mooncake is its CPU build, which cannot move KV from GPU memory" in caplog.text
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_device_auto_puts_kv_moving_workers_on_the_gpu_with_mooncakes_cuda_build(
+        gpus: Callable[[int], None], mooncake_build: Callable[[bool], None], role: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    gpus(1)
+    mooncake_build(True)
+    assert _config(role).device == "cuda"
+    assert _config(role, "--kv-protocol", "rdma", "--kv-device", "mlx5_0").device == "cuda"
+    assert _config(role, "--kv-transport", "local", "--dtype", "float32").device == "cpu"
+    assert "local KV transport copies host memory only" in caplog.text
 
 
 def test_an_explicit_device_is_kept_and_checked_against_the_machine(gpus: Callable[[int], None]) -> None:
@@ -152,8 +175,8 @@ def test_serve_resolves_device_and_backends_once_for_both_workers(gpus: Callable
     gpus(1)
     engines = _serve_engines("--attention-backend", "torch", "--sampling-backend", "torch", "--dtype", "float16")
     assert {(e.device, e.attention_backend, e.sampling_backend, e.dtype) for e in engines.values()} == \
-        {("cpu", "torch", "torch", "float16")}   # auto keeps KV-moving workers on the CPU, as each worker did
-    assert "KV transfer from GPU memory" in caplog.text
+        {("cpu", "torch", "torch", "float16")}   # auto: Mooncake's CPU build keeps KV on the host
+    assert "cannot move KV from GPU memory" in caplog.text
     embedding = stack_configs(build_parser().parse_args(["serve", "--is-embedding", "--device", "cuda:0",
                                                          "--attention-backend", "flashinfer"])).prefill.engine
     assert (embedding.device, embedding.attention_backend, embedding.dtype) == ("cuda:0", "flashinfer", "float32")
@@ -161,7 +184,8 @@ def test_serve_resolves_device_and_backends_once_for_both_workers(gpus: Callable
 
 def test_serve_refuses_flags_that_make_no_valid_worker_before_starting_any(gpus: Callable[[int], None]) -> None:
     gpus(2)
-    with pytest.raises(SystemExit, match="tandem serve: KV transfer from cuda:1 memory is not supported yet"):
-        stack_configs(build_parser().parse_args(["serve", "--device", "cuda:1"]))
+    with pytest.raises(SystemExit, match="tandem serve: the local KV transport copies host memory only"):
+        stack_configs(build_parser().parse_args(["serve", "--device", "cuda:1", "--kv-transport", "local"]))
+    assert stack_configs(build_parser().parse_args(["serve", "--device", "cuda:1"])).decode.engine.device == "cuda:1"
     with pytest.raises(SystemExit, match="has 2 CUDA device"):
         stack_configs(build_parser().parse_args(["serve", "--device", "cuda:2"]))
