@@ -9,9 +9,12 @@ instruction, followed by their 16 scales and (4-bit formats) 16 offsets:
   q[j][4i+2+t] (high nibble), for column j of the panel and t in {0, 1};
 - 8-bit: 16 chunks of 32 bytes; byte 2j+t of chunk i holds q[j][2i+t] (int8).
 
-A 4-bit weight is d * q + m: Q4_1 as stored, Q4_0 (d * (q - 8)) with m = -8 d. The last panel is
-padded with zero columns. The packed tensor is [ceil(N / 16), K / 32, panel_block_bytes] uint8,
-the same bytes per weight as the GGUF-order form it replaces (scales as float32).
+A 4-bit weight is d * q + m: Q4_1 as stored, Q4_0 (d * (q - 8)) with m = -8 d. Scales and
+offsets are stored as float16, as GGUF stores them (exact for GGUF files and for `quantize`'s
+output, which rounds them so; any other float32 scale is rounded here). The last panel is padded
+with zero columns. The packed tensor is [ceil(N / 16), K / 32, panel_block_bytes] uint8: 5/8 of a
+byte per 4-bit weight and 17/16 per 8-bit one, as in the GGUF file (decode at batch 1 reads every
+byte once per token, so bytes are time).
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ PANEL = 16
 
 
 def panel_block_bytes(bits: int) -> int:
-    """Bytes of one (panel, block): values, 16 scales, and 16 offsets for 4-bit formats."""
-    return 512 + 64 if bits == 8 else 256 + 128
+    """Bytes of one (panel, block): values, 16 float16 scales, and 16 float16 offsets for 4-bit formats."""
+    return 512 + 32 if bits == 8 else 256 + 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,20 +60,20 @@ class PackedWeight:
         nb, q_bytes = k // BLOCK, 512 if self.bits == 8 else 256
         panel, lane = rows // PANEL, rows % PANEL
         blocks = self.data[panel]  # [T, nb, bytes]
-        scales = _floats(blocks[..., q_bytes : q_bytes + 64])[torch.arange(len(rows)), :, lane]  # [T, nb]
+        scales = _floats(blocks[..., q_bytes : q_bytes + 32])[torch.arange(len(rows)), :, lane]  # [T, nb]
         chunks = blocks[..., :q_bytes].reshape(len(rows), nb, -1, PANEL, 2)  # [T, nb, chunk, column, t]
         values = chunks[torch.arange(len(rows)), :, :, lane]  # [T, nb, chunk, t]
         if self.bits == 8:
             q = values.view(torch.int8).float().reshape(len(rows), nb, BLOCK)
             return (q * scales.unsqueeze(-1)).reshape(len(rows), k)
         q = torch.stack((values & 0x0F, values >> 4), dim=-2).float().reshape(len(rows), nb, BLOCK)
-        mins = _floats(blocks[..., q_bytes + 64 :])[torch.arange(len(rows)), :, lane]
+        mins = _floats(blocks[..., q_bytes + 32 :])[torch.arange(len(rows)), :, lane]
         return (q * scales.unsqueeze(-1) + mins.unsqueeze(-1)).reshape(len(rows), k)
 
 
 def _floats(raw: torch.Tensor) -> torch.Tensor:
-    """[..., 64] uint8 -> [..., 16] float32 (the bytes as stored)."""
-    return raw.contiguous().view(torch.float32)
+    """[..., 32] uint8 -> [..., 16] float32 (the float16 values stored)."""
+    return raw.contiguous().view(torch.float16).float()
 
 
 def pack(weight: QuantizedWeight) -> PackedWeight:
@@ -106,6 +109,6 @@ def pack(weight: QuantizedWeight) -> PackedWeight:
 
 
 def _bytes(per_column: torch.Tensor, panels: int, nb: int) -> torch.Tensor:
-    """[N', nb] float32 (N' = panels * 16) -> [panels, nb, 64] uint8, the panel's 16 values per block."""
-    by_panel = per_column.float().reshape(panels, PANEL, nb).permute(0, 2, 1).contiguous()
-    return by_panel.view(torch.uint8).reshape(panels, nb, 64)
+    """[N', nb] float32 (N' = panels * 16) -> [panels, nb, 32] uint8: the panel's 16 values per block, float16."""
+    by_panel = per_column.half().reshape(panels, PANEL, nb).permute(0, 2, 1).contiguous()
+    return by_panel.view(torch.uint8).reshape(panels, nb, 32)

@@ -34,7 +34,8 @@ class QuantFormat(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class QuantizedWeight:
-    """`qs` uint8 [N, K] (Q8_0, int8 bytes) or [N, K / 2] (Q4_x); `scales`, `mins` float32 [N, K / 32]."""
+    """`qs` uint8 [N, K] (Q8_0, int8 bytes) or [N, K / 2] (Q4_x); `scales`, `mins` float32 [N, K / 32]
+    (float16 values in GGUF files and from `quantize`; the packed form for the matmul keeps float16)."""
 
     format: QuantFormat
     qs: torch.Tensor
@@ -107,7 +108,8 @@ class QuantizedWeight:
 
 
 def quantize(weight: torch.Tensor, fmt: QuantFormat) -> QuantizedWeight:
-    """Quantize a float [N, K] weight (K a multiple of 32) as llama.cpp's reference quantizers do."""
+    """Quantize a float [N, K] weight (K a multiple of 32) as llama.cpp's reference quantizers do:
+    values from the float32 scale, scales and offsets stored rounded to float16 (as GGUF keeps them)."""
     n, k = weight.shape
     if k % BLOCK:
         raise ValueError(f"cannot quantize a weight with {k} input features to {fmt.name}: not a multiple of {BLOCK}")
@@ -117,7 +119,7 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> QuantizedWeight:
         scales = amax / 127
         inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
         q = torch.round(blocks * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
-        return QuantizedWeight(fmt, q.view(torch.uint8).reshape(n, k), scales.contiguous())
+        return QuantizedWeight(fmt, q.view(torch.uint8).reshape(n, k), _as_fp16(scales))
     if fmt is QuantFormat.Q4_0:
         # llama.cpp: the element of largest magnitude maps to -8, keeping its sign
         idx = blocks.abs().argmax(-1, keepdim=True)
@@ -131,9 +133,14 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> QuantizedWeight:
         scales = (high - low) / 15
         inv = torch.where(scales != 0, 1 / scales, torch.zeros_like(scales))
         q = torch.clamp(torch.floor((blocks - low.unsqueeze(-1)) * inv.unsqueeze(-1) + 0.5), 0, 15).to(torch.uint8)
-        mins = low.contiguous()
+        mins = _as_fp16(low)
     packed = q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)
-    return QuantizedWeight(fmt, packed.reshape(n, k // 2).contiguous(), scales.contiguous(), mins)
+    return QuantizedWeight(fmt, packed.reshape(n, k // 2).contiguous(), _as_fp16(scales), mins)
+
+
+def _as_fp16(values: torch.Tensor) -> torch.Tensor:
+    """float32 holding the nearest float16 values."""
+    return values.half().float().contiguous()
 
 
 def reference_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:

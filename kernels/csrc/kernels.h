@@ -11,8 +11,8 @@ namespace tandem {
 constexpr int64_t kPanel = 16;   // output columns interleaved in one panel of packed weights
 
 // Bytes of one (panel, block) of packed weights: the 16 columns' quantized values for 32 inputs,
-// then their 16 float32 scales, then (4-bit formats) their 16 float32 offsets.
-constexpr int64_t panel_block_bytes(int bits) { return bits == 8 ? 512 + 64 : 256 + 128; }
+// then their 16 float16 scales, then (4-bit formats) their 16 float16 offsets.
+constexpr int64_t panel_block_bytes(int bits) { return bits == 8 ? 512 + 32 : 256 + 64; }
 
 // out [m, n] = x [m, k] times the packed weight [n, k]^T (`bits` 8 or 4), float32. Each activation
 // row is first rounded to int16 blocks of 32 with one scale each (amax / qmax; qmax 32767, or 127

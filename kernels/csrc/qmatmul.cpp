@@ -8,7 +8,7 @@
 //
 // Packed weights (built once at load by kernels/packing.py): output columns in panels of 16; for
 // each panel and 32-input block, 16 columns' values interleaved so that one 32-byte load expands to
-// the operand of one vector instruction, then the 16 scales and (4-bit) the 16 offsets:
+// the operand of one vector instruction, then the 16 scales and (4-bit) the 16 offsets, float16:
 //   4-bit: 8 chunks of 32 bytes; chunk i byte 2j+t = q[j][4i+t] | q[j][4i+2+t] << 4  (column j, t < 2)
 //   8-bit: 16 chunks of 32 bytes; chunk i byte 2j+t = q[j][2i+t] (int8)
 // A 4-bit weight is d * q + m (Q4_0 is packed with m = -8 d); an 8-bit weight d * q.
@@ -83,6 +83,25 @@ inline int32_t pair_at(const int16_t* p) {   // two int16 as one int32 (the oper
   return v;
 }
 
+// The float16 at p, widened exactly (the vector paths' vcvtph2ps, in portable code).
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const int exponent = (h >> 10) & 0x1F;
+  const uint32_t mantissa = h & 0x3FF;
+  float magnitude;
+  if (exponent == 0) magnitude = std::ldexp(static_cast<float>(mantissa), -24);   // zero and subnormals
+  else if (exponent == 31) magnitude = mantissa ? std::numeric_limits<float>::quiet_NaN() : INFINITY;
+  else magnitude = std::ldexp(static_cast<float>(mantissa | 0x400), exponent - 25);
+  uint32_t bits;
+  std::memcpy(&bits, &magnitude, sizeof bits);
+  bits |= sign;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
 #ifdef TANDEM_AVX512
 // R rows x one panel (16 columns). Integer sums use `kSplit` partial accumulators per row so that a
 // short tile is not bound by vpdpwssd's latency; integer addition is exact, so any split gives the
@@ -123,14 +142,14 @@ void panel_tile(const uint8_t* panel, const QRows& x, int64_t r0, float* out, in
         }
       }
     }
-    const __m512 dw = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + kQBytes));
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kQBytes)));
     for (int r = 0; r < R; ++r) {
       __m512i total = isum[r][0];
       for (int s = 1; s < kSplit; ++s) total = _mm512_add_epi32(total, isum[r][s]);
       const int64_t at = (r0 + r) * x.nb + b;
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[at])), acc[r]);
       if constexpr (Bits == 4) {
-        const __m512 mw = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + kQBytes + 64));
+        const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kQBytes + 32)));
         acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[at]), acc[r]);
       }
     }
@@ -174,12 +193,13 @@ void panel_tile(const uint8_t* panel, const QRows& x, int64_t r0, float* out, in
             isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(w, _mm256_set1_epi32(pair_at(xq[r] + 2 * i))));
         }
       }
-      const __m256 dw = _mm256_loadu_ps(reinterpret_cast<const float*>(blk + kQBytes) + 8 * half);
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kQBytes + 16 * half)));
       for (int r = 0; r < R; ++r) {
         const int64_t at = (r0 + r) * x.nb + b;
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(dw, _mm256_set1_ps(x.d[at])), acc[r]);
         if constexpr (Bits == 4) {
-          const __m256 mw = _mm256_loadu_ps(reinterpret_cast<const float*>(blk + kQBytes + 64) + 8 * half);
+          const __m256 mw =
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kQBytes + 32 + 16 * half)));
           acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[at]), acc[r]);
         }
       }
@@ -212,14 +232,10 @@ void panel_tile(const uint8_t* panel, const QRows& x, int64_t r0, float* out, in
           else w = (blk[32 * (k / 4) + 2 * j + k % 2] >> (k % 4 >= 2 ? 4 : 0)) & 0x0F;
           isum += w * xq[k];
         }
-        float dw, mw;
-        std::memcpy(&dw, blk + kQBytes + 4 * j, sizeof dw);
+        const float dw = half_at(blk + kQBytes + 2 * j);
         const int64_t at = (r0 + r) * x.nb + b;
         acc = std::fma(static_cast<float>(isum), dw * x.d[at], acc);
-        if (Bits == 4) {
-          std::memcpy(&mw, blk + kQBytes + 64 + 4 * j, sizeof mw);
-          acc = std::fma(mw, x.s[at], acc);
-        }
+        if (Bits == 4) acc = std::fma(half_at(blk + kQBytes + 32 + 2 * j), x.s[at], acc);
       }
       out[(r0 + r) * ldo + j] = acc;
     }

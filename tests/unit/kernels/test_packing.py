@@ -31,7 +31,7 @@ def test_packing_keeps_every_value(fmt: QuantFormat, n: int) -> None:
 
 
 def test_the_layout_is_the_documented_one() -> None:
-    """Byte 2j+t of 4-bit chunk i holds q[j][4i+t] | q[j][4i+2+t] << 4; then 16 scales, 16 offsets."""
+    """Byte 2j+t of 4-bit chunk i holds q[j][4i+t] | q[j][4i+2+t] << 4; then 16 scales, 16 offsets (float16)."""
     q = torch.randint(0, 16, (16, 32), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
     scales, mins = torch.rand(16, 1) + 0.5, torch.randn(16, 1)
     weight = quantize(q.float() * scales + mins, QuantFormat.Q4_1)
@@ -41,5 +41,5 @@ def test_the_layout_is_the_documented_one() -> None:
         for j in range(16):
             for t in range(2):
                 assert data[32 * i + 2 * j + t] == q[j, 4 * i + t] | (q[j, 4 * i + 2 + t] << 4)
-    assert torch.equal(data[256:320].view(torch.float32), weight.scales[:, 0])
-    assert torch.equal(data[320:384].view(torch.float32), weight.mins[:, 0])
+    assert torch.equal(data[256:288].view(torch.float16).float(), weight.scales[:, 0])
+    assert torch.equal(data[288:320].view(torch.float16).float(), weight.mins[:, 0])
