@@ -15,27 +15,21 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, replace
-from typing import TypeVar
 
 from gateway.cluster.client import DecodeStream
 from gateway.cluster.pool import WorkerPool
 from gateway.cluster.routing import Route
 from gateway.cluster.worker import Worker
-from gateway.cluster.worker_errors import WorkerError, stalled_error
-from gateway.cluster.worker_records import DecodeChunk, KvTarget, PrefillResult, Reservation
+from gateway.cluster.worker_calls import PrefillAnswered, abort, chunks, prefill_answer, release, settle, unless_stalled
+from gateway.cluster.worker_records import DecodeChunk, Reservation
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 from gateway.records import HandoffTimings, PrefillPath, SamplingOptions, TokenEvent
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-_ABORT_TIMEOUT_S = 2.0
-_SETTLE_TIMEOUT_S = 10.0  # a running KV write finishes within this (or the decode pages rest for the grace)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +92,7 @@ async def _disaggregated_trip(
             request.prompt_logprob_start,
             timeout_s=config.prefill_timeout_s,
         )
-        first = await _prefill(prefill, call, config.stall_timeout_s)
+        first = await prefill_answer(prefill, call, config.stall_timeout_s)
         write_settled = True
         route.end_prefill()
         prefill.record_success()
@@ -124,13 +118,13 @@ async def _disaggregated_trip(
             reservation.kv_target.grant,
             timeout_s=config.request_timeout_s,
         )
-        async for chunk in _stream(decode, stream, config.stall_timeout_s):
+        async for chunk in chunks(decode, stream, config.stall_timeout_s):
             finished = chunk.finish_reason is not None
             yield _event(chunk, timings)
             if finished:
                 return
         raise _no_finish(decode)
-    except _PrefillAnswered as answered:
+    except PrefillAnswered as answered:
         write_settled = True
         raise answered.error from None
     finally:
@@ -138,7 +132,7 @@ async def _disaggregated_trip(
         if not finished:
             if stream is not None:
                 stream.cancel()
-            await _settle(_release(decode, prefill, rid, None if write_settled else reservation.kv_target))
+            await settle(release(decode, prefill, rid, None if write_settled else reservation.kv_target))
         pool.admission.released()
 
 
@@ -154,7 +148,7 @@ async def _local_trip(
     timings: HandoffTimings | None = None
     finished = False
     try:
-        async for chunk in _stream(decode, stream, config.stall_timeout_s):
+        async for chunk in chunks(decode, stream, config.stall_timeout_s):
             finished = chunk.finish_reason is not None
             if timings is None:
                 decode.record_success()
@@ -185,7 +179,7 @@ async def _local_trip(
     finally:
         if not finished:
             stream.cancel()
-            await _settle(_abort(decode, request.request_id))
+            await settle(abort(decode, request.request_id))
 
 
 async def _reserve(
@@ -203,7 +197,7 @@ async def _reserve(
         route = routes[0]
         try:
             call = route.decode.client.reserve(rid, len(request.prompt_ids), timeout_s=config.reserve_timeout_s)
-            return await _unless_stalled(route.decode, call, config.stall_timeout_s)
+            return await unless_stalled(route.decode, call, config.stall_timeout_s)
         except APIError:
             route.end()
             routes.clear()
@@ -216,7 +210,7 @@ async def _reserve(
             routes[0].end()
             prefill = routes[0].prefill
             assert prefill is not None
-            await _settle(_release(routes[0].decode, prefill, rid, None))
+            await settle(release(routes[0].decode, prefill, rid, None))
         raise
     return routes[0], reservation
 
@@ -247,91 +241,3 @@ def _event(chunk: DecodeChunk, timings: HandoffTimings, is_first: bool = False) 
 def _no_finish(decode: Worker) -> APIError:
     logger.warning("decode worker %s ended the stream without a finish reason", decode.address)
     return APIError(502, "the decode worker ended the stream without a finish reason", "internal_error")
-
-
-class _PrefillAnswered(Exception):
-    """The prefill server answered with an error: its KV write, if any, is over."""
-
-    def __init__(self, error: APIError) -> None:
-        self.error = error
-
-
-async def _prefill(worker: Worker, call: Awaitable[PrefillResult], stall_timeout_s: float) -> PrefillResult:
-    """The prefill's answer. A failure the worker itself answered is raised as `_PrefillAnswered`;
-    one the client side raised (deadline, cancel, lost connection, a stall) as is: the write may
-    still be running then."""
-    try:
-        return await _unless_stalled(worker, call, stall_timeout_s)
-    except WorkerError as exc:
-        if not exc.is_settled:
-            raise
-        raise _PrefillAnswered(exc) from None
-
-
-async def _stream(worker: Worker, stream: DecodeStream, stall_timeout_s: float) -> AsyncGenerator[DecodeChunk, None]:
-    while (chunk := await _unless_stalled(worker, stream.read(), stall_timeout_s)) is not None:
-        yield chunk
-
-
-async def _unless_stalled(worker: Worker, awaitable: Awaitable[T], stall_timeout_s: float) -> T:
-    """Await a call's answer; each time `stall_timeout_s` passes without one, check that the worker
-    still answers health checks. A worker that does not (frozen, wedged, its host gone) ends the
-    wait with a 503 and is marked unready; a slow but live one (a long prompt, a queue) is waited for.
-    A call that fails because of its worker marks the worker (`Worker.record_failure`)."""
-    pending = asyncio.ensure_future(awaitable)
-    try:
-        while True:
-            done, _ = await asyncio.wait((pending,), timeout=stall_timeout_s)
-            if done:
-                return pending.result()
-            if not await worker.responds():
-                logger.warning(
-                    "%s worker %s sent nothing for %g s and does not answer health checks",
-                    worker.role,
-                    worker.address,
-                    stall_timeout_s,
-                )
-                raise stalled_error(worker.role, worker.address, stall_timeout_s)
-    except WorkerError as exc:
-        if exc.is_worker_failure:
-            worker.record_failure(exc)
-        raise
-    finally:
-        pending.cancel()
-
-
-async def _release(decode: Worker, prefill: Worker, request_id: str, unsettled: KvTarget | None) -> None:
-    """Free the decode server's pages for an unfinished trip. `unsettled` is the KV target of a
-    Prefill that has not answered: the prefill server is asked to stop it and confirm its write is
-    over, so the decode server frees the pages at once; if it cannot confirm, they rest for the
-    write grace instead. (Cancelling a Generate stream frees them too; the Abort makes it certain.)"""
-    write_settled = unsettled is None
-    if unsettled is not None:
-        with contextlib.suppress(WorkerError):
-            await prefill.client.cancel_prefill(request_id, unsettled, timeout_s=_SETTLE_TIMEOUT_S)
-            write_settled = True
-        if not write_settled:
-            logger.warning(
-                "prefill worker %s did not confirm that %s's KV write is over; its decode pages "
-                "rest for the write grace",
-                prefill.address,
-                request_id,
-            )
-    await _abort(decode, request_id, write_settled)
-
-
-async def _abort(decode: Worker, request_id: str, write_settled: bool = True) -> None:
-    with contextlib.suppress(WorkerError):
-        await decode.client.abort(request_id, write_settled, timeout_s=_ABORT_TIMEOUT_S)
-
-
-_releasing: set[asyncio.Task] = set()  # strong references: a shielded release outlives its cancelled trip
-
-
-async def _settle(release: Awaitable[None]) -> None:
-    """Run a release to its end even if the trip that started it is cancelled again meanwhile."""
-    task = asyncio.ensure_future(release)
-    _releasing.add(task)
-    task.add_done_callback(_releasing.discard)
-    with contextlib.suppress(asyncio.CancelledError):
-        await asyncio.shield(task)
