@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.graph_batches import check_graph_batch_sizes
+
 
 class ConfigError(ValueError):
     """A configuration value is missing or invalid."""
@@ -252,6 +254,9 @@ class EngineConfig:
     "cuda:<n>"; the entry point resolves "auto"). Quantized weights compute in a CPU kernel, so a
     non-CPU device needs `quantization="none"`. `attention_backend` and `sampling_backend` are
     names resolved for the device at start-up (`kernels.attention`, `kernels.sampling`).
+    `cuda_graph_batch_sizes`: the decode batch sizes captured as CUDA graphs at start-up, on a CUDA
+    device with an attention backend that can replay them (`engine/cuda_graph.py`); None: the
+    defaults up to `max_running_requests` (`engine/graph_batches.py`); (): every step eager.
     """
 
     dtype: str = "bfloat16"
@@ -268,6 +273,7 @@ class EngineConfig:
     quantization: str = "none"  # one of QUANTIZATIONS
     int8_activations: bool = False  # quantized matmuls round activations to int8 blocks (llama.cpp's way)
     enable_prefix_cache: bool = False
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -295,3 +301,8 @@ class EngineConfig:
             )
         if self.context_len is not None and self.context_len <= 1:
             raise ConfigError(f"context_len must be > 1, got {self.context_len}")
+        if self.cuda_graph_batch_sizes is not None:
+            try:
+                check_graph_batch_sizes(self.cuda_graph_batch_sizes, self.max_running_requests)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None

@@ -34,15 +34,29 @@ class KVLayout:
 
 class KVPool:
     """`tensor[page, layer, 0 | 1, offset, kv_head, head_dim]` on `device`; page i spans bytes
-    [base_addr + i * page_bytes, base_addr + (i + 1) * page_bytes) of that device's memory."""
+    [base_addr + i * page_bytes, base_addr + (i + 1) * page_bytes) of that device's memory.
+
+    Pages 0 .. num_pages - 1 hold requests' KV. `num_scratch_pages` more follow them, never handed
+    out: the padded rows of a CUDA-graph decode step write their K/V there (`scratch_page_ids`).
+    """
 
     # The tensor's axes, outermost first: KV moves between workers as bytes, so both must agree on it.
     AXES = ("page", "layer", "kv", "offset", "kv_head", "head_dim")
 
-    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu", num_scratch_pages: int = 0
+    ) -> None:
         self.layout = layout
         self.num_pages = num_pages
-        shape = (num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
+        self.scratch_page_ids = tuple(range(num_pages, num_pages + num_scratch_pages))
+        shape = (
+            num_pages + num_scratch_pages,
+            layout.num_layers,
+            2,
+            layout.page_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+        )
         self.tensor = torch.zeros(shape, dtype=layout.dtype, device=device)
 
     @property

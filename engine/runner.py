@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graph import capture_decode_graphs
 from engine.grammar import GrammarBackend
 from engine.kv_pool import KVLayout, KVPool
 from engine.logits import LogprobExtras, adjust_logits, logprob_extras, score_prompt
@@ -97,12 +98,16 @@ class ModelRunner:
         self.expert_recorder = ExpertRecorder(mc, self.device)  # counts tokens per expert while recording
         self.layout = KVLayout.for_model(mc, config.page_size, self.dtype)
         num_pages = self._num_pages(config)
-        self.kv_pool = KVPool(self.layout, num_pages, self.device)
+        # on a GPU, one scratch page more for the padded rows of CUDA-graph decode steps (engine/cuda_graph.py)
+        self.kv_pool = KVPool(self.layout, num_pages, self.device, num_scratch_pages=int(self._pin))
         self.rotary = rotary_embedding(mc, context_len, self.dtype, self.device)
         attention = resolve_attention_backend(config.attention_backend, self.device, self.dtype)
         self.attention = attention_backend(attention, mc, config.page_size, self.dtype, self.device)
         sampler = resolve_sampler(config.sampling_backend, self.device)
         self.sampler = create_sampler(sampler, self.device)
+        self.decode_graphs = capture_decode_graphs(
+            self.model, self.rotary, self.attention, self.kv_pool, config, mc, context_len
+        )  # None: every decode step runs eagerly
         logger.info(
             "model on %s: dtype %s, quantization %s%s (%.1f MiB of weights), attention %s, sampling %s",
             self.device,
@@ -177,7 +182,12 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inputs.logit_rows])
 
     def _forward(self, requests: list[Request], is_decode: bool) -> tuple[torch.Tensor, StepInputs]:
-        """Final hidden states [T, hidden] of every new token, and the step's inputs on the device."""
+        """Final hidden states [T, hidden] of every new token, and the step's inputs on the device
+        (from a CUDA graph when the decode step fits one)."""
+        if is_decode and self.decode_graphs is not None:
+            replayed = self.decode_graphs.replay(requests)
+            if replayed is not None:
+                return replayed
         host = build_step_inputs(requests, is_decode, self.page_size, pin=self._pin)
         self.attention.plan(host.meta)
         inputs = host.to(self.device)

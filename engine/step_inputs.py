@@ -53,6 +53,13 @@ def build_step_inputs(requests: list[Request], is_decode: bool, page_size: int, 
 
     Prefill computes `num_new_tokens` tokens of `req.prefill_ids` from `num_computed` on (the rest
     when 0); decode feeds only the newest token."""
+    new_token_ids, starts = step_tokens(requests, is_decode)
+    return paged_step_inputs(new_token_ids, starts, [r.page_ids for r in requests], page_size, pin)
+
+
+def step_tokens(requests: list[Request], is_decode: bool) -> tuple[list[list[int]], list[int]]:
+    """Each request's new token ids this step and the position of the first (its tokens before it
+    have KV already), as `build_step_inputs` feeds them."""
     new_token_ids: list[list[int]] = []
     starts: list[int] = []
     for req in requests:
@@ -65,7 +72,7 @@ def build_step_inputs(requests: list[Request], is_decode: bool, page_size: int, 
             new = req.prefill_ids[start:end]
         new_token_ids.append(new)
         starts.append(start)
-    return paged_step_inputs(new_token_ids, starts, [r.page_ids for r in requests], page_size, pin)
+    return new_token_ids, starts
 
 
 def paged_step_inputs(

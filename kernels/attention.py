@@ -154,6 +154,22 @@ class AttentionBackend(ABC):
         """Causal attention of q [T, Hq, D] over the KV already in kv_cache [P, 2, S, Hkv, D];
         [T, Hq, D] in q's dtype. `meta` is the planned step's metadata, on q's device."""
 
+    # CUDA-graph decode (engine/cuda_graph.py). A backend that can be captured reads nothing per step
+    # from the host inside `attend`: its page table lives in fixed device buffers that a plan fills.
+    supports_cuda_graphs = False
+
+    def prepare_cuda_graphs(self, batch_sizes: Sequence[int], max_num_pages: int) -> None:
+        """Set up, once, a decode plan per batch size in `batch_sizes` whose buffers stay put, so that a
+        CUDA graph captured over `attend` replays any later plan of that size; at most `max_num_pages`
+        page ids per step. Only where `supports_cuda_graphs`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run under CUDA graphs")
+
+    def plan_cuda_graph(self, meta_host: AttentionMetadata) -> None:
+        """Like `plan`, for a decode step (one new token per sequence) of exactly one of the prepared
+        batch sizes, into that size's fixed buffers; outside any capture, before the graph is
+        captured or replayed. Raises ValueError for another batch size or a malformed page table."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run under CUDA graphs")
+
 
 _BACKENDS: BackendRegistry[AttentionBackend] = BackendRegistry(
     "attention", {"flashinfer": "kernels.flashinfer_attention"}

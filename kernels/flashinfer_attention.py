@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, TypeAlias
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import flashinfer
 import torch
 
 from kernels.attention import AttentionBackend, AttentionMetadata, register_attention_backend
+
+if TYPE_CHECKING:
+    from kernels.flashinfer_graph import GraphDecodeWrappers
 
 logger = logging.getLogger(__name__)
 
@@ -209,30 +213,60 @@ class FlashInferAttention(AttentionBackend):
             raise ValueError(f"FlashInfer attention needs a CUDA device, not {self.device}")
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
-        workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            **decode_wrapper_kwargs(workspace, num_heads, num_kv_heads)
+            **decode_wrapper_kwargs(self._workspace, num_heads, num_kv_heads)
         )
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(**prefill_wrapper_kwargs(workspace))
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(**prefill_wrapper_kwargs(self._workspace))
+        self._graph_wrappers: GraphDecodeWrappers | None = None  # prepare_cuda_graphs
         self._planned: _Wrapper | None = None  # the wrapper planned for the current step
         self._planned_num_tokens = 0
         self._plan_done = torch.cuda.Event()
+
+    supports_cuda_graphs = True
 
     def plan(self, meta_host: AttentionMetadata) -> None:
         """Plan the step described by `meta_host` (host tensors, pinned); raises ValueError when the
         page table is malformed. Cannot run inside CUDA-graph capture."""
         if is_decode_step(meta_host):
-            wrapper, plan_kwargs = self._decode, decode_plan_kwargs
+            self._plan(self._decode, decode_plan_kwargs(meta_host, **self._shapes()), meta_host)
         else:
-            wrapper, plan_kwargs = self._prefill, prefill_plan_kwargs
-        kwargs = plan_kwargs(
-            meta_host,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            page_size=self.page_size,
-            dtype=self.dtype,
+            self._plan(self._prefill, prefill_plan_kwargs(meta_host, **self._shapes()), meta_host)
+
+    def prepare_cuda_graphs(self, batch_sizes: Sequence[int], max_num_pages: int) -> None:
+        """One CUDA-graph decode wrapper per batch size (kernels/flashinfer_graph.py)."""
+        from kernels.flashinfer_graph import GraphDecodeWrappers
+
+        self._graph_wrappers = GraphDecodeWrappers(
+            self._workspace, batch_sizes, max_num_pages, self.num_heads, self.num_kv_heads
         )
+
+    def plan_cuda_graph(self, meta_host: AttentionMetadata) -> None:
+        """Plan a decode step of a prepared batch size on that size's CUDA-graph wrapper; the same
+        keyword arguments as an eager decode plan. ValueError before `prepare_cuda_graphs`, for
+        another batch size, too many pages, or a malformed page table."""
+        if self._graph_wrappers is None:
+            raise ValueError("plan_cuda_graph before prepare_cuda_graphs")
+        kwargs = decode_plan_kwargs(meta_host, **self._shapes())
+        if meta_host.kv_indices.numel() > self._graph_wrappers.max_num_pages:
+            raise ValueError(
+                f"a step of {meta_host.kv_indices.numel()} pages; the CUDA-graph buffers hold "
+                f"{self._graph_wrappers.max_num_pages}"
+            )
+        self._plan(self._graph_wrappers.wrapper(meta_host.num_sequences), kwargs, meta_host)
+
+    def _shapes(self) -> dict[str, Any]:
+        return {
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "page_size": self.page_size,
+            "dtype": self.dtype,
+        }
+
+    def _plan(self, wrapper: _Wrapper, kwargs: dict[str, Any], meta_host: AttentionMetadata) -> None:
+        # FlashInfer stages a plan's host-to-device copy through a pinned buffer that its next plan
+        # overwrites: wait for the previous plan's copy first.
         self._plan_done.synchronize()
         with torch.cuda.device(self.device):
             wrapper.plan(**kwargs)

@@ -12,6 +12,7 @@ import logging
 import os
 
 from engine.config import EngineConfig
+from engine.graph_batches import default_graph_batch_sizes
 from gateway.config import GatewayConfig, RoutingConfig
 from gateway.sampling_defaults import SamplingDefaults, load_generation_config
 from kv_transfer import TransportConfig
@@ -155,6 +156,7 @@ def engine_config(args: argparse.Namespace, role: str, is_embedding: bool) -> En
             sampling_backend=args.sampling_backend,
             int8_activations=args.int8_activations,
             enable_prefix_cache=role == "prefill" and not args.disable_prefix_cache,
+            cuda_graph_batch_sizes=_graph_batch_sizes(args),
         )
     except ValueError as exc:
         raise SystemExit(f"tandem {args.command}: {exc}") from None
@@ -200,6 +202,19 @@ def _why_kv_stays_on_the_host(kv_transport: str | None) -> str | None:
                 "the installed Mooncake is its CPU build, which cannot move KV from GPU memory "
                 "(install mooncake-transfer-engine in place of mooncake-transfer-engine-non-cuda)"
             )
+    return None
+
+
+def _graph_batch_sizes(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """The decode batch sizes to capture as CUDA graphs: none with --disable-cuda-graph, the list of
+    --cuda-graph-bs, the ladder up to --cuda-graph-max-bs (capped at --max-running-requests), or None
+    for the engine's default (the ladder up to --max-running-requests). Used on a GPU only."""
+    if args.disable_cuda_graph:
+        return ()
+    if args.cuda_graph_bs:
+        return tuple(sorted(set(args.cuda_graph_bs)))
+    if args.cuda_graph_max_bs:
+        return default_graph_batch_sizes(min(args.cuda_graph_max_bs, args.max_running_requests))
     return None
 
 

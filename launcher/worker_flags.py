@@ -8,6 +8,7 @@ import argparse
 import re
 
 from engine.config import EngineConfig
+from engine.graph_batches import DEFAULT_MAX_GRAPH_BATCH_SIZE
 from kv_transfer import TransportConfig
 from launcher.defaults import field_default
 from server_runtime.config import WorkerConfig
@@ -131,6 +132,26 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "torch", "flashinfer"],
         help="auto: flashinfer's sampling kernels on a GPU when installed, else torch",
     )
+    graphs = p.add_mutually_exclusive_group()
+    graphs.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        help="on a GPU, run every decode step eagerly instead of replaying CUDA graphs captured at start-up",
+    )
+    graphs.add_argument(
+        "--cuda-graph-max-bs",
+        type=_positive_int,
+        default=None,
+        help="on a GPU, capture decode graphs for batch sizes 1, 2, 4, 8, 16, 32, ... up to this "
+        f"(default: --max-running-requests, at most {DEFAULT_MAX_GRAPH_BATCH_SIZE}); larger batches run eagerly",
+    )
+    graphs.add_argument(
+        "--cuda-graph-bs",
+        type=_positive_int,
+        nargs="+",
+        default=None,
+        help="on a GPU, the decode batch sizes to capture as CUDA graphs, instead of the ladder of --cuda-graph-max-bs",
+    )
     p.add_argument(
         "--disable-prefix-cache",
         action="store_true",
@@ -207,6 +228,16 @@ def _device(text: str) -> str:
     if not _DEVICE.fullmatch(text):
         raise argparse.ArgumentTypeError(f"must be auto, cpu, cuda or cuda:N, got {text!r}")
     return text
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
 
 
 def _chunked_prefill_size(text: str) -> int | None:

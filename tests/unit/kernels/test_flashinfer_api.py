@@ -109,6 +109,47 @@ def test_run_binds_with_q_and_the_strided_cache(wrapper: type) -> None:
     _bind(wrapper.run, object(), torch.empty(3, 4, 64, device="meta"), pool[:, 1])
 
 
+# ---------------------------------------------------------------- attention: CUDA-graph decode
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(32, 32), (32, 8)])
+def test_graph_wrapper_constructor_binds_with_its_fixed_buffers(num_heads: int, num_kv_heads: int) -> None:
+    """FlashInfer's graph mode: a fixed batch size = len(last_page_len buffer), indptr buffer one
+    longer (its own checks, decode.py `__init__`), and otherwise the eager wrapper's settings."""
+    from kernels.flashinfer_graph import graph_decode_wrapper_kwargs
+
+    workspace = torch.zeros(fa.WORKSPACE_BYTES, dtype=torch.uint8, device="meta")
+    indptr, indices, last = (torch.zeros(n, dtype=torch.int32, device="meta") for n in (65, 4096, 64))
+    kwargs = graph_decode_wrapper_kwargs(workspace, num_heads, num_kv_heads, indptr=indptr[:9], indices=indices,
+                                         last_page_len=last[:8])
+    bound = _bind(Decode, **kwargs).arguments
+    eager = _bind(Decode, **fa.decode_wrapper_kwargs(workspace, num_heads, num_kv_heads)).arguments
+    assert bound["use_cuda_graph"] is True
+    assert {k: v for k, v in bound.items() if not k.startswith("paged_kv") and k != "use_cuda_graph"} == \
+        {k: v for k, v in eager.items() if k != "use_cuda_graph"}
+    assert len(bound["paged_kv_last_page_len_buffer"]) == 8 and len(bound["paged_kv_indptr_buffer"]) == 9
+    assert bound["paged_kv_indices_buffer"] is indices
+    # FlashInfer's own graph-mode class is this wrapper with the same three buffers
+    graph_class = inspect.signature(flashinfer.decode.CUDAGraphBatchDecodeWithPagedKVCacheWrapper).parameters
+    assert {"indptr_buffer", "indices_buffer", "last_page_len_buffer"} <= set(graph_class)
+
+
+def test_a_graph_decode_plan_is_the_eager_decode_plan_of_a_padded_step() -> None:
+    """plan_cuda_graph passes decode_plan_kwargs unchanged: a padded step (dummy rows on one scratch
+    page) binds, and nothing in it is graph-unsafe (`fixed_split_size` is not, per FlashInfer)."""
+    from engine.cuda_graph import padded_decode_inputs
+    from engine.request import Request, SamplingParams
+
+    request = Request("r", list(range(40)), SamplingParams(), page_ids=[7, 3, 9], output_ids=[1])
+    request.num_computed = request.prompt_len
+    meta = padded_decode_inputs([request], 4, scratch_page=500, page_size=PAGE_SIZE).meta
+    kwargs = fa.decode_plan_kwargs(meta, **_shapes())
+    bound = _bind(Decode._plan_impl, object(), **kwargs).arguments
+    assert "fixed_split_size" not in bound and not bound.get("disable_split_kv", False)
+    assert kwargs["indptr"].tolist() == [0, 3, 4, 5, 6] and kwargs["indices"].tolist() == [7, 3, 9, 500, 500, 500]
+    _check_against_pages(meta, kwargs["indptr"], kwargs["indices"], kwargs["last_page_len"])
+
+
 # ---------------------------------------------------------------- attention: plan inputs
 
 

@@ -189,3 +189,26 @@ def test_serve_refuses_flags_that_make_no_valid_worker_before_starting_any(gpus:
     assert stack_configs(build_parser().parse_args(["serve", "--device", "cuda:1"])).decode.engine.device == "cuda:1"
     with pytest.raises(SystemExit, match="has 2 CUDA device"):
         stack_configs(build_parser().parse_args(["serve", "--device", "cuda:2"]))
+
+
+def test_cuda_graph_flags_reach_the_engine_config() -> None:
+    assert _config("decode", "--dtype", "float32").cuda_graph_batch_sizes is None   # the engine's default ladder
+    assert _config("decode", "--dtype", "float32", "--disable-cuda-graph").cuda_graph_batch_sizes == ()
+    assert _config("decode", "--dtype", "float32", "--cuda-graph-max-bs", "32").cuda_graph_batch_sizes == \
+        (1, 2, 4, 8, 16, 32)
+    capped = _config("decode", "--dtype", "float32", "--max-running-requests", "12", "--cuda-graph-max-bs", "512")
+    assert capped.cuda_graph_batch_sizes == (1, 2, 4, 8, 12)
+    assert _config("decode", "--dtype", "float32", "--cuda-graph-bs", "8", "1", "4", "4").cuda_graph_batch_sizes == \
+        (1, 4, 8)
+    engines = _serve_engines("--dtype", "float32", "--cuda-graph-bs", "1", "2")
+    assert [e.cuda_graph_batch_sizes for e in engines.values()] == [(1, 2), (1, 2)]
+
+
+def test_bad_cuda_graph_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--cuda-graph-bs", "0"], ["--cuda-graph-max-bs", "-4"], ["--disable-cuda-graph", "--cuda-graph-bs", "2"],
+                 ["--cuda-graph-max-bs", "8", "--cuda-graph-bs", "2"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["decode", *argv])
+        assert "--cuda-graph" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="exceeds max_running_requests"):
+        _config("decode", "--dtype", "float32", "--max-running-requests", "4", "--cuda-graph-bs", "1", "8")
