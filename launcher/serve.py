@@ -107,7 +107,7 @@ def _check_ports(workers: tuple[WorkerConfig, ...], gateway: GatewayConfig) -> N
 
 def serve(args: argparse.Namespace) -> int:
     stack = stack_configs(args)
-    children = [child_spec(config, args.log_level, _child_name(stack, config)) for config in stack.children]
+    children = [child_spec(config, args.log_level, child_name(stack, config)) for config in stack.children]
     gateway = stack.gateway
     url_host = "127.0.0.1" if gateway.host in ("0.0.0.0", "::") else gateway.host
     supervisor = Supervisor(
@@ -141,7 +141,7 @@ def child_spec(config: WorkerConfig | GatewayConfig, log_level: str, name: str |
     )
 
 
-def _child_name(stack: StackConfigs, config: WorkerConfig | GatewayConfig) -> str:
+def child_name(stack: StackConfigs, config: WorkerConfig | GatewayConfig) -> str:
     """ "prefill", "decode", "gateway"; "prefill-2" and the like where a role has several workers."""
     if not isinstance(config, WorkerConfig):
         return "gateway"

@@ -7,13 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from engine.config import EngineConfig
 from gateway.config import GatewayConfig
 from kv_transfer import TransportConfig
-from launcher.defaults import field_default
+from launcher.defaults import default_torch_threads, field_default
 from launcher.flags import build_parser
 from launcher.handoff import HANDOFF_FLAG
-from launcher.serve import child_spec, stack_configs
+from launcher.serve import child_name, child_spec, stack_configs
 from server_runtime.config import WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -76,3 +77,23 @@ def test_the_command_line_loads_no_torch() -> None:
     code = "import sys; from launcher.cli import main; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_many_workers_take_consecutive_ports_and_share_the_cores() -> None:
+    stack = _stack("--prefill-workers", "2", "--decode-workers", "3", "--prefill-port", "40001")
+    assert [w.port for w in stack.prefills] == [40001, 40002]
+    assert [w.port for w in stack.decodes] == [40003, 40004, 40005]   # right after the prefill workers
+    assert [w.metrics_port for w in stack.children[:5]] == [40101, 40102, 40103, 40104, 40105]
+    assert stack.gateway.prefill_addrs == ("127.0.0.1:40001", "127.0.0.1:40002")
+    assert len(stack.gateway.decode_addrs) == 3
+    assert {w.torch_threads for w in stack.children[:5]} == {default_torch_threads(5)}
+    assert len({w.kv_grant_secret for w in stack.children[:5]}) == 1
+    names = [child_spec(c, "info", child_name(stack, c)).name for c in stack.children]
+    assert names == ["prefill-1", "prefill-2", "decode-1", "decode-2", "decode-3", "gateway"]
+
+
+def test_ports_two_servers_would_share_are_refused() -> None:
+    with pytest.raises(SystemExit, match="port 40002"):
+        _stack("--prefill-workers", "2", "--prefill-port", "40001", "--decode-port", "40002")
+    with pytest.raises(SystemExit, match="must be >= 1"):
+        _stack("--decode-workers", "0")
