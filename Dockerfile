@@ -4,7 +4,8 @@
 #            tokenizer, chat template. No Mooncake, no CUDA. It carries the CPU build of torch only
 #            because transformers' GGUF tokenizer reader imports torch.
 #   worker   the prefill and decode servers (and `tandem serve`): torch, the Mooncake transfer engine
-#            and, for CUDA, FlashInfer.
+#            and, for CUDA, FlashInfer and Mooncake's CUDA build, at the versions pyproject.toml pins
+#            (its `gpu` and `mooncake-cuda` groups); its workers run with --device cuda.
 #
 # CPU images (the default, what docker-compose.yml builds):
 #   docker build --target gateway -t tandem-gateway .
@@ -117,7 +118,8 @@ RUN pip install --no-cache-dir --no-deps /opt/tandem/dist/*.whl /opt/tandem/mode
  && python3 -c "import gateway.app, gateway.cluster.discovery, launcher.cli, tandem.v1.common_pb2, \
       tandem.api.v1.inference_service_pb2_grpc, grpc_reflection.v1alpha.reflection, grpc_status.rpc_status"
 
-# The CUDA Mooncake build links libcuda.so.1, which only a GPU host provides: that import is checked on CPU only.
+# The CUDA Mooncake build links libcuda.so.1, which only a GPU host provides: that import is checked on CPU only;
+# for CUDA the stage checks instead that the pinned CUDA builds are installed and the CPU Mooncake is not.
 # The C++ CPU kernels are compiled here for x86-64-v3 (AVX2, FMA: TANDEM_KERNEL_ARCH) into the venv, so the
 # final image needs no compiler; on an older CPU the workers fall back to the torch implementations.
 FROM worker-deps AS worker-venv
@@ -134,6 +136,11 @@ RUN pip install --no-cache-dir --no-deps /opt/tandem/dist/*.whl /opt/tandem/mode
  && python3 -c "import server_runtime.worker, gateway.app, tandem.v1.common_pb2, \
       tandem.api.v1.inference_service_pb2_grpc" \
  && if [ "$ACCELERATOR" = cpu ]; then python3 -c "import mooncake.engine"; fi \
+ && if [ "$ACCELERATOR" = cuda ]; then python3 -c "import importlib.metadata as m; \
+      names = {d.metadata['Name'] for d in m.distributions()}; \
+      assert 'mooncake-transfer-engine-non-cuda' not in names, 'the CPU Mooncake would shadow the CUDA one'; \
+      print('flashinfer-python', m.version('flashinfer-python'), \
+            'mooncake-transfer-engine', m.version('mooncake-transfer-engine'))"; fi \
  && python3 /opt/tandem/build/check_cpu_grammar.py
 
 # ---- the images -----------------------------------------------------------------------------------

@@ -16,10 +16,11 @@ import tomllib
 from pathlib import Path
 
 INSTALLED_SEPARATELY = frozenset({"torch"})
-# The KV transport's wheel differs per accelerator: pyproject names the CPU one, which the CUDA
-# image swaps for the CUDA build (both install the same `mooncake` package).
+# The KV transport's wheel differs per accelerator: pyproject's dependencies name the CPU one, which the
+# CUDA image swaps for the CUDA build (both install the same `mooncake` package). What the CUDA image adds,
+# each pinned there: the optional dependency groups named here (FlashInfer; Mooncake's CUDA build).
 MOONCAKE = "mooncake-transfer-engine"
-ACCELERATOR_EXTRAS = {"cpu": (), "cuda": ("mooncake-transfer-engine", "flashinfer-python")}
+ACCELERATOR_EXTRAS = {"cpu": (), "cuda": ("gpu", "mooncake-cuda")}
 # What only the workers import: checkpoint reading, stub generation at build time, grammar-constrained
 # decoding (the engine applies the grammar masks). Server reflection (grpcio-reflection) and the rich
 # error details (grpcio-status, which brings googleapis-common-protos) serve the gateway's gRPC API too.
@@ -34,8 +35,11 @@ def requirement_name(requirement: str) -> str:
     return re.sub(r"[-_.]+", "-", match.group(1)).lower()
 
 
-def image_requirements(dependencies: list[str], role: str, accelerator: str) -> list[str]:
-    """The requirement lines for `role` ("gateway" or "worker") on `accelerator` ("cpu" or "cuda")."""
+def image_requirements(
+    dependencies: list[str], role: str, accelerator: str, extras: dict[str, list[str]] | None = None
+) -> list[str]:
+    """The requirement lines for `role` ("gateway" or "worker") on `accelerator` ("cpu" or "cuda");
+    `extras` are pyproject's optional dependency groups (a CUDA worker adds those ACCELERATOR_EXTRAS names)."""
     if role not in ("gateway", "worker") or accelerator not in ACCELERATOR_EXTRAS:
         raise ValueError(f"unknown role/accelerator {role!r}/{accelerator!r}")
     lines = []
@@ -49,7 +53,10 @@ def image_requirements(dependencies: list[str], role: str, accelerator: str) -> 
             continue
         lines.append(requirement)
     if role == "worker":
-        lines.extend(ACCELERATOR_EXTRAS[accelerator])
+        for group in ACCELERATOR_EXTRAS[accelerator]:
+            if not extras or group not in extras:
+                raise ValueError(f"pyproject.toml has no optional dependency group {group!r}")
+            lines.extend(extras[group])
     return lines
 
 
@@ -59,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accelerator", choices=sorted(ACCELERATOR_EXTRAS), default="cpu")
     parser.add_argument("--pyproject", type=Path, default=Path(__file__).resolve().parent.parent / "pyproject.toml")
     args = parser.parse_args(argv)
-    dependencies = tomllib.loads(args.pyproject.read_text())["project"]["dependencies"]
-    print("\n".join(image_requirements(dependencies, args.role, args.accelerator)))
+    project = tomllib.loads(args.pyproject.read_text())["project"]
+    extras = project.get("optional-dependencies", {})
+    print("\n".join(image_requirements(project["dependencies"], args.role, args.accelerator, extras)))
     return 0
 
 

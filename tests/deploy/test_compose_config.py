@@ -160,6 +160,17 @@ def test_cpu_by_default_gpus_for_the_workers_in_the_gpu_variant():
         assert gpu[role]["image"].endswith("-cuda")
 
 
+def test_the_gpu_variant_runs_the_base_worker_commands_on_cuda():
+    """Compose replaces a command whole, so the GPU file repeats the base file's: with the same values
+    from the environment, each is the base command and --device=cuda, nothing dropped or changed."""
+    env = {"TANDEM_MODEL_PATH": "/models/m", "TANDEM_DTYPE": "bfloat16", "TANDEM_KV_CACHE_GIB": "20"}
+    cpu, gpu = compose_config(**env)["services"], compose_config(GPU_OVERRIDE, **env)["services"]
+    for role in WORKERS:
+        assert gpu[role]["command"] == [*cpu[role]["command"], "--device=cuda"]
+        assert "--device" not in " ".join(cpu[role]["command"])   # CPU: auto, which is the CPU there
+        assert flag(gpu[role]["command"], "kv-host") == role         # KV over Mooncake TCP, as on the CPU
+
+
 def token_script(service: dict) -> str:
     """The one-shot service's shell script as the container runs it (Compose turns `$$` into `$`)."""
     assert service["entrypoint"] == ["/bin/sh", "-ec"]

@@ -292,6 +292,18 @@ def test_rdma_profile_wires_the_transport():
         assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
 
 
+def test_the_gpu_profile_runs_the_workers_on_cuda_with_rdma_devices_named():
+    """values-gpu-rdma.yaml: each worker passes --device=cuda and names its RDMA NICs; the default
+    profile leaves the device to auto (the CPU on a node without a GPU)."""
+    docs = render(PROFILES["gpu-rdma"])
+    assert by_kind(docs, "ConfigMap")[f"{RELEASE}-config"]["data"]["TANDEM_KV_DEVICE"] == "mlx5_0"
+    for role in WORKERS:
+        args = container(docs, role)["args"]
+        assert args.count("--device=cuda") == 1 and args[0] == role
+        assert "--kv-protocol=$(TANDEM_KV_PROTOCOL)" in args and "--kv-device=$(TANDEM_KV_DEVICE)" in args
+        assert not any(a.startswith("--device") for a in container(render(None), role)["args"])
+
+
 def test_default_profile_is_tcp_on_the_pod_network():
     docs = render(None)
     assert by_kind(docs, "ConfigMap")[f"{RELEASE}-config"]["data"]["TANDEM_KV_PROTOCOL"] == "tcp"

@@ -25,7 +25,9 @@ def _load_python_deps():
 
 
 python_deps = _load_python_deps()
-DEPENDENCIES = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+DEPENDENCIES = PROJECT["dependencies"]
+EXTRAS = PROJECT["optional-dependencies"]
 
 
 def names(requirements: list[str]) -> set[str]:
@@ -36,10 +38,22 @@ def test_worker_image_gets_every_dependency_but_torch():
     assert names(python_deps.image_requirements(DEPENDENCIES, "worker", "cpu")) == names(DEPENDENCIES) - {"torch"}
 
 
-def test_cuda_worker_swaps_the_mooncake_build_and_adds_flashinfer():
-    cuda = names(python_deps.image_requirements(DEPENDENCIES, "worker", "cuda"))
-    assert "mooncake-transfer-engine" in cuda and "flashinfer-python" in cuda
-    assert "mooncake-transfer-engine-non-cuda" not in cuda and "torch" not in cuda
+def test_cuda_worker_swaps_the_mooncake_build_and_adds_flashinfer_both_pinned():
+    cuda = python_deps.image_requirements(DEPENDENCIES, "worker", "cuda", EXTRAS)
+    assert "mooncake-transfer-engine-non-cuda" not in names(cuda) and "torch" not in names(cuda)
+    # the versions the GPU code was written against (docs/performance.md, "GPU"), and nothing looser
+    assert "flashinfer-python==0.7.2.post1" in cuda and "mooncake-transfer-engine==0.3.13.post1" in cuda
+    assert EXTRAS["gpu"] == ["flashinfer-python==0.7.2.post1"]
+    assert names(cuda) == names(DEPENDENCIES) - {"torch", "mooncake-transfer-engine-non-cuda"} | {
+        "flashinfer-python", "mooncake-transfer-engine"}
+    with pytest.raises(ValueError, match="no optional dependency group 'gpu'"):
+        python_deps.image_requirements(DEPENDENCIES, "worker", "cuda", {})
+
+
+def test_the_cuda_worker_stage_checks_the_pinned_builds_it_installed():
+    stage = _stage("worker-venv")
+    assert "flashinfer-python" in stage and "mooncake-transfer-engine-non-cuda" in stage
+    assert "check_gpu_deps.py" in stage or "importlib.metadata" in stage
 
 
 def test_gateway_image_leaves_out_the_engine_side():
@@ -83,7 +97,7 @@ def test_gateway_imports_are_covered_by_its_requirements():
 def test_python_deps_cli_prints_one_requirement_a_line():
     out = subprocess.run([sys.executable, str(ROOT / "docker" / "python_deps.py"), "worker", "--accelerator", "cuda"],
                          capture_output=True, text=True, check=True).stdout.splitlines()
-    assert out == python_deps.image_requirements(DEPENDENCIES, "worker", "cuda")
+    assert out == python_deps.image_requirements(DEPENDENCIES, "worker", "cuda", EXTRAS)
     with pytest.raises(ValueError):
         python_deps.image_requirements(DEPENDENCIES, "worker", "rocm")
 

@@ -192,3 +192,17 @@ def test_prompt_logprobs_longer_than_one_chunk_and_bad_start_positions(model_dir
         with pytest.raises(InvalidRequestError, match="logprob_start_len"):
             engine.add_request(Request(f"bad{bad}", list(PROMPT), SamplingParams(), prompt_logprob_start=bad))
     assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+def test_every_adjustment_stays_on_the_logits_device() -> None:
+    """Penalties, logit bias and the min-tokens eos mask build every tensor on the logits' device: on
+    `meta`, a [B] or [B, V] tensor made on the CPU would fail the arithmetic (GPU logits need the same)."""
+    requests = [
+        Request("p", [5, 6, 5], SamplingParams(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2),
+                output_ids=[6, 7]),
+        Request("b", [1, 2], SamplingParams(logit_bias=((3, 5.0), (9, -100.0)))),
+        Request("m", [1, 2], SamplingParams(min_new_tokens=2, stop_token_ids=(4,))),
+    ]
+    logits = torch.empty(3, 64, device="meta")
+    adjusted = engine_logits.adjust_logits(logits, requests, eos_token_ids=(EOS,))
+    assert adjusted.device.type == "meta" and adjusted.shape == (3, 64) and adjusted is not logits
