@@ -9,6 +9,7 @@ config (`num_labels` > 0) gets HF's `score` head instead of `lm_head`.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,7 +17,8 @@ from torch import nn
 from engine.config import Architecture, ModelConfig
 from engine.moe import MixtralExpert, SparseMoeBlock
 from engine.weight_loader import MergedLinear, load_into
-from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.attention import AttentionBackend, AttentionMetadata, CpuPagedAttention
+from kernels.fused_layer import fused_decoder_layer
 from kernels.layers import RotaryEmbedding, add_rms_norm, silu_and_mul
 from kernels.quant import QuantizedWeight
 
@@ -106,6 +108,26 @@ class DecoderLayer(nn.Module):
         self.add_module(self.ffn_name, ffn)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fused: Any = None  # the layer as one C++ call, when `fuse` found it can be
+
+    def fuse(self, backend: AttentionBackend) -> bool:
+        """Compute this layer as one C++ call (`kernels.fused_layer`) from now on, if it is a dense
+        layer whose every part is a kernel that call runs (packed weights, float32, the `cpu`
+        attention); else keep the modules. Call again after its weights are replaced."""
+        self.fused = None
+        if not self.is_moe and isinstance(backend, CpuPagedAttention):
+            attn, mlp = self.self_attn, getattr(self, self.ffn_name)
+            self.fused = fused_decoder_layer(
+                self.input_layernorm.weight,
+                self.post_attention_layernorm.weight,
+                self.input_layernorm.eps,
+                [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj],
+                attn.num_heads,
+                attn.num_kv_heads,
+                attn.head_dim,
+                backend.scale,
+            )
+        return self.fused is not None
 
     def forward(
         self,
@@ -121,6 +143,21 @@ class DecoderLayer(nn.Module):
         """One layer on the residual stream: returns (this layer's output, the stream before it is added);
         the stream `residual` (None for the first layer) is updated in place. `expert_counts`
         ([num_experts] int64, MoE layers only) is added to as `SparseMoeBlock` says."""
+        if self.fused is not None:
+            return self.fused.forward(  # type: ignore[no-any-return]
+                x.contiguous(),
+                residual,
+                positions,
+                rotary.cos,
+                rotary.sin,
+                kv_cache,
+                meta.write_pages,
+                meta.write_offsets,
+                meta.qo_indptr,
+                meta.kv_indptr,
+                meta.kv_indices,
+                meta.kv_last_page_len,
+            )
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, positions, rotary, backend, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
@@ -174,6 +211,11 @@ class CausalLM(nn.Module):
             counts = expert_counts[layer_id] if expert_counts is not None and layer.is_moe else None
             x, residual = layer(x, residual, positions, rotary, backend, kv_pool[:, layer_id], meta, counts)
         return self.model.norm(x, residual)[0]
+
+    def fuse_layers(self, backend: AttentionBackend) -> int:
+        """`DecoderLayer.fuse` on every layer (after every weight load); how many are fused."""
+        layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
+        return sum(layer.fuse(backend) for layer in layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.score if self.config.num_labels else self.lm_head

@@ -103,13 +103,15 @@ class ModelRunner:
         self.rotary = rotary_embedding(mc, context_len, self.dtype, self.device)
         attention = resolve_attention_backend(config.attention_backend, self.device, self.dtype)
         self.attention = attention_backend(attention, mc, config.page_size, self.dtype, self.device)
+        num_fused = self.model.fuse_layers(self.attention)
         sampler = resolve_sampler(config.sampling_backend, self.device)
         self.sampler = create_sampler(sampler, self.device)
         self.decode_graphs = capture_decode_graphs(
             self.model, self.rotary, self.attention, self.kv_pool, config, mc, context_len
         )  # None: every decode step runs eagerly
         logger.info(
-            "model on %s: dtype %s, quantization %s%s (%.1f MiB of weights), attention %s, sampling %s",
+            "model on %s: dtype %s, quantization %s%s (%.1f MiB of weights), attention %s, sampling %s, "
+            "%d of %d layers fused (one C++ call each)",
             self.device,
             config.dtype,
             config.quantization,
@@ -117,6 +119,8 @@ class ModelRunner:
             _weight_bytes(self.model) / 2**20,
             attention,
             sampler,
+            num_fused,
+            mc.num_layers,
         )
         logger.info(
             "KV pool: %d pages x %d tokens (%.1f MiB, %s)",
@@ -129,6 +133,7 @@ class ModelRunner:
     def load_weights(self, checkpoint: Checkpoint, progress: bool = False) -> None:
         """(Re)load the model's weights in the configured quantization (shapes checked per tensor)."""
         load_causal_lm_weights(self.model, checkpoint, self.quantization, self.int8_activations, progress)
+        self.model.fuse_layers(self.attention)  # the fused layers point at the weights just replaced
 
     def _num_pages(self, config: EngineConfig) -> int:
         if config.max_total_tokens is not None:

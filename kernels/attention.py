@@ -272,8 +272,11 @@ class CpuPagedAttention(TorchAttention):
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if kv_cache.dtype not in (torch.float32, torch.bfloat16):
             return super().attend(q, kv_cache, meta)
+        rows = q.float()
+        if rows.stride(2) != 1 or rows.stride(1) != rows.shape[2]:  # rows may be strided (a view of q/k/v), heads not
+            rows = rows.contiguous()
         out = self._kernels.paged_attention(
-            q.float().contiguous(),
+            rows,
             kv_cache,
             meta.qo_indptr,
             meta.kv_indptr,

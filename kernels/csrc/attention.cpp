@@ -218,7 +218,7 @@ void attend_row_scalar(const T* base, const SeqKV& seq, const float* q_scaled, i
 }
 
 template <typename T>
-void attend_item(const WorkItem& item, const float* q, int64_t num_q_heads, const PagedKV& kv,
+void attend_item(const WorkItem& item, const float* q, int64_t q_row_stride, int64_t num_q_heads, const PagedKV& kv,
                  const int32_t* pages, int64_t seq_len, int64_t q_len, int64_t first_row, float scale, float* out,
                  std::vector<float>& scores, std::vector<float>& q_scaled) {
   const T* base = static_cast<const T*>(kv.base);
@@ -235,9 +235,9 @@ void attend_item(const WorkItem& item, const float* q, int64_t num_q_heads, cons
     const SeqKV seq{kv, pages, h * kv.head_stride, fetch_bytes};
     for (int64_t row = item.row_begin; row < item.row_end; ++row) {
       const int64_t visible = seq_len - q_len + (row - first_row) + 1;   // causal: keys at positions 0..pos
-      const int64_t head0 = row * num_q_heads + h * group;
-      for (int64_t i = 0; i < group * d; ++i) q_scaled[i] = q[head0 * d + i] * scale;
-      float* o = out + head0 * d;
+      const float* qh = q + row * q_row_stride + h * group * d;
+      for (int64_t i = 0; i < group * d; ++i) q_scaled[i] = qh[i] * scale;
+      float* o = out + (row * num_q_heads + h * group) * d;
 #if defined(TANDEM_AVX512) || defined(TANDEM_AVX2)
       if (is_vector) {
         attend_row(base, seq, q_scaled.data(), group, d, visible, scores, o);
@@ -252,7 +252,7 @@ void attend_item(const WorkItem& item, const float* q, int64_t num_q_heads, cons
 
 }  // namespace
 
-void paged_attention(const float* q, int64_t num_q_heads, const PagedKV& kv, const int32_t* qo_indptr,
+void paged_attention(const float* q, int64_t q_row_stride, int64_t num_q_heads, const PagedKV& kv, const int32_t* qo_indptr,
                      const int32_t* kv_indptr, const int32_t* kv_indices, const int32_t* last_page_len,
                      int64_t batch, float scale, float* out) {
   // One item per (sequence, 8 rows) covering every kv head, so that each page is read whole and
@@ -275,11 +275,11 @@ void paged_attention(const float* q, int64_t num_q_heads, const PagedKV& kv, con
       const int64_t b = item.seq, q_len = qo_indptr[b + 1] - qo_indptr[b];
       const int32_t* pages = kv_indices + kv_indptr[b];
       if (kv.is_bf16)
-        attend_item<uint16_t>(item, q, num_q_heads, kv, pages, seq_lens[b], q_len, qo_indptr[b], scale, out, scores,
-                              q_scaled);
+        attend_item<uint16_t>(item, q, q_row_stride, num_q_heads, kv, pages, seq_lens[b], q_len, qo_indptr[b], scale,
+                              out, scores, q_scaled);
       else
-        attend_item<float>(item, q, num_q_heads, kv, pages, seq_lens[b], q_len, qo_indptr[b], scale, out, scores,
-                           q_scaled);
+        attend_item<float>(item, q, q_row_stride, num_q_heads, kv, pages, seq_lens[b], q_len, qo_indptr[b], scale,
+                           out, scores, q_scaled);
     }
   });
 }

@@ -31,46 +31,63 @@ torch::Tensor qmatmul(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t 
   return out;
 }
 
-// q [T, Hq, D] float32; kv_cache [P, 2, S, Hkv, D] float32 or bfloat16 (any page stride, the rest
-// contiguous); the CSR page table as FlashInfer takes it (int32). Causal: query row i of a sequence
-// with q_len rows and seq_len keys sits at position seq_len - q_len + i. Returns [T, Hq, D] float32.
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor qo_indptr,
-                              torch::Tensor kv_indptr, torch::Tensor kv_indices, torch::Tensor kv_last_page_len,
-                              double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: [T, Hq, D] float32");
+// kv_cache [P, 2, S, Hkv, D] float32 or bfloat16 (any page stride, the rest contiguous), for q heads of head_dim.
+tandem::PagedKV paged_kv(const torch::Tensor& kv_cache, int64_t num_q_heads, int64_t head_dim) {
   TORCH_CHECK(kv_cache.dim() == 5, "kv_cache: [P, 2, S, Hkv, D]");
   TORCH_CHECK(kv_cache.stride(4) == 1 && kv_cache.stride(3) == kv_cache.size(4) &&
                   kv_cache.stride(2) == kv_cache.size(3) * kv_cache.size(4),
               "kv_cache: each page's rows contiguous");
   const bool is_bf16 = kv_cache.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(is_bf16 || kv_cache.scalar_type() == torch::kFloat32, "kv_cache must be float32 or bfloat16");
-  for (const auto& t : {qo_indptr, kv_indptr, kv_indices, kv_last_page_len})
-    TORCH_CHECK(t.scalar_type() == torch::kInt32 && t.is_contiguous(), "page table tensors must be int32");
-  const int64_t num_q_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = kv_cache.size(3), page_size = kv_cache.size(2);
+  const int64_t num_kv_heads = kv_cache.size(3);
   TORCH_CHECK(kv_cache.size(4) == head_dim && num_q_heads % num_kv_heads == 0, "head shapes");
   TORCH_CHECK(num_q_heads / num_kv_heads <= 64, "at most 64 query heads per kv head");
-  const int64_t batch = qo_indptr.size(0) - 1;
+  return {kv_cache.data_ptr(), is_bf16, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+          kv_cache.stride(3), kv_cache.size(2), num_kv_heads, head_dim};
+}
+
+// The CSR page table as FlashInfer takes it (int32), checked against `rows` query rows and the cache.
+struct PageTable {
+  const int32_t *qo, *kvp, *indices, *last;
+  int64_t batch;
+};
+
+PageTable page_table(const torch::Tensor& qo_indptr, const torch::Tensor& kv_indptr, const torch::Tensor& kv_indices,
+                     const torch::Tensor& kv_last_page_len, int64_t rows, const torch::Tensor& kv_cache) {
+  for (const auto& t : {qo_indptr, kv_indptr, kv_indices, kv_last_page_len})
+    TORCH_CHECK(t.scalar_type() == torch::kInt32 && t.is_contiguous(), "page table tensors must be int32");
+  const int64_t batch = qo_indptr.size(0) - 1, page_size = kv_cache.size(2);
   TORCH_CHECK(batch >= 0 && kv_indptr.size(0) == batch + 1 && kv_last_page_len.size(0) == batch, "page table sizes");
-  const int32_t* qo = qo_indptr.data_ptr<int32_t>();
-  const int32_t* kvp = kv_indptr.data_ptr<int32_t>();
-  const int32_t* last = kv_last_page_len.data_ptr<int32_t>();
-  const int32_t* indices = kv_indices.data_ptr<int32_t>();
-  TORCH_CHECK(qo[batch] == q.size(0), "qo_indptr[-1] must equal q's rows");
-  TORCH_CHECK(kvp[0] == 0 && kvp[batch] <= kv_indices.size(0), "kv_indptr does not fit kv_indices");
+  const PageTable table{qo_indptr.data_ptr<int32_t>(), kv_indptr.data_ptr<int32_t>(), kv_indices.data_ptr<int32_t>(),
+                        kv_last_page_len.data_ptr<int32_t>(), batch};
+  TORCH_CHECK(table.qo[0] == 0 && table.qo[batch] == rows, "qo_indptr must run from 0 to q's rows");
+  TORCH_CHECK(table.kvp[0] == 0 && table.kvp[batch] <= kv_indices.size(0), "kv_indptr does not fit kv_indices");
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t num_pages = kvp[b + 1] - kvp[b];
-    TORCH_CHECK(num_pages >= 1 && last[b] >= 1 && last[b] <= page_size, "sequence ", b, ": bad page count");
-    const int64_t seq_len = (num_pages - 1) * page_size + last[b];
-    TORCH_CHECK(qo[b + 1] >= qo[b] && qo[b + 1] - qo[b] <= seq_len, "sequence ", b, " has more queries than keys");
-    for (int32_t i = kvp[b]; i < kvp[b + 1]; ++i)
-      TORCH_CHECK(indices[i] >= 0 && indices[i] < kv_cache.size(0), "page id out of range");
+    const int64_t num_pages = table.kvp[b + 1] - table.kvp[b];
+    TORCH_CHECK(num_pages >= 1 && table.last[b] >= 1 && table.last[b] <= page_size, "sequence ", b, ": bad page count");
+    const int64_t seq_len = (num_pages - 1) * page_size + table.last[b];
+    TORCH_CHECK(table.qo[b + 1] >= table.qo[b] && table.qo[b + 1] - table.qo[b] <= seq_len, "sequence ", b,
+                " has more queries than keys");
+    for (int32_t i = table.kvp[b]; i < table.kvp[b + 1]; ++i)
+      TORCH_CHECK(table.indices[i] >= 0 && table.indices[i] < kv_cache.size(0), "page id out of range");
   }
-  auto out = torch::empty_like(q);
-  const tandem::PagedKV kv{kv_cache.data_ptr(), is_bf16, kv_cache.stride(0), kv_cache.stride(1),
-                           kv_cache.stride(2), kv_cache.stride(3), page_size, num_kv_heads, head_dim};
-  tandem::paged_attention(q.data_ptr<float>(), num_q_heads, kv, qo, kvp, indices, last, batch,
-                          static_cast<float>(scale), out.data_ptr<float>());
+  return table;
+}
+
+// q [T, Hq, D] float32 (rows may be strided, e.g. views of a fused projection; heads contiguous);
+// kv_cache [P, 2, S, Hkv, D] float32 or bfloat16; the CSR page table. Causal: query row i of a
+// sequence with q_len rows and seq_len keys sits at position seq_len - q_len + i.
+// Returns [T, Hq, D] float32, contiguous.
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor qo_indptr,
+                              torch::Tensor kv_indptr, torch::Tensor kv_indices, torch::Tensor kv_last_page_len,
+                              double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q: [T, Hq, D] float32, each row's heads contiguous");
+  const tandem::PagedKV kv = paged_kv(kv_cache, q.size(1), q.size(2));
+  const PageTable table = page_table(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, q.size(0), kv_cache);
+  auto out = torch::empty(q.sizes(), q.options());
+  tandem::paged_attention(q.data_ptr<float>(), q.stride(0), q.size(1), kv, table.qo, table.kvp, table.indices,
+                          table.last, table.batch, static_cast<float>(scale), out.data_ptr<float>());
   return out;
 }
 
@@ -101,6 +118,46 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// The rotary tables and write slots of `tokens` rows, checked against the cache [P, 2, S, Hkv, D]
+// (q, k, v are filled in by the caller).
+tandem::RopeStore rope_store(const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions,
+                             const torch::Tensor& kv_cache, const torch::Tensor& write_pages,
+                             const torch::Tensor& write_offsets, int64_t tokens, int64_t head_dim) {
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32 &&
+                  sin.scalar_type() == torch::kFloat32 && cos.dim() == 2 && cos.size(1) == head_dim &&
+                  sin.sizes() == cos.sizes(),
+              "cos/sin tables must be contiguous float32 [max_pos, D]");
+  for (const auto& t : {positions, write_pages, write_offsets})
+    TORCH_CHECK(t.scalar_type() == torch::kInt64 && t.is_contiguous() && t.numel() == tokens,
+                "positions and write slots must be int64, one per token");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.stride(4) == 1 && kv_cache.stride(3) == kv_cache.size(4) &&
+                  kv_cache.size(4) == head_dim,
+              "cache rows must be contiguous and of head_dim");
+  const bool is_bf16 = kv_cache.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(is_bf16 || kv_cache.scalar_type() == torch::kFloat32, "kv_cache must be float32 or bfloat16");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* pages = write_pages.data_ptr<int64_t>();
+  const int64_t* offsets = write_offsets.data_ptr<int64_t>();
+  for (int64_t r = 0; r < tokens; ++r)
+    TORCH_CHECK(pos[r] >= 0 && pos[r] < cos.size(0) && pages[r] >= 0 && pages[r] < kv_cache.size(0) &&
+                    offsets[r] >= 0 && offsets[r] < kv_cache.size(2),
+                "position or write slot out of range");
+  tandem::RopeStore a{};
+  a.head_dim = head_dim;
+  a.num_kv_heads = kv_cache.size(3);
+  a.cos = cos.data_ptr<float>();
+  a.sin = sin.data_ptr<float>();
+  a.positions = pos;
+  a.write_pages = pages;
+  a.write_offsets = offsets;
+  a.cache = kv_cache.data_ptr();
+  a.cache_is_bf16 = is_bf16;
+  a.page_stride = kv_cache.stride(0);
+  a.kv_stride = kv_cache.stride(1);
+  a.token_stride = kv_cache.stride(2);
+  return a;
+}
+
 // Rotary embedding (rotate-half) applied to q [T, Hq, D] and k [T, Hkv, D] in place, from tables
 // cos/sin [max_pos, D] at `positions` [T]; then k and v [T, Hkv, D] are written into the paged
 // cache [P, 2, S, Hkv, D] at (write_pages[t], write_offsets[t]). All float32 but the cache, which may
@@ -109,34 +166,101 @@ void rope_and_store(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Te
                     torch::Tensor positions, torch::Tensor kv_cache, torch::Tensor write_pages,
                     torch::Tensor write_offsets) {
   for (const auto& t : {q, k, v})
-    TORCH_CHECK(t.dim() == 3 && t.scalar_type() == torch::kFloat32 && t.stride(2) == 1 && t.stride(1) == t.size(2),
+    TORCH_CHECK(t.dim() == 3 && t.scalar_type() == torch::kFloat32 && t.stride(2) == 1 && t.stride(1) == t.size(2) &&
+                    t.size(0) == q.size(0) && t.size(2) == q.size(2),
                 "q, k, v must be [T, H, D] float32 with contiguous rows");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32 &&
-                  sin.scalar_type() == torch::kFloat32 && cos.size(1) == q.size(2),
-              "cos/sin tables must be contiguous float32 [max_pos, D]");
-  for (const auto& t : {positions, write_pages, write_offsets})
-    TORCH_CHECK(t.scalar_type() == torch::kInt64 && t.is_contiguous() && t.numel() == q.size(0),
-                "positions and write slots must be int64, one per token");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.stride(4) == 1 && kv_cache.stride(3) == kv_cache.size(4) &&
-                  kv_cache.size(4) == q.size(2) && kv_cache.size(3) == k.size(1),
-              "cache rows must be contiguous and fit k");
-  const bool is_bf16 = kv_cache.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(is_bf16 || kv_cache.scalar_type() == torch::kFloat32, "kv_cache must be float32 or bfloat16");
-  const int64_t t = q.size(0);
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  const int64_t* pages = write_pages.data_ptr<int64_t>();
-  const int64_t* offsets = write_offsets.data_ptr<int64_t>();
-  for (int64_t r = 0; r < t; ++r)
-    TORCH_CHECK(pos[r] >= 0 && pos[r] < cos.size(0) && pages[r] >= 0 && pages[r] < kv_cache.size(0) &&
-                    offsets[r] >= 0 && offsets[r] < kv_cache.size(2),
-                "position or write slot out of range");
-  const tandem::RopeStore args{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), q.stride(0),
-                               k.stride(0), v.stride(0), q.size(1), k.size(1), q.size(2),
-                               cos.data_ptr<float>(), sin.data_ptr<float>(), pos, pages, offsets,
-                               kv_cache.data_ptr(), is_bf16, kv_cache.stride(0), kv_cache.stride(1),
-                               kv_cache.stride(2)};
-  tandem::rope_and_store(args, t);
+  tandem::RopeStore a = rope_store(cos, sin, positions, kv_cache, write_pages, write_offsets, q.size(0), q.size(2));
+  TORCH_CHECK(k.size(1) == a.num_kv_heads && v.size(1) == a.num_kv_heads, "k and v must have the cache's kv heads");
+  a.q = q.data_ptr<float>();
+  a.k = k.data_ptr<float>();
+  a.v = v.data_ptr<float>();
+  a.q_row_stride = q.stride(0);
+  a.k_row_stride = k.stride(0);
+  a.v_row_stride = v.stride(0);
+  a.num_q_heads = q.size(1);
+  tandem::rope_and_store(a, q.size(0));
 }
+
+// A packed projection as the decoder layer keeps it: (panels, N, bits, bias or None).
+using LinearSpec = std::tuple<torch::Tensor, int64_t, int64_t, torch::optional<torch::Tensor>>;
+
+// One dense decoder layer's weights, held for the model's life; `forward` runs tandem::decoder_layer.
+class DecoderLayer {
+ public:
+  DecoderLayer(torch::Tensor input_norm, torch::Tensor post_norm, double eps, std::vector<LinearSpec> linears,
+               int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t qmax, double scale)
+      : input_norm_(input_norm), post_norm_(post_norm), linears_(std::move(linears)) {
+    TORCH_CHECK(linears_.size() == 4, "linears: qkv, o, gate_up, down");
+    TORCH_CHECK(qmax == 32767 || qmax == 127, "qmax must be 32767 or 127");
+    const int64_t hidden = input_norm.numel(), q_size = num_q_heads * head_dim;
+    for (const auto& norm : {input_norm, post_norm})
+      TORCH_CHECK(norm.scalar_type() == torch::kFloat32 && norm.is_contiguous() && norm.numel() == hidden,
+                  "norm weights must be [hidden] float32");
+    const int64_t k_in[4] = {hidden, q_size, hidden, std::get<1>(linears_[2]) / 2};
+    const int64_t n_out[4] = {q_size + 2 * num_kv_heads * head_dim, hidden, 2 * k_in[3], hidden};
+    tandem::PackedLinear* targets[4] = {&w_.qkv, &w_.o, &w_.gate_up, &w_.down};
+    for (int i = 0; i < 4; ++i) {
+      const auto& [data, n, bits, bias] = linears_[i];
+      TORCH_CHECK(n == n_out[i] && (bits == 4 || bits == 8) && k_in[i] % tandem::kBlock == 0, "linear ", i,
+                  ": shape does not fit the layer");
+      TORCH_CHECK(data.scalar_type() == torch::kUInt8 && data.is_contiguous() && data.dim() == 3 &&
+                      data.size(0) == (n + tandem::kPanel - 1) / tandem::kPanel &&
+                      data.size(1) == k_in[i] / tandem::kBlock &&
+                      data.size(2) == tandem::panel_block_bytes(static_cast<int>(bits)),
+                  "linear ", i, ": packed weights do not fit");
+      if (bias.has_value())
+        TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n,
+                    "linear ", i, ": bias must be [N] float32");
+      *targets[i] = {data.data_ptr<uint8_t>(), n, k_in[i], static_cast<int>(bits),
+                     bias.has_value() ? bias->data_ptr<float>() : nullptr};
+    }
+    w_.input_norm = input_norm.data_ptr<float>();
+    w_.post_norm = post_norm.data_ptr<float>();
+    w_.eps = static_cast<float>(eps);
+    w_.num_q_heads = num_q_heads;
+    w_.num_kv_heads = num_kv_heads;
+    w_.head_dim = head_dim;
+    w_.qmax = static_cast<int>(qmax);
+    w_.scale = static_cast<float>(scale);
+  }
+
+  // x [T, hidden] float32; residual the stream (None: the first layer, x starts it); returns
+  // (the feed-forward output, the stream), the stream updated in place when given.
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, torch::optional<torch::Tensor> residual,
+                                                   torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                                                   torch::Tensor kv_cache, torch::Tensor write_pages,
+                                                   torch::Tensor write_offsets, torch::Tensor qo_indptr,
+                                                   torch::Tensor kv_indptr, torch::Tensor kv_indices,
+                                                   torch::Tensor kv_last_page_len) {
+    check_rows(x, "x");
+    TORCH_CHECK(x.size(1) == input_norm_.numel(), "x must be [T, hidden]");
+    const bool is_first = !residual.has_value();
+    torch::Tensor stream = is_first ? torch::empty_like(x) : *residual;
+    if (!is_first) {
+      check_rows(stream, "residual");
+      TORCH_CHECK(stream.sizes() == x.sizes(), "residual must match x");
+    }
+    const int64_t t = x.size(0);
+    tandem::DecoderStep step{};
+    step.rope = rope_store(cos, sin, positions, kv_cache, write_pages, write_offsets, t, w_.head_dim);
+    TORCH_CHECK(step.rope.num_kv_heads == w_.num_kv_heads, "the cache's kv heads do not fit the layer");
+    step.kv = paged_kv(kv_cache, w_.num_q_heads, w_.head_dim);
+    const PageTable table = page_table(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, t, kv_cache);
+    step.qo_indptr = table.qo;
+    step.kv_indptr = table.kvp;
+    step.kv_indices = table.indices;
+    step.last_page_len = table.last;
+    step.batch = table.batch;
+    auto out = torch::empty_like(x);
+    tandem::decoder_layer(w_, step, x.data_ptr<float>(), stream.data_ptr<float>(), is_first, t, out.data_ptr<float>());
+    return {out, stream};
+  }
+
+ private:
+  torch::Tensor input_norm_, post_norm_;
+  std::vector<LinearSpec> linears_;   // keeps the weights the raw pointers in w_ point into
+  tandem::DecoderLayerWeights w_{};
+};
 
 }  // namespace
 
@@ -150,4 +274,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [T, 2I] float32 rows");
   m.def("rope_and_store", &rope_and_store, "rotary embedding on q, k in place; k, v written to the paged cache");
   m.def("isa", &tandem::isa_name, "the instruction set the kernels were compiled for");
+  py::class_<DecoderLayer>(m, "DecoderLayer", "one dense decoder layer over packed weights, in one call")
+      .def(py::init<torch::Tensor, torch::Tensor, double, std::vector<LinearSpec>, int64_t, int64_t, int64_t,
+                    int64_t, double>(),
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("linears"), py::arg("num_q_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("qmax"), py::arg("scale"))
+      .def("forward", &DecoderLayer::forward);
 }

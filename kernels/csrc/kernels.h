@@ -30,13 +30,14 @@ struct PagedKV {
   int64_t page_stride, kv_stride, token_stride, head_stride, page_size, num_kv_heads, head_dim;
 };
 
-// Causal attention of q [rows, q_heads, head_dim] (float32) over the paged cache, for `batch`
-// sequences in FlashInfer's CSR form (int32): sequence b owns q rows qo_indptr[b]..qo_indptr[b+1]
-// and pages kv_indices[kv_indptr[b]..kv_indptr[b+1]], the last holding last_page_len[b] tokens.
-// The page table must have been checked (bindings.cpp). out: [rows, q_heads, head_dim] float32.
-void paged_attention(const float* q, int64_t num_q_heads, const PagedKV& kv, const int32_t* qo_indptr,
-                     const int32_t* kv_indptr, const int32_t* kv_indices, const int32_t* last_page_len,
-                     int64_t batch, float scale, float* out);
+// Causal attention of q [rows, q_heads, head_dim] (float32; row r at q + r * q_row_stride, its heads
+// contiguous) over the paged cache, for `batch` sequences in FlashInfer's CSR form (int32): sequence
+// b owns q rows qo_indptr[b]..qo_indptr[b+1] and pages kv_indices[kv_indptr[b]..kv_indptr[b+1]], the
+// last holding last_page_len[b] tokens. The page table must have been checked (bindings.cpp).
+// out: [rows, q_heads, head_dim] float32, contiguous.
+void paged_attention(const float* q, int64_t q_row_stride, int64_t num_q_heads, const PagedKV& kv,
+                     const int32_t* qo_indptr, const int32_t* kv_indptr, const int32_t* kv_indices,
+                     const int32_t* last_page_len, int64_t batch, float scale, float* out);
 
 // ---- elementwise layers (layers.cpp), float32 rows ------------------------------------------------
 
@@ -64,5 +65,42 @@ struct RopeStore {
   int64_t page_stride, kv_stride, token_stride;
 };
 void rope_and_store(const RopeStore& a, int64_t tokens);
+
+// ---- one dense decoder layer (decoder.cpp) -------------------------------------------------------
+
+struct PackedLinear {
+  const uint8_t* data;   // panels (qmatmul above)
+  int64_t n, k;
+  int bits;
+  const float* bias;     // [n] or null
+};
+
+struct DecoderLayerWeights {
+  const float* input_norm;   // [hidden]
+  const float* post_norm;
+  float eps;
+  PackedLinear qkv, o, gate_up, down;   // gate_up: [gate | up] rows
+  int64_t num_q_heads, num_kv_heads, head_dim;
+  int qmax;
+  float scale;   // attention's 1 / sqrt(head_dim)
+};
+
+// What one step's layers share: rotary tables and positions, the layer's cache and write slots
+// (RopeStore's fields but q, k, v), and the page table (PagedKV and the CSR arrays).
+struct DecoderStep {
+  RopeStore rope;
+  PagedKV kv;
+  const int32_t* qo_indptr;
+  const int32_t* kv_indptr;
+  const int32_t* kv_indices;
+  const int32_t* last_page_len;
+  int64_t batch;
+};
+
+// out [t, hidden] = the layer's feed-forward output for rows x [t, hidden]; `residual` [t, hidden]
+// is the residual stream, updated in place (with `is_first`, set to x first). Exactly the kernels the
+// Python layer calls (engine/model.py), in the same order: the same bits, without Python between them.
+void decoder_layer(const DecoderLayerWeights& w, const DecoderStep& step, const float* x, float* residual,
+                   bool is_first, int64_t t, float* out);
 
 }  // namespace tandem

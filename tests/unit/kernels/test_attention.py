@@ -204,6 +204,19 @@ def test_cpu_kernel_vectorized_path_matches_the_torch_oracle(dtype: torch.dtype)
     torch.testing.assert_close(make("cpu").attend(q.float(), layer, meta), expected, atol=2e-5, rtol=1e-4)
 
 
+def test_cpu_kernel_returns_q_dtype_and_reads_strided_rows() -> None:
+    """A bfloat16 model's q comes back bfloat16; q rows that are views of a fused q/k/v projection
+    (strided rows, contiguous heads) are read in place and give what a contiguous copy gives."""
+    setup = _Setup(seed=13, capacities=[6, 9])
+    meta = _meta(setup, [5, 8], [1, 1])
+    qkv = setup.randn(2, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM)
+    q = qkv[:, : NUM_HEADS * HEAD_DIM].view(2, NUM_HEADS, HEAD_DIM)
+    backend = _backend("cpu")
+    assert torch.equal(backend.attend(q, setup.cache, meta), backend.attend(q.contiguous(), setup.cache, meta))
+    out = backend.attend(q.bfloat16(), setup.cache.bfloat16(), meta)
+    assert out.dtype == torch.bfloat16
+
+
 def test_cpu_backend_serves_a_float16_pool_through_the_torch_path() -> None:
     setup = _Setup(seed=12, capacities=[9, 3])
     cache = setup.cache.half()

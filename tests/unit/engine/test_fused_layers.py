@@ -1,0 +1,81 @@
+"""Fused decoder layers (engine/model.py `DecoderLayer.fuse`, kernels/fused_layer.py): a layer run as
+one C++ call gives the same bits as its modules run one by one, on the bundled model and on a Qwen2
+(q/k/v biases) quantized at load, with float32 and bfloat16 KV pools; and only layers whose every
+part that call computes are fused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.request import Request, SamplingParams
+from engine.weights import open_checkpoint
+from tests.tiny_models import save_tiny_qwen2, save_tiny_qwen2_moe
+
+
+def _engine(path: Path, **config: object) -> Engine:
+    return Engine(open_checkpoint(str(path)), EngineConfig(**{"max_total_tokens": 2048, **config}), progress=False)
+
+
+def _generate(engine: Engine, prompts: list[list[int]], tokens: int) -> dict[str, list[tuple[int, float]]]:
+    """Greedy tokens and their logprobs: a batch prefill of every prompt, then batched decodes."""
+    sampling = SamplingParams(temperature=0, max_new_tokens=tokens, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(Request(f"r{i}", ids, sampling))
+    out: dict[str, list[tuple[int, float]]] = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_work:
+        for step in engine.step():
+            if step.token_id is not None:
+                out[step.request_id].append((step.token_id, step.logprob))
+    return out
+
+
+def _unfuse(engine: Engine) -> None:
+    for layer in engine.runner.model.model.layers:
+        layer.fused = None
+
+
+@pytest.mark.parametrize("dtype", ["float32"])
+def test_the_bundled_model_fused_gives_the_bits_of_its_modules(smollm2_path: Path, dtype: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 40000, (n,), generator=gen).tolist() for n in (37, 5, 70)]
+    fused = _engine(smollm2_path, dtype=dtype, quantization="gguf")
+    assert all(layer.fused is not None for layer in fused.runner.model.model.layers)
+    modules = _engine(smollm2_path, dtype=dtype, quantization="gguf")
+    _unfuse(modules)
+    assert _generate(fused, prompts, 6) == _generate(modules, prompts, 6)
+
+
+def test_a_qwen2_with_biases_quantized_at_load_fused_gives_the_same_bits(tmp_path: Path) -> None:
+    path = save_tiny_qwen2(tmp_path / "qwen2")
+    prompts = [[5, 9, 200, 17, 3, 44], [7, 8], list(range(20, 60))]
+    for quantization in ("q8_0", "q4_1"):
+        fused = _engine(path, dtype="float32", quantization=quantization, page_size=4)
+        assert all(layer.fused is not None for layer in fused.runner.model.model.layers)
+        modules = _engine(path, dtype="float32", quantization=quantization, page_size=4)
+        _unfuse(modules)
+        assert _generate(fused, prompts, 5) == _generate(modules, prompts, 5)
+
+
+def test_a_bfloat16_kv_pool_under_fused_layers(smollm2_path: Path) -> None:
+    """A float32 model over a bfloat16 pool (the C++ store rounds to nearest even, as torch does)."""
+    fused = _engine(smollm2_path, dtype="float32", quantization="gguf")
+    modules = _engine(smollm2_path, dtype="float32", quantization="gguf")
+    _unfuse(modules)
+    for engine in (fused, modules):
+        pool = engine.runner.kv_pool
+        pool.tensor = pool.tensor.to(torch.bfloat16)
+    prompts = [[1, 9690, 198, 2683, 359, 253], [4093, 198, 1780]]
+    assert _generate(fused, prompts, 4) == _generate(modules, prompts, 4)
+
+
+def test_only_layers_the_call_computes_are_fused(tmp_path: Path, smollm2_path: Path) -> None:
+    assert not any(layer.fused for layer in _engine(smollm2_path, dtype="float32").runner.model.model.layers)
+    torch_attention = _engine(smollm2_path, dtype="float32", quantization="gguf", attention_backend="torch")
+    assert not any(layer.fused for layer in torch_attention.runner.model.model.layers)
+    moe = _engine(save_tiny_qwen2_moe(tmp_path / "moe"), dtype="float32", quantization="q8_0")
+    assert [layer.fused is not None for layer in moe.runner.model.model.layers] == [False, True, False]
