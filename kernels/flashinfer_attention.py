@@ -19,15 +19,13 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any, TypeAlias
 
 import flashinfer
 import torch
 
 from kernels.attention import AttentionBackend, AttentionMetadata, register_attention_backend
-
-if TYPE_CHECKING:
-    from kernels.flashinfer_graph import GraphDecodeWrappers
+from kernels.flashinfer_graph import GraphDecodeWrappers
 
 logger = logging.getLogger(__name__)
 
@@ -235,11 +233,8 @@ class FlashInferAttention(AttentionBackend):
 
     def prepare_cuda_graphs(self, batch_sizes: Sequence[int], max_num_pages: int) -> None:
         """One CUDA-graph decode wrapper per batch size (kernels/flashinfer_graph.py)."""
-        from kernels.flashinfer_graph import GraphDecodeWrappers
-
-        self._graph_wrappers = GraphDecodeWrappers(
-            self._workspace, batch_sizes, max_num_pages, self.num_heads, self.num_kv_heads
-        )
+        eager_kwargs = decode_wrapper_kwargs(self._workspace, self.num_heads, self.num_kv_heads)
+        self._graph_wrappers = GraphDecodeWrappers(eager_kwargs, batch_sizes, max_num_pages)
 
     def plan_cuda_graph(self, meta_host: AttentionMetadata) -> None:
         """Plan a decode step of a prepared batch size on that size's CUDA-graph wrapper; the same

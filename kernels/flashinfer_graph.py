@@ -21,23 +21,19 @@ from typing import Any
 import flashinfer
 import torch
 
-from kernels.flashinfer_attention import decode_wrapper_kwargs
-
 
 def graph_decode_wrapper_kwargs(
-    workspace: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
+    eager_kwargs: dict[str, Any],
     *,
     indptr: torch.Tensor,
     indices: torch.Tensor,
     last_page_len: torch.Tensor,
 ) -> dict[str, Any]:
     """Keyword arguments of `BatchDecodeWithPagedKVCacheWrapper(...)` for one batch size in CUDA-graph
-    mode: the eager wrapper's (FA2, NHD, tensor cores by the GQA ratio) with the fixed buffers:
-    `indptr` [B + 1], `indices` [max pages], `last_page_len` [B], int32 on the device."""
+    mode: the eager wrapper's `eager_kwargs` (workspace, FA2, NHD, tensor cores by the GQA ratio) with
+    the fixed buffers: `indptr` [B + 1], `indices` [max pages], `last_page_len` [B], int32 on the device."""
     return {
-        **decode_wrapper_kwargs(workspace, num_heads, num_kv_heads),
+        **eager_kwargs,
         "use_cuda_graph": True,
         "paged_kv_indptr_buffer": indptr,
         "paged_kv_indices_buffer": indices,
@@ -46,20 +42,14 @@ def graph_decode_wrapper_kwargs(
 
 
 class GraphDecodeWrappers:
-    """A CUDA-graph decode wrapper for each of `batch_sizes`, sharing page-table buffers for the
-    largest of them and up to `max_num_pages` page ids per step, on `workspace`'s device."""
+    """A CUDA-graph decode wrapper for each of `batch_sizes`, built like the eager decode wrapper
+    (`eager_kwargs`: the backend's, its float workspace shared), sharing page-table buffers for the
+    largest of the sizes and up to `max_num_pages` page ids per step, on the workspace's device."""
 
-    def __init__(
-        self,
-        workspace: torch.Tensor,
-        batch_sizes: Sequence[int],
-        max_num_pages: int,
-        num_heads: int,
-        num_kv_heads: int,
-    ) -> None:
+    def __init__(self, eager_kwargs: dict[str, Any], batch_sizes: Sequence[int], max_num_pages: int) -> None:
         if not batch_sizes or min(batch_sizes) < 1 or max_num_pages < max(batch_sizes):
             raise ValueError(f"batch sizes {tuple(batch_sizes)} with room for {max_num_pages} pages")
-        device, int32 = workspace.device, torch.int32
+        device, int32 = eager_kwargs["float_workspace_buffer"].device, torch.int32
         largest = max(batch_sizes)
         self._indptr = torch.zeros(largest + 1, dtype=int32, device=device)
         self._indices = torch.zeros(max_num_pages, dtype=int32, device=device)
@@ -68,9 +58,7 @@ class GraphDecodeWrappers:
         self._wrappers = {
             size: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 **graph_decode_wrapper_kwargs(
-                    workspace,
-                    num_heads,
-                    num_kv_heads,
+                    eager_kwargs,
                     indptr=self._indptr[: size + 1],
                     indices=self._indices,
                     last_page_len=self._last_page_len[:size],

@@ -120,8 +120,8 @@ def test_graph_wrapper_constructor_binds_with_its_fixed_buffers(num_heads: int, 
 
     workspace = torch.zeros(fa.WORKSPACE_BYTES, dtype=torch.uint8, device="meta")
     indptr, indices, last = (torch.zeros(n, dtype=torch.int32, device="meta") for n in (65, 4096, 64))
-    kwargs = graph_decode_wrapper_kwargs(workspace, num_heads, num_kv_heads, indptr=indptr[:9], indices=indices,
-                                         last_page_len=last[:8])
+    kwargs = graph_decode_wrapper_kwargs(fa.decode_wrapper_kwargs(workspace, num_heads, num_kv_heads),
+                                         indptr=indptr[:9], indices=indices, last_page_len=last[:8])
     bound = _bind(Decode, **kwargs).arguments
     eager = _bind(Decode, **fa.decode_wrapper_kwargs(workspace, num_heads, num_kv_heads)).arguments
     assert bound["use_cuda_graph"] is True
