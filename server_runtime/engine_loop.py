@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import torch
+
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.grammar_spec import GrammarSpec
@@ -107,6 +109,17 @@ async def write_pages(
         raise KVTransferTimeout(
             f"write of {num_bytes} bytes to {dst.session_id} did not complete within {timeout_s} s"
         ) from None
+
+
+def use_device(device: str) -> None:
+    """Make `device` (an `EngineConfig.device`) this thread's current CUDA device when it names one by
+    index. CUDA's current device is per thread, and what does not follow a tensor's device (streams,
+    events, FlashInfer's kernels, CUDA-graph capture and replay) follows it: a worker on cuda:1 calls
+    this on the thread that builds its engine and on the engine thread. No-op for "cpu" and "cuda"
+    (device 0, the default)."""
+    index = torch.device(device).index if device.startswith("cuda") else None
+    if index is not None:
+        torch.cuda.set_device(index)
 
 
 class EngineLoop:
@@ -236,6 +249,7 @@ class EngineLoop:
     # ---- engine thread -------------------------------------------------------------------
 
     def _run(self) -> None:
+        use_device(self.engine.config.device)
         next_expiry = 0.0
         while not self._stopped.is_set():
             self._drain_commands(block=not self.engine.has_work)

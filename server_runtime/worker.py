@@ -30,7 +30,7 @@ from kv_transfer import create_transport
 from server_runtime.config import WorkerConfig
 from server_runtime.context import EngineFacts, WorkerContext
 from server_runtime.embedding import EmbeddingContext, start_embedding
-from server_runtime.engine_loop import EngineLoop
+from server_runtime.engine_loop import EngineLoop, use_device
 from server_runtime.metrics import WorkerMetrics, serve_metrics
 
 if TYPE_CHECKING:
@@ -194,6 +194,7 @@ def start_embedding_worker(config: WorkerConfig, metrics: WorkerMetrics) -> Embe
 
 def build_engine(config: WorkerConfig) -> Engine:
     _set_torch_threads(config)
+    use_device(config.engine.device)  # the model loads and the CUDA graphs are captured on this thread
     checkpoint = open_checkpoint(config.model_path)
     return Engine(checkpoint, config.engine, faults=fault_hooks_from_env())
 

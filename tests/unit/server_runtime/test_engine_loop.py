@@ -83,3 +83,16 @@ def test_a_kv_write_past_its_deadline_times_out_and_is_left_running() -> None:
         asyncio.run(write_pages(transport, 4096, [0, 1], target, timeout_s=0.05))   # type: ignore[arg-type]
     assert time.monotonic() - started < 1.0
     assert transport.write.running()   # the caller gave up; the write was not cancelled under the backend
+
+
+def test_an_indexed_cuda_device_becomes_the_threads_current_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's current device is per thread; what the engine thread selects (no GPU here: the call is recorded)."""
+    from server_runtime.engine_loop import use_device
+
+    selected: list[int] = []
+    monkeypatch.setattr(torch.cuda, "set_device", selected.append)
+    for device in ("cpu", "cuda", "meta"):
+        use_device(device)
+    assert selected == []   # cpu and meta have no CUDA device; "cuda" is device 0, already current
+    use_device("cuda:1")
+    assert selected == [1]
