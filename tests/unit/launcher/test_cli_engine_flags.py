@@ -1,4 +1,4 @@
-"""The engine flags of the worker commands and `tandem serve`: chunked prefill, quantization per role,
+"""The engine flags of the worker commands and `tandem serve`: chunked prefill, quantization, dtypes,
 the device (resolved once, by the command that builds the config) and the attention and sampling backends."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def test_serve_passes_the_chunk_size_to_both_workers(flag: list[str], expected: 
     assert [engine.chunked_prefill_size for engine in engines.values()] == [expected, expected]
 
 
-def test_quantization_auto_packs_the_decode_workers_gguf_weights_only(tmp_path) -> None:
+def test_quantization_auto_packs_gguf_weights_on_cpu(tmp_path) -> None:
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"")
     folder = tmp_path / "hf"
@@ -64,12 +64,16 @@ def test_quantization_auto_packs_the_decode_workers_gguf_weights_only(tmp_path) 
         return _config(role, *flags).quantization
 
     assert resolved("decode", "--model-path", str(gguf)) == "gguf"
-    assert resolved("prefill", "--model-path", str(gguf)) == "none"      # prefill computes in floats
+    assert resolved("prefill", "--model-path", str(gguf)) == "gguf"      # prefill computes packed too
     assert resolved("decode", "--model-path", str(folder)) == "none"     # safetensors: floats
     assert resolved("prefill", "--model-path", str(gguf), "-q", "int4") == "q4_1"
     assert resolved("decode", "--model-path", str(folder), "--quantization", "int8") == "q8_0"
-    engines = _serve_engines("--model-path", str(gguf), "--dtype", "float32")
-    assert (engines["prefill"].quantization, engines["decode"].quantization) == ("none", "gguf")
+    engines = _serve_engines("--model-path", str(gguf))
+    assert {(e.quantization, e.dtype, e.kv_cache_dtype) for e in engines.values()} == {("gguf", "float32", "bfloat16")}
+    engines = _serve_engines("--model-path", str(folder), "--dtype", "float32")   # floats: the pool in their dtype
+    assert {(e.quantization, e.dtype, e.kv_cache_dtype) for e in engines.values()} == {("none", "float32", None)}
+    engines = _serve_engines("--model-path", str(gguf), "--dtype", "bf16", "--kv-cache-dtype", "float")
+    assert {(e.dtype, e.kv_cache_dtype) for e in engines.values()} == {("bfloat16", "float32")}
     engines = _serve_engines("--model-path", str(gguf), "--dtype", "float32", "--int8-activations", "-q", "int8")
     assert all((e.quantization, e.int8_activations) == ("q8_0", True) for e in engines.values())
 
@@ -95,8 +99,8 @@ def test_device_auto_is_cuda_where_torch_sees_a_gpu(gpus: Callable[[int], None],
 
 @pytest.fixture
 def mooncake_build(monkeypatch: pytest.MonkeyPatch) -> Callable[[bool], None]:
-    """Set whether the installed Mooncake is its CUDA build (a fact of the machine; this one has the
-    CPU build, which the tests that do not call this see)."""
+    """Set whether the installed Mooncake is its CUDA build (a fact of the machine: `make test-gpu`
+    installs the CUDA build in place of the CPU one)."""
     from kv_transfer import mooncake_backend
 
     def set_cuda(is_cuda: bool) -> None:
@@ -106,8 +110,10 @@ def mooncake_build(monkeypatch: pytest.MonkeyPatch) -> Callable[[bool], None]:
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_device_auto_keeps_kv_on_the_host_where_mooncake_is_its_cpu_build(
-        gpus: Callable[[int], None], role: str, caplog: pytest.LogCaptureFixture) -> None:
-    gpus(1)   # the installed Mooncake, the real one here, is the CPU build
+        gpus: Callable[[int], None], mooncake_build: Callable[[bool], None], role: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    gpus(1)
+    mooncake_build(False)
     assert _config(role, "--dtype", "float32").device == "cpu"
     assert "Mooncake is its CPU build, which cannot move KV from GPU memory" in caplog.text
 
@@ -171,8 +177,10 @@ def test_backend_flags_reach_the_engine_config(gpus: Callable[[int], None]) -> N
 
 
 def test_serve_resolves_device_and_backends_once_for_both_workers(gpus: Callable[[int], None],
+                                                                  mooncake_build: Callable[[bool], None],
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     gpus(1)
+    mooncake_build(False)
     engines = _serve_engines("--attention-backend", "torch", "--sampling-backend", "torch", "--dtype", "float16")
     assert {(e.device, e.attention_backend, e.sampling_backend, e.dtype) for e in engines.values()} == \
         {("cpu", "torch", "torch", "float16")}   # auto: Mooncake's CPU build keeps KV on the host
