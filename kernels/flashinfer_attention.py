@@ -184,10 +184,11 @@ def prefill_plan_kwargs(
 class FlashInferAttention(AttentionBackend):
     """FlashInfer's FA2 paged kernels on one CUDA device, bf16 or fp16.
 
-    Holds one zeroed 128 MB float workspace shared by a decode and a prefill wrapper (one of them
-    runs per step). `plan` must be called once per step before `attend`; it first waits for the
-    previous plan's host-to-device copies, which FlashInfer stages through one pinned buffer that
-    the next plan overwrites. The caller must likewise leave `meta_host`'s pinned tensors unwritten
+    Holds one zeroed 128 MB float workspace shared by a decode and a prefill wrapper, and by the
+    CUDA-graph decode wrappers of `prepare_cuda_graphs` (one of them runs per step; a captured
+    graph's step is planned by `plan_cuda_graph`). `plan` must be called once per step before
+    `attend`; it first waits for the previous plan's host-to-device copies, which FlashInfer stages
+    through one pinned buffer that the next plan overwrites. The caller must likewise leave `meta_host`'s pinned tensors unwritten
     until the step's attention has run (plan copies them without blocking).
     """
 
