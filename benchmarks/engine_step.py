@@ -148,6 +148,7 @@ def main() -> None:
     parser.add_argument("--quantization", default="gguf", choices=["none", "gguf", "q8_0", "q4_0", "q4_1"])
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch"])
     parser.add_argument("--int8-activations", action="store_true")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=["float32", "bfloat16"], help="default: --dtype")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--steps", type=int, default=20)
@@ -163,6 +164,7 @@ def main() -> None:
         quantization=args.quantization,
         attention_backend=args.attention_backend,
         int8_activations=args.int8_activations,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_total_tokens=32768,
         chunked_prefill_size=max(512, args.prefill),
     )
@@ -170,7 +172,8 @@ def main() -> None:
         install_timers()  # before the model is built: layers keep the kernel functions they find
     engine = Engine(open_checkpoint(args.model_path or default_model_path()), config, progress=False)
     print(
-        f"dtype {args.dtype}, quantization {args.quantization}, attention {args.attention_backend}, "
+        f"dtype {args.dtype}, KV {args.kv_cache_dtype or args.dtype}, quantization {args.quantization}"
+        f"{' (int8 activations)' if args.int8_activations else ''}, attention {args.attention_backend}, "
         f"{args.threads} thread(s), {args.context}-token contexts"
     )
     if args.prefill:

@@ -32,17 +32,18 @@ PROMPTS = ["What is the capital of France?", "List 3 countries and their capital
            "Translate 'good morning' into French.", "Name the planets of the solar system.",
            "Why is the sky blue?", "Write a limerick about a programmer.", "What does a CPU do?",
            "Suggest a name for a bakery.", "Summarize the plot of Cinderella."]
-# (dtype, quantization, int8 activations): packed weights compute with activations rounded to int16
-# blocks, or int8 blocks (llama.cpp's rounding) with the flag
-PATHS = [("float32", "none", False), ("bfloat16", "none", False), ("float32", "gguf", False),
-         ("bfloat16", "gguf", False), ("float32", "gguf", True), ("float32", "q8_0", False),
-         ("float32", "q4_0", False)]
+# (dtype, KV pool dtype, quantization, int8 activations): packed weights compute with activations
+# rounded to int16 blocks, or int8 blocks (llama.cpp's rounding) with the flag
+PATHS = [("float32", "float32", "none", False), ("bfloat16", "bfloat16", "none", False),
+         ("float32", "float32", "gguf", False), ("float32", "bfloat16", "gguf", False),
+         ("bfloat16", "bfloat16", "gguf", False), ("float32", "float32", "gguf", True),
+         ("float32", "float32", "q8_0", False), ("float32", "float32", "q4_0", False)]
 
 
 def greedy(path: str, dtype: str, quantization: str, prompts: list[list[int]], tokens: int,
-           int8_activations: bool = False) -> list[list[int]]:
+           int8_activations: bool = False, kv_cache_dtype: str | None = None) -> list[list[int]]:
     config = EngineConfig(dtype=dtype, quantization=quantization, int8_activations=int8_activations,
-                          max_total_tokens=8192)
+                          kv_cache_dtype=kv_cache_dtype, max_total_tokens=8192)
     engine = Engine(open_checkpoint(path), config, progress=False)
     sampling = SamplingParams(temperature=0, max_new_tokens=tokens, ignore_eos=True)
     for i, ids in enumerate(prompts):
@@ -73,14 +74,14 @@ def main() -> None:
     tokenizer = load_tokenizer(path)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     reference = greedy(path, "float32", "none", prompts, args.tokens)
-    print(f"| dtype | quantization | identical continuations (of {len(PROMPTS)}) | mean agreeing prefix "
-          f"(of {args.tokens} tokens) | answer to \"{PROMPTS[0]}\" |\n|---|---|---|---|---|")
-    for dtype, quantization, int8_activations in PATHS:
-        out = greedy(path, dtype, quantization, prompts, args.tokens, int8_activations)
+    print(f"| dtype | KV pool | quantization | identical continuations (of {len(PROMPTS)}) | mean agreeing "
+          f"prefix (of {args.tokens} tokens) | answer to \"{PROMPTS[0]}\" |\n|---|---|---|---|---|---|")
+    for dtype, kv_dtype, quantization, int8_activations in PATHS:
+        out = greedy(path, dtype, quantization, prompts, args.tokens, int8_activations, kv_dtype)
         same, prefix = agreement(reference, out)
         label = f"{quantization}, int8 activations" if int8_activations else quantization
         answer = tokenizer.decode(out[0][:8]).split("\n")[0]
-        print(f"| {dtype} | {label} | {same} | {prefix:.1f} | {answer} |", flush=True)
+        print(f"| {dtype} | {kv_dtype} | {label} | {same} | {prefix:.1f} | {answer} |", flush=True)
 
 
 if __name__ == "__main__":

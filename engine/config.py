@@ -254,6 +254,9 @@ class EngineConfig:
     "cuda:<n>"; the entry point resolves "auto"). Quantized weights compute in a CPU kernel, so a
     non-CPU device needs `quantization="none"`. `attention_backend` and `sampling_backend` are
     names resolved for the device at start-up (`kernels.attention`, `kernels.sampling`).
+    `kv_cache_dtype` is the KV pool's dtype (None: `dtype`); on CPU it may differ from `dtype` (a
+    float32 model over a bfloat16 pool halves the bytes attention reads and a KV transfer moves),
+    elsewhere it must not. Workers that hand KV to each other must agree on it.
     `cuda_graph_batch_sizes`: the decode batch sizes captured as CUDA graphs at start-up, on a CUDA
     device with an attention backend that can replay them (`engine/cuda_graph.py`); None: the
     defaults up to `max_running_requests` (`engine/graph_batches.py`); (): every step eager.
@@ -272,12 +275,20 @@ class EngineConfig:
     sampling_backend: str = "auto"
     quantization: str = "none"  # one of QUANTIZATIONS
     int8_activations: bool = False  # quantized matmuls round activations to int8 blocks (llama.cpp's way)
+    kv_cache_dtype: str | None = None
     enable_prefix_cache: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in _DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {_DTYPES} or None, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in (None, self.dtype) and self.device != "cpu":
+            raise ConfigError(
+                f"a KV pool in {self.kv_cache_dtype} under a {self.dtype} model is CPU only; on "
+                f"{self.device} the pool is in the model's dtype (leave kv_cache_dtype unset)"
+            )
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ConfigError(f"page_size must be a positive power of two, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:

@@ -96,7 +96,8 @@ class ModelRunner:
             checkpoint, self.dtype, self.device, self.quantization, self.int8_activations, progress
         )
         self.expert_recorder = ExpertRecorder(mc, self.device)  # counts tokens per expert while recording
-        self.layout = KVLayout.for_model(mc, config.page_size, self.dtype)
+        self.kv_dtype = torch_dtype(config.kv_cache_dtype or config.dtype)
+        self.layout = KVLayout.for_model(mc, config.page_size, self.kv_dtype)
         num_pages = self._num_pages(config)
         # on a GPU, one scratch page more for the padded rows of CUDA-graph decode steps (engine/cuda_graph.py)
         self.kv_pool = KVPool(self.layout, num_pages, self.device, num_scratch_pages=int(self._pin))
@@ -127,7 +128,7 @@ class ModelRunner:
             num_pages,
             config.page_size,
             self.kv_pool.num_bytes / 2**20,
-            config.dtype,
+            config.kv_cache_dtype or config.dtype,
         )
 
     def load_weights(self, checkpoint: Checkpoint, progress: bool = False) -> None:

@@ -235,8 +235,9 @@ class TorchAttention(AttentionBackend):
             pages = meta.kv_indices[first_page : first_page + num_pages].long()
             first_page += num_pages
             qi = q[start : start + query_len].transpose(0, 1)  # [Hq, n, D]
-            ki = kv_cache[pages, 0].reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len].transpose(0, 1)
-            vi = kv_cache[pages, 1].reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len].transpose(0, 1)
+            # a pool in another dtype than q's (a float32 model over a bfloat16 pool) computes in q's
+            ki = kv_cache[pages, 0].reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len].transpose(0, 1).to(q.dtype)
+            vi = kv_cache[pages, 1].reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len].transpose(0, 1).to(q.dtype)
             if seq_len == query_len:
                 mask, is_causal = None, query_len > 1
             else:

@@ -106,13 +106,14 @@ class RotaryEmbedding:
         write_offsets: torch.Tensor,
     ) -> torch.Tensor:
         """Rotate q [T, Hq, D] and k [T, Hkv, D], write k and v into `kv_cache` [P, 2, S, Hkv, D] at
-        (write_pages, write_offsets), and return the rotated q. One C++ call for float32 on CPU."""
+        (write_pages, write_offsets), rounded to the cache's dtype, and return the rotated q. One C++
+        call for float32 on CPU."""
         if (fused := _fused(q, k, v, self.cos)) is not None and all(t.stride(-1) == 1 for t in (q, k, v)):
             fused.rope_and_store(q, k, v, self.cos, self.sin, positions, kv_cache, write_pages, write_offsets)
             return q
         q, k = self.apply(q, k, positions)
-        kv_cache[write_pages, 0, write_offsets] = k
-        kv_cache[write_pages, 1, write_offsets] = v
+        kv_cache[write_pages, 0, write_offsets] = k.to(kv_cache.dtype)  # the pool's dtype may be another
+        kv_cache[write_pages, 1, write_offsets] = v.to(kv_cache.dtype)
         return q
 
     def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -140,9 +140,11 @@ def engine_config(args: argparse.Namespace, role: str, is_embedding: bool) -> En
     """The `role` worker's engine settings from its flags; the device is resolved here, once.
     Exits with the reason when the flags do not fit together (e.g. a quantization on a GPU)."""
     device = _worker_device(args.device, kv_transport=None if is_embedding else args.kv_transport)
+    quantization = _worker_quantization(args, device)
+    is_packed = device == "cpu" and quantization != "none"
     try:
         return EngineConfig(
-            dtype=_worker_dtype(args.dtype, device, is_embedding),
+            dtype=_worker_dtype(args.dtype, device, is_embedding, is_packed),
             page_size=args.page_size,
             max_total_tokens=args.max_total_tokens,
             kv_cache_gib=args.kv_cache_gib,
@@ -151,7 +153,8 @@ def engine_config(args: argparse.Namespace, role: str, is_embedding: bool) -> En
             chunked_prefill_size=args.chunked_prefill_size,
             context_len=args.context_length,
             device=device,
-            quantization=_worker_quantization(args, role, device),
+            quantization=quantization,
+            kv_cache_dtype=_worker_kv_dtype(args.kv_cache_dtype, is_packed),
             attention_backend=args.attention_backend,
             sampling_backend=args.sampling_backend,
             int8_activations=args.int8_activations,
@@ -218,19 +221,19 @@ def _graph_batch_sizes(args: argparse.Namespace) -> tuple[int, ...] | None:
     return None
 
 
-def _worker_quantization(args: argparse.Namespace, role: str, device: str) -> str:
-    """--quantization, where auto suits each role: a decode worker keeps a GGUF file's blocks packed
-    (decode is bound by the bytes of weights read per token), a prefill worker computes in the
-    --dtype floats (prefill is bound by arithmetic, where the BLAS matmul is faster than reading
-    packed blocks; measured in docs/performance.md). Safetensors checkpoints load as floats, and so
-    does every checkpoint on a GPU (the packed-block kernel is CPU code)."""
+def _worker_quantization(args: argparse.Namespace, device: str) -> str:
+    """--quantization, where auto keeps a GGUF file's blocks packed on CPU for both roles: decode is
+    bound by the bytes of weights read per token, and prefill computes with the packed-block kernel
+    (int16 activations) as fast as bfloat16 BLAS on floats and twice float32's (measured in
+    docs/performance.md), with the decode worker's numerics. Safetensors checkpoints load as floats,
+    and so does every checkpoint on a GPU (the packed-block kernel is CPU code)."""
     if args.quantization != "auto":
         return QUANTIZATION_ALIASES[args.quantization]
     if device != "cpu":
         return "none"
     model_path = args.model_path or default_model_path()
     is_gguf = model_path.lower().endswith(".gguf") or _holds_one_gguf(model_path)
-    return "gguf" if is_gguf and role == "decode" else "none"
+    return "gguf" if is_gguf else "none"
 
 
 def _holds_one_gguf(path: str) -> bool:
@@ -241,11 +244,22 @@ def _holds_one_gguf(path: str) -> bool:
     )
 
 
-def _worker_dtype(flag: str, device: str, is_embedding: bool) -> str:
-    """--dtype, where auto is float32 for embedding models (small, and compared with fp32 references),
-    else bfloat16 on a GPU and on CPUs that compute it natively."""
+def _worker_dtype(flag: str, device: str, is_embedding: bool, is_packed: bool) -> str:
+    """--dtype, where auto is float32 for embedding models (small, and compared with fp32 references)
+    and for packed weights on CPU (their kernels take float32 rows, and the fused C++ layers need
+    them: bfloat16 rows would only add conversions), else bfloat16 on a GPU and on CPUs that
+    compute it natively."""
     if flag != "auto":
         return DTYPE_ALIASES[flag]
-    if is_embedding:
+    if is_embedding or is_packed:
         return "float32"
     return "bfloat16" if device.startswith("cuda") else default_dtype()
+
+
+def _worker_kv_dtype(flag: str, is_packed: bool) -> str | None:
+    """--kv-cache-dtype; auto is bfloat16 under packed weights on CPU (the attention kernel reads half
+    the bytes, in float32 math; docs/performance.md has the greedy agreement), else the model's
+    dtype (None)."""
+    if flag != "auto":
+        return DTYPE_ALIASES[flag]
+    return "bfloat16" if is_packed else None

@@ -70,7 +70,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=sorted(["auto", *DTYPE_ALIASES]),
-        help="auto: bfloat16 on a GPU and on CPUs with AVX512-BF16/AMX, else float32 (vLLM's half/float/bf16 too)",
+        help="auto: float32 on a CPU computing with packed (quantized) weights, whose kernels take float32 "
+        "rows; else bfloat16 on a GPU and on CPUs with AVX512-BF16/AMX, else float32 (vLLM's half/float/bf16 "
+        "too; docs/performance.md has the measurements)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=sorted(["auto", *DTYPE_ALIASES]),
+        help="the KV pool's dtype (prefill and decode workers must agree). auto: bfloat16 on a CPU "
+        "computing with packed weights (half the bytes attention reads and a KV transfer moves, greedy "
+        "output as close to the float32 reference as a float32 pool's but on 1 of 16 prompts; "
+        "docs/performance.md), else --dtype. Another dtype than the model's is CPU only",
     )
     p.add_argument("--page-size", type=int, default=field_default(EngineConfig, "page_size"), help="tokens per KV page")
     p.add_argument(
@@ -109,15 +120,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", *QUANTIZATION_ALIASES],
         help="weight format: none (the --dtype floats), gguf (a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept "
         "packed), q8_0 / int8, q4_0, q4_1 / int4 (quantized at load; CPU only). auto: gguf on a "
-        "CPU decode worker given a .gguf file, none otherwise (docs/performance.md has the "
-        "measurements)",
+        "CPU worker given a .gguf file, none otherwise (docs/performance.md has the measurements)",
     )
     p.add_argument(
         "--int8-activations",
         action="store_true",
-        help="quantized matmuls round each activation row to int8 blocks and take integer dot "
-        "products, as llama.cpp does: faster for small batches, less exact (the default keeps "
-        "activations in float; docs/performance.md compares both)",
+        help="quantized matmuls round each activation row to int8 blocks, as llama.cpp does, instead "
+        "of int16 blocks: the same kernel and speed here, and greedy output further from the float32 "
+        "reference (docs/performance.md compares both)",
     )
     p.add_argument(
         "--attention-backend",

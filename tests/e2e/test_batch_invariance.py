@@ -1,7 +1,7 @@
-"""Batch-invariant greedy through the three processes in the default configuration (the default
-dtype; the decode worker on the bundled GGUF's packed weights, the prefill worker on floats; the C++
-kernels; the prefix cache on): 16 concurrent streams give exactly the texts the same 16 requests give
-one at a time."""
+"""Batch-invariant greedy through the three processes in the default configuration (both workers on
+the bundled GGUF's packed weights with float32 rows and a bfloat16 KV pool, as `auto` resolves them on
+CPU; the fused C++ layers; the prefix cache on): 16 concurrent streams give exactly the texts the
+same 16 requests give one at a time."""
 
 from __future__ import annotations
 
@@ -39,7 +39,10 @@ def _complete(url: str, topic: str) -> tuple[str, str]:
 def test_sixteen_concurrent_streams_give_the_texts_they_give_one_at_a_time(default_stack: Stack) -> None:
     log = default_stack.log_path.read_text()
     # the default really is the packed decode path and the C++ attention kernel
-    assert re.search(r"\[decode\] .* model on cpu: dtype \w+, quantization gguf .* attention cpu", log)
+    for role in ("prefill", "decode"):
+        assert re.search(rf"\[{role}\] .* model on cpu: dtype float32, quantization gguf .* attention cpu", log)
+        assert re.search(rf"\[{role}\] .* 30 of 30 layers fused", log)
+        assert re.search(rf"\[{role}\] .* KV pool: .* bfloat16", log)
     alone = [_complete(default_stack.url, topic) for topic in TOPICS]
     with ThreadPoolExecutor(len(TOPICS)) as pool:
         together = list(pool.map(lambda topic: _complete(default_stack.url, topic), TOPICS))

@@ -136,3 +136,12 @@ def test_greedy_generation_on_cuda_equals_the_cpu_fp32_engine(model_dir: Path) -
             tokens += [out.token_id for out in engine.step() if out.token_id is not None]
         return tokens
     assert generate("cuda") == generate("cpu")
+
+
+def test_a_kv_pool_in_another_dtype_than_the_model_is_cpu_only() -> None:
+    assert EngineConfig(device="cpu", dtype="float32", kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"
+    assert EngineConfig(device="cuda", dtype="bfloat16", kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="CPU only"):
+        EngineConfig(device="cuda", dtype="float32", kv_cache_dtype="bfloat16")
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be"):
+        EngineConfig(kv_cache_dtype="int8")

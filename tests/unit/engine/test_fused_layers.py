@@ -79,3 +79,15 @@ def test_only_layers_the_call_computes_are_fused(tmp_path: Path, smollm2_path: P
     assert not any(layer.fused for layer in torch_attention.runner.model.model.layers)
     moe = _engine(save_tiny_qwen2_moe(tmp_path / "moe"), dtype="float32", quantization="q8_0")
     assert [layer.fused is not None for layer in moe.runner.model.model.layers] == [False, True, False]
+
+
+def test_a_float32_model_over_a_bfloat16_pool_by_config(smollm2_path: Path) -> None:
+    """`kv_cache_dtype`: the pool (and the layout workers compare) in bfloat16 under float32 rows, with
+    the fused layers and with the modules (torch rotary store and SDPA included) giving the same tokens."""
+    fused = _engine(smollm2_path, dtype="float32", quantization="gguf", kv_cache_dtype="bfloat16")
+    assert fused.runner.kv_pool.tensor.dtype == torch.bfloat16 and fused.runner.layout.dtype == torch.bfloat16
+    torch_path = _engine(smollm2_path, dtype="float32", quantization="gguf", kv_cache_dtype="bfloat16",
+                         attention_backend="torch")
+    prompts = [[1, 9690, 198, 2683, 359, 253], [4093, 198, 1780]]
+    ours, theirs = _generate(fused, prompts, 4), _generate(torch_path, prompts, 4)
+    assert {k: [t for t, _ in v] for k, v in ours.items()} == {k: [t for t, _ in v] for k, v in theirs.items()}
