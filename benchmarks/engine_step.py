@@ -7,11 +7,12 @@
 Requests are prefilled with random prompts of --context tokens, then every step decodes the whole
 batch; the figures are medians over --steps steps of the process's CPU time (with one thread, the
 step's compute without the time other processes held the core: the steadier figure on a shared
-machine) and of the wall-clock time (what a client sees; with N threads, the one to compare). --prefill N (default 256) times the prefill
-step of one N-token prompt (median of --prefill-runs). --profile wraps each C++ kernel (and the
-matmul of each projection) in a timer and prints milliseconds per step by kernel, then torch's
-operator table for what runs outside them. Compare figures from one run on one machine, not
-across machines.
+machine) and of the wall-clock time (what a client sees; with N threads, the one to compare).
+--prefill N (default 256) times the prefill step of one N-token prompt (median of --prefill-runs).
+--profile wraps each C++ kernel (and the matmul of each projection) in a timer and prints the
+CPU milliseconds per step of each and of everything outside them (with --unfused, so that the
+kernels a fused layer calls are timed one by one). Compare figures from one run on one machine,
+not across machines.
 """
 
 from __future__ import annotations
@@ -156,6 +157,9 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=256, help="prompt length to time a prefill of (0: none)")
     parser.add_argument("--prefill-runs", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--unfused", action="store_true", help="run each layer's modules, not the fused C++ layer (to see its kernels)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
@@ -171,6 +175,9 @@ def main() -> None:
     if args.profile:
         install_timers()  # before the model is built: layers keep the kernel functions they find
     engine = Engine(open_checkpoint(args.model_path or default_model_path()), config, progress=False)
+    if args.unfused:
+        for layer in engine.runner.model.model.layers:
+            layer.fused = None
     print(
         f"dtype {args.dtype}, KV {args.kv_cache_dtype or args.dtype}, quantization {args.quantization}"
         f"{' (int8 activations)' if args.int8_activations else ''}, attention {args.attention_backend}, "

@@ -39,7 +39,10 @@ def _flags() -> list[str]:
     arch = os.environ.get("TANDEM_KERNEL_ARCH", "native")
     if arch == "x86-64-v3" and not _cpu_has("avx2", "fma"):
         arch = "native"  # an image built for AVX2 on an older CPU: compile for this one, if a compiler is here
-    return ["-O3", f"-march={arch}", "-fno-math-errno", "-std=c++17"]
+    # -fopenmp: at::parallel_for is a header template that splits work with `#pragma omp parallel`,
+    # so without it every kernel runs on one thread whatever torch.set_num_threads says. The OpenMP
+    # runtime it links against is torch's own libgomp.so.1 (same soname, already loaded).
+    return ["-O3", f"-march={arch}", "-fno-math-errno", "-std=c++17", "-fopenmp"]
 
 
 def _cpu_has(*flags: str) -> bool:
@@ -77,6 +80,7 @@ def load() -> ModuleType:
             name=name,
             sources=[str(_CSRC / source) for source in _SOURCES],
             extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=False,
         )

@@ -64,13 +64,30 @@ struct TokenCursor {
 constexpr int W = Vec::kWidth;
 using Reg = Vec::Reg;
 
-// scores[g * padded + j] = q_g . key_j for j < visible (q already scaled); -inf up to `padded`.
 // Asks for the cache lines of `bytes` bytes at p (the cache rows of one head: their pages are scattered,
 // so the hardware prefetcher does not see them coming and a large batch waits on memory latency).
 inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, _MM_HINT_T1);
 }
 
+// scores[g * W + l] (stride `stride` between heads) = q_g . keys[l] for one tile of W keys.
+template <typename T>
+inline void score_tile(const T* const* keys, const float* q, int64_t group, int64_t d, float* scores,
+                       int64_t stride) {
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = q + g * d;
+    Reg part[W];
+    const Reg q0 = Vec::load(qg);
+    for (int l = 0; l < W; ++l) part[l] = Vec::mul(q0, Vec::load(keys[l]));
+    for (int64_t c = W; c < d; c += W) {
+      const Reg qc = Vec::load(qg + c);
+      for (int l = 0; l < W; ++l) part[l] = Vec::fma(qc, Vec::load(keys[l] + c), part[l]);
+    }
+    Vec::store(scores + g * stride, Vec::sum_each(part));
+  }
+}
+
+// scores[g * padded + j] = q_g . key_j for j < visible (q already scaled); -inf up to `padded`.
 template <typename T>
 void score_keys(const T* base, const SeqKV& seq, const float* q, int64_t group, int64_t d, int64_t visible,
                 int64_t padded, float* scores) {
@@ -88,17 +105,7 @@ void score_keys(const T* base, const SeqKV& seq, const float* q, int64_t group, 
     for (int64_t j = j0 + 2 * W; j < std::min<int64_t>(j0 + 3 * W, visible); ++j, ahead.next())
       prefetch(base + ahead.token() + row_offset, row_bytes);
     if (j0 + W >= visible) prefetch(base + seq.offset(0) - seq.head_offset + row_offset + seq.kv.kv_stride, row_bytes);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = q + g * d;
-      Reg part[W];
-      const Reg q0 = Vec::load(qg);
-      for (int l = 0; l < W; ++l) part[l] = Vec::mul(q0, Vec::load(keys[l]));
-      for (int64_t c = W; c < d; c += W) {
-        const Reg qc = Vec::load(qg + c);
-        for (int l = 0; l < W; ++l) part[l] = Vec::fma(qc, Vec::load(keys[l] + c), part[l]);
-      }
-      Vec::store(scores + g * padded + j0, Vec::sum_each(part));
-    }
+    score_tile(keys, q, group, d, scores + j0, padded);
   }
   for (int64_t g = 0; g < group; ++g) std::fill(scores + g * padded + visible, scores + (g + 1) * padded, kNegInf);
 }

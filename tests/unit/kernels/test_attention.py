@@ -323,3 +323,22 @@ def test_cpu_kernel_vector_path_across_geometries(heads: int, kv_heads: int, dim
         alone = AttentionMetadata.build([pages[seq]], [n], [length], size)
         assert torch.equal(cpu.attend(q[start:start + n], pool, alone), together[start:start + n])
         start += n
+
+
+def test_cpu_kernel_bits_do_not_depend_on_the_number_of_threads() -> None:
+    """Threads split (sequence, rows, kv heads) work items: 1, 2 and 3 threads give the same bits."""
+    gen = torch.Generator().manual_seed(8)
+    pool = torch.randn(40, 2, 16, 3, 64, generator=gen).to(torch.bfloat16)
+    pages = [list(range(0, 10)), list(range(10, 14)), list(range(14, 40))]
+    meta = AttentionMetadata.build(pages, [20, 1, 1], [150, 60, 400], 16)
+    q = torch.randn(22, 9, 64, generator=gen)
+    backend = create_attention_backend("cpu", num_heads=9, num_kv_heads=3, head_dim=64, page_size=16)
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outputs.append(backend.attend(q, pool, meta))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(out, outputs[0]) for out in outputs[1:])

@@ -93,3 +93,19 @@ def test_bfloat16_activations_and_layers() -> None:
     torch.testing.assert_close(table(ids), weight.dequantize()[ids])
     tied = QuantizedLinear(table.quantized)            # a tied LM head reads the table's packed panels
     assert tied.quantized is table.quantized and (tied.in_features, tied.out_features) == (64, 64)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_the_bits_do_not_depend_on_the_number_of_threads(fmt: QuantFormat) -> None:
+    """Threads split the output columns (panels), never a sum: 1, 2 and 3 threads give the same bits."""
+    weight = pack(quantize(_weight(200, 192, seed=5), fmt))
+    x = torch.randn(37, 192, generator=torch.Generator().manual_seed(6))
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outputs.append(quantized_matmul(x, weight))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
