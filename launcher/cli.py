@@ -77,7 +77,7 @@ def _worker(args: argparse.Namespace) -> int:
         metrics_port=metrics_port(args.metrics_port, args.port),
         credentials=credentials,
         kv_grant_secret=None if is_embedding else kv_grant_secret_from_args(args, credentials),
-        torch_threads=args.torch_threads or default_torch_threads(2),
+        torch_threads=args.torch_threads or default_torch_threads(args.command),
     )
     return _serve_worker(config)
 

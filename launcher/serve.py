@@ -53,7 +53,6 @@ def stack_configs(args: argparse.Namespace) -> StackConfigs:
         raise SystemExit("tandem serve: --prefill-workers and --decode-workers must be >= 1")
     credentials = serve_credentials(args)
     grant_secret = None if args.is_embedding else generate_token()
-    threads = args.torch_threads or default_torch_threads(num_prefill + num_decode)
     decode_port = args.decode_port if args.decode_port is not None else args.prefill_port + num_prefill
 
     def workers(role: str, count: int, first_port: int, first_metrics_port: int | None) -> tuple[WorkerConfig, ...]:
@@ -66,7 +65,7 @@ def stack_configs(args: argparse.Namespace) -> StackConfigs:
                 metrics_port=metrics_port(_nth(first_metrics_port, i), first_port + i),
                 credentials=credentials,
                 kv_grant_secret=grant_secret,
-                torch_threads=threads,
+                torch_threads=args.torch_threads or default_torch_threads(role, num_prefill, num_decode),
             )
             for i in range(count)
         )

@@ -3,6 +3,7 @@ loopback where the gateway finds them, an embedding stack without decode."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +35,8 @@ def test_the_gateway_finds_both_workers_and_all_three_share_one_token(tmp_path: 
     assert stack.prefill.credentials == stack.decode.credentials == stack.gateway.internal
     assert [c.drain_timeout_s for c in stack.children] == [7, 7, 7]
     assert (stack.prefill.engine.enable_prefix_cache, stack.decode.engine.enable_prefix_cache) == (True, False)
-    assert stack.prefill.torch_threads == stack.decode.torch_threads >= 1
+    assert (stack.prefill.torch_threads, stack.decode.torch_threads) == (
+        default_torch_threads("prefill"), default_torch_threads("decode"))
 
 
 def test_an_embedding_stack_has_no_decode_and_no_grant_secret() -> None:
@@ -86,7 +88,8 @@ def test_many_workers_take_consecutive_ports_and_share_the_cores() -> None:
     assert [w.metrics_port for w in stack.children[:5]] == [40101, 40102, 40103, 40104, 40105]
     assert stack.gateway.prefill_addrs == ("127.0.0.1:40001", "127.0.0.1:40002")
     assert len(stack.gateway.decode_addrs) == 3
-    assert {w.torch_threads for w in stack.children[:5]} == {default_torch_threads(5)}
+    assert [w.torch_threads for w in stack.children[:5]] == [default_torch_threads("prefill", 2, 3)] * 2 + [
+        default_torch_threads("decode", 2, 3)] * 3
     assert len({w.kv_grant_secret for w in stack.children[:5]}) == 1
     names = [child_spec(c, "info", child_name(stack, c)).name for c in stack.children]
     assert names == ["prefill-1", "prefill-2", "decode-1", "decode-2", "decode-3", "gateway"]
@@ -97,3 +100,16 @@ def test_ports_two_servers_would_share_are_refused() -> None:
         _stack("--prefill-workers", "2", "--prefill-port", "40001", "--decode-port", "40002")
     with pytest.raises(SystemExit, match="must be >= 1"):
         _stack("--decode-workers", "0")
+
+
+@pytest.mark.parametrize(("cores", "workers", "expected"), [
+    (2, (1, 1), (2, 1)),      # the measured case: prefill bursts on both cores, decode keeps one thread
+    (16, (1, 1), (16, 8)),
+    (16, (2, 3), (8, 3)),
+    (1, (1, 1), (1, 1)),
+    (4, (1, 0), (4, 4)),      # an embedding stack: no decode worker
+])
+def test_default_threads_give_prefill_the_cores_and_decode_its_share(
+        monkeypatch: pytest.MonkeyPatch, cores: int, workers: tuple[int, int], expected: tuple[int, int]) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))   # the machine's cores
+    assert (default_torch_threads("prefill", *workers), default_torch_threads("decode", *workers)) == expected
