@@ -179,7 +179,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     """Threads, the KV transport and the handoff's timeouts."""
-    p.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker process")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch threads per worker process (default: a prefill worker the cores the prefill workers "
+        "share, a decode worker its even share of the cores among all workers; docs/performance.md)",
+    )
     p.add_argument("--kv-transport", default=field_default(TransportConfig, "backend"), choices=["mooncake", "local"])
     p.add_argument("--kv-host", default=None, help="address peers use to reach this worker's KV transport")
     p.add_argument("--kv-protocol", default=field_default(TransportConfig, "protocol"), choices=["tcp", "rdma"])
