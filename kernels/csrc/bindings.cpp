@@ -265,19 +265,24 @@ class DecoderLayer {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // Every kernel runs without the GIL (the tensors it reads are its arguments, held by the caller):
+  // a worker's gRPC threads stream the last step's tokens while the engine thread computes the next.
+  using NoGil = py::call_guard<py::gil_scoped_release>;
   m.def("qmatmul", &qmatmul,
         "x [M, K] float32 times packed block-quantized weights [N, K]^T -> [M, N]; activations rounded to "
-        "int16 (qmax 32767) or int8 (qmax 127) blocks, exact integer block dots");
-  m.def("paged_attention", &paged_attention, "causal attention over a paged KV cache (CSR page table)");
+        "int16 (qmax 32767) or int8 (qmax 127) blocks, exact integer block dots",
+        NoGil());
+  m.def("paged_attention", &paged_attention, "causal attention over a paged KV cache (CSR page table)", NoGil());
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, H] float32 rows, optionally after adding them into a residual",
-        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [T, 2I] float32 rows");
-  m.def("rope_and_store", &rope_and_store, "rotary embedding on q, k in place; k, v written to the paged cache");
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none(), NoGil());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [T, 2I] float32 rows", NoGil());
+  m.def("rope_and_store", &rope_and_store, "rotary embedding on q, k in place; k, v written to the paged cache",
+        NoGil());
   m.def("isa", &tandem::isa_name, "the instruction set the kernels were compiled for");
   py::class_<DecoderLayer>(m, "DecoderLayer", "one dense decoder layer over packed weights, in one call")
       .def(py::init<torch::Tensor, torch::Tensor, double, std::vector<LinearSpec>, int64_t, int64_t, int64_t,
                     int64_t, double>(),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("linears"), py::arg("num_q_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("qmax"), py::arg("scale"))
-      .def("forward", &DecoderLayer::forward);
+      .def("forward", &DecoderLayer::forward, NoGil());
 }
