@@ -4,8 +4,8 @@
 (`kernels.packing`): each activation row is rounded to int16 blocks of 32 (one scale per block),
 every product is an exact integer dot per block, and blocks are summed in float32. int16 keeps
 1/65534 of a block's largest value as resolution: the bundled model's greedy output agrees with
-the float32 reference as the float-activation path did (docs/performance.md), at twice the
-arithmetic rate of float32 FMAs. `int8_activations` rounds to int8 blocks instead, as llama.cpp
+the float32 reference on every prompt of benchmarks/greedy_match.py (docs/performance.md), at twice
+the arithmetic rate of float32 FMAs. `int8_activations` rounds to int8 blocks instead, as llama.cpp
 does (the same kernel and speed here; kept to reproduce llama.cpp's numbers). Each row's result is
 independent of the other rows in the call, so batching does not change it.
 """
