@@ -188,8 +188,9 @@ class FlashInferAttention(AttentionBackend):
     CUDA-graph decode wrappers of `prepare_cuda_graphs` (one of them runs per step; a captured
     graph's step is planned by `plan_cuda_graph`). `plan` must be called once per step before
     `attend`; it first waits for the previous plan's host-to-device copies, which FlashInfer stages
-    through one pinned buffer that the next plan overwrites. The caller must likewise leave `meta_host`'s pinned tensors unwritten
-    until the step's attention has run (plan copies them without blocking).
+    through one pinned buffer that the next plan overwrites. The caller must likewise leave
+    `meta_host`'s pinned tensors unwritten until the step's attention has run (plan copies them
+    without blocking).
     """
 
     def __init__(
