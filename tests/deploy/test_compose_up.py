@@ -221,10 +221,21 @@ def test_scaled_to_two_prefill_and_two_decode_replicas_the_gateway_uses_them_all
         raise AssertionError(f"not every replica ready: {info['workers']}")
     assert info["incompatible_pairs"] == []
     body = {"text": "Count to five:", "sampling_params": {"temperature": 0, "max_new_tokens": 16}}
+    before = _decode_decisions(stack.url)   # the earlier tests' decode worker may have been replaced by `up`
     with ThreadPoolExecutor(8) as pool:
         replies = list(pool.map(lambda _: httpx.post(f"{stack.url}/generate", json=body, timeout=300), range(8)))
     assert [r.status_code for r in replies] == [200] * 8
     assert len({r.json()["text"] for r in replies}) == 1   # the same greedy answer from every pair
-    metrics = httpx.get(f"{stack.url}/metrics", timeout=10).text
-    decodes = set(re.findall(r'tandem_gateway_route_decisions_total\{[^}]*role="decode",worker="([^"]+)"', metrics))
-    assert len(decodes) == 2, decodes
+    after = _decode_decisions(stack.url)
+    used = {worker for worker, count in after.items() if count > before.get(worker, 0)}
+    assert len(used) == 2, (before, after)
+
+
+def _decode_decisions(url: str) -> dict[str, float]:
+    """The gateway's decode routing decisions so far, summed per worker address."""
+    counts: dict[str, float] = {}
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    pattern = r'^tandem_gateway_route_decisions_total\{[^}]*role="decode",worker="([^"]+)"[^}]*\} (\S+)$'
+    for worker, value in re.findall(pattern, metrics, re.MULTILINE):
+        counts[worker] = counts.get(worker, 0.0) + float(value)
+    return counts
