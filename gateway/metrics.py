@@ -151,9 +151,9 @@ class GatewayMetrics:
         prompt tokens the router expects the prefill worker to hold in its cache."""
         self.route_decisions.labels(policy, "decode", decode, decode_reason).inc()
         if prefill is None:
-            self.prefill_path.labels("local", prefill_reason).inc()
+            self.prefill_path.labels(PrefillPath.LOCAL.value, prefill_reason).inc()
             return
-        self.prefill_path.labels("disaggregated", prefill_reason).inc()
+        self.prefill_path.labels(PrefillPath.DISAGGREGATED.value, prefill_reason).inc()
         self.route_decisions.labels(policy, "prefill", prefill, prefill_reason).inc()
         self.route_cached_tokens.labels(prefill, "estimated").inc(estimated)
 

@@ -8,12 +8,12 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.cluster.admission import Admission
 from gateway.cluster.compatibility import Mismatch, mismatches
 from gateway.cluster.discovery import REFRESH_INTERVAL_S, RoleDiscovery
+from gateway.cluster.prefix_index import PromptPages
 from gateway.cluster.routing import Route, Router
 from gateway.cluster.worker import Worker
 from gateway.config import DEFAULT_MAX_QUEUE_WAIT_S, DEFAULT_MAX_QUEUED, RoutingConfig
@@ -87,9 +87,6 @@ class WorkerPool:
     def all_workers(self) -> list[Worker]:
         return self.workers["prefill"] + self.workers["decode"]
 
-    def worker(self, role: str, address: str) -> Worker | None:
-        return next((w for w in self.workers[role] if w.address == address), None)
-
     async def probe_all(self) -> None:
         await self.refresh_members()
         await asyncio.gather(*(w.probe() for w in self.all_workers()))
@@ -144,25 +141,29 @@ class WorkerPool:
         return any(self._pairs(avoid).values())
 
     def route(
-        self, prompt_ids: Sequence[int], avoid: frozenset[str] = frozenset(), may_prefill_locally: bool = True
+        self,
+        prompt: PromptPages,
+        avoid: frozenset[str] = frozenset(),
+        may_prefill_locally: bool = True,
     ) -> Route:
         """The workers of one request, counted in flight on each from now (`Route.end`): by the
         router's policy among routable workers not in `avoid` that may be paired, or a decode worker
         alone when the router says it should prefill the prompt itself (and `may_prefill_locally`).
-        503 when no such pair exists."""
+        503 when no such pair exists. The router's prefix index learns the prompt only once the
+        route's prefill is sent (`Router.routed`, the trip's call)."""
         pairs = self._pairs(avoid)
         decodes = [d for d, prefills in pairs.items() if prefills]
         if not decodes:
             raise self._no_pair_error()
         prefills = list(dict.fromkeys(p for d in decodes for p in pairs[d]))
         policy = self.router.config.policy
-        local = self.router.local_reason(len(prompt_ids), prefills) if may_prefill_locally else None
-        fitting = [d for d in decodes if _fits(d, len(prompt_ids))]
+        local = self.router.local_reason(len(prompt), prefills) if may_prefill_locally else None
+        fitting = [d for d in decodes if _fits(d, len(prompt))]
         if local is not None and fitting:
             decode = self.router.choose_decode(fitting)
             route = Route(None, decode.worker, policy, local, decode.reason)
         else:
-            prefill = self.router.choose_prefill(prompt_ids, prefills)
+            prefill = self.router.choose_prefill(prompt, prefills)
             decode = self.router.choose_decode([d for d in decodes if prefill.worker in pairs[d]])
             route = Route(
                 prefill.worker,
@@ -173,7 +174,6 @@ class WorkerPool:
                 prefill.estimated_cached_tokens,
                 prefill.page_hashes,
             )
-            self.router.routed(route)
         route.begin()
         return route
 

@@ -27,6 +27,26 @@ def page_hashes(token_ids: Sequence[int], page_size: int) -> tuple[int, ...]:
     return tuple(hashes)
 
 
+class PromptPages:
+    """A prompt's token ids and its `page_hashes`, computed once per page size however often the
+    prompt is routed (a request is routed afresh on each admission retry and each failover)."""
+
+    __slots__ = ("token_ids", "_hashes")
+
+    def __init__(self, token_ids: Sequence[int]) -> None:
+        self.token_ids = token_ids
+        self._hashes: dict[int, tuple[int, ...]] = {}  # page size -> hashes
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def hashes(self, page_size: int) -> tuple[int, ...]:
+        found = self._hashes.get(page_size)
+        if found is None:
+            found = self._hashes[page_size] = page_hashes(self.token_ids, page_size)
+        return found
+
+
 class PrefixIndex:
     """The prefixes (as `page_hashes`) routed to one worker, at most `capacity` pages, least recently
     routed evicted first. `max_capacity` is the worker's whole pool; `correct` moves `capacity`

@@ -27,7 +27,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gateway.cluster.prefix_index import PrefixIndex, page_hashes
+from gateway.cluster.prefix_index import PrefixIndex, PromptPages
 from gateway.cluster.worker import Worker
 from gateway.config import RouterPolicy, RoutingConfig
 
@@ -103,14 +103,14 @@ class Router:
             return RouteReason.PREFILL_BUSY
         return None
 
-    def choose_prefill(self, prompt_ids: Sequence[int], candidates: Sequence[Worker]) -> _Choice:
+    def choose_prefill(self, prompt: PromptPages, candidates: Sequence[Worker]) -> _Choice:
         """A prefill worker among `candidates` (not empty), by the policy."""
         policy = self.config.policy
         if policy is RouterPolicy.ROUND_ROBIN:
             return _Choice(candidates[next(self._turns["prefill"]) % len(candidates)], RouteReason.ROUND_ROBIN)
         if policy is RouterPolicy.LEAST_LOAD:
             return _Choice(min(candidates, key=lambda w: w.queue_load), RouteReason.LEAST_LOAD)
-        return self._by_prefix(prompt_ids, candidates)
+        return self._by_prefix(prompt, candidates)
 
     def choose_decode(self, candidates: Sequence[Worker]) -> _Choice:
         """A decode worker among `candidates` (not empty): round-robin, or the least loaded (fewest
@@ -120,7 +120,8 @@ class Router:
         return _Choice(min(candidates, key=lambda w: (w.queue_load, -w.num_free_pages)), RouteReason.LEAST_LOAD)
 
     def routed(self, route: Route) -> None:
-        """The prompt's pages will be in its prefill worker's cache once it ran there."""
+        """The route's prefill is sent (its reservation is held): the prompt's pages will be in its
+        prefill worker's cache once it ran there. A route chosen but never used is not told here."""
         if route.prefill is not None and route.page_hashes:
             self._index(route.prefill).insert(route.page_hashes)
 
@@ -138,19 +139,15 @@ class Router:
         for _, index in self._indexes.values():
             index.clear()
 
-    def index_sizes(self) -> dict[str, int]:
-        """Pages each prefill worker's index holds, by address."""
-        return {address: len(index) for address, (_, index) in self._indexes.items()}
-
-    def _by_prefix(self, prompt_ids: Sequence[int], candidates: Sequence[Worker]) -> _Choice:
+    def _by_prefix(self, prompt: PromptPages, candidates: Sequence[Worker]) -> _Choice:
         page_size = _page_size(candidates[0])
-        hashes = page_hashes(prompt_ids, page_size)
+        hashes = prompt.hashes(page_size)
         # The worker's cache always leaves a prompt's last token to compute, so at most this much of it hits.
-        most = (len(prompt_ids) - 1) // page_size
+        most = (len(prompt) - 1) // page_size
         matched = {w.address: min(most, self._index(w).match(hashes)) for w in candidates}
         least = min(w.queue_load for w in candidates)
         within = [w for w in candidates if w.queue_load <= least + self.config.prefix_load_guard]
-        first_page = hashes[0] if hashes else hash(tuple(prompt_ids))
+        first_page = hashes[0] if hashes else hash(tuple(prompt.token_ids))
 
         def preference(w: Worker) -> tuple[int, int, int, int]:
             return (-matched[w.address], w.queue_load, len(self._index(w)), _tie_break(first_page, w.address))

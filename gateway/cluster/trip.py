@@ -4,9 +4,10 @@ Disaggregated: Reserve (decode) -> Prefill -> Generate (decode); the gateway onl
 small control messages, the KV goes prefill -> decode directly. Local (the router's conditional
 disaggregation): PrefillAndGenerate on the decode worker alone, no KV transfer. Whatever ends a trip
 early (an error, a stop string, a client that went away), the `finally` blocks tell the workers, so no
-page stays held, and take the request off its workers' in-flight counts. A call that fails because of
-its worker (`WorkerError.is_worker_failure`) marks that worker (`Worker.record_failure`); whether to
-try again elsewhere is the caller's choice (`gateway/cluster/handoff.py`).
+page stays held, take the request off its workers' in-flight counts and wake the admission queue. A
+call that fails because of its worker (`WorkerError.is_worker_failure`) marks that worker
+(`Worker.record_failure`; `worker_calls.unless_stalled`); whether to try again elsewhere is the
+caller's choice (`gateway/cluster/handoff.py`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from gateway.cluster.client import DecodeStream
 from gateway.cluster.pool import WorkerPool
+from gateway.cluster.prefix_index import PromptPages
 from gateway.cluster.routing import Route
 from gateway.cluster.worker import Worker
 from gateway.cluster.worker_calls import PrefillAnswered, abort, chunks, prefill_answer, release, settle, unless_stalled
@@ -35,23 +37,29 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class TripRequest:
     """What a trip carries: the prompt, its sampling, the prompt logprobs asked for (from
-    `prompt_logprob_start`) and the time it waited before the trip (`gateway_queue_ms`)."""
+    `prompt_logprob_start`) and the time it waited before the trip (`gateway_queue_ms`). `pages`
+    keeps the prompt's page hashes over every routing of the request."""
 
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingOptions
     prompt_logprob_start: int | None = None
     gateway_queue_ms: float = 0.0
+    pages: PromptPages = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pages", PromptPages(self.prompt_ids))  # frozen: set once, here
 
 
 async def run_trip(
     pool: WorkerPool, config: GatewayConfig, metrics: GatewayMetrics, request: TripRequest, avoid: frozenset[str]
 ) -> AsyncGenerator[TokenEvent, None]:
     """One attempt on workers whose addresses are not in `avoid`: the first token (with the timings),
-    then the rest until a finish. Records the route in `metrics`."""
+    then the rest until a finish. Records the route in `metrics`. However it ends, the admission
+    queue is woken once (`Admission.released`): the trip's pages are back."""
     started = time.perf_counter()
     # Prompt logprobs come from a prefill worker's scoring pass, so such a request is never prefilled locally.
-    route = pool.route(request.prompt_ids, avoid, may_prefill_locally=request.prompt_logprob_start is None)
+    route = pool.route(request.pages, avoid, may_prefill_locally=request.prompt_logprob_start is None)
     if route.is_local:
         _observe(metrics, route)
         events = _local_trip(config, route, request, started)
@@ -63,6 +71,7 @@ async def run_trip(
                 yield event
     finally:
         route.end()
+        pool.admission.released()
 
 
 async def _disaggregated_trip(
@@ -84,6 +93,7 @@ async def _disaggregated_trip(
     rid = request.request_id
     try:
         _observe(metrics, route)
+        pool.router.routed(route)  # only now: a route chosen on an admission retry and dropped is never sent
         call = prefill.client.prefill(
             rid,
             request.prompt_ids,
@@ -95,7 +105,6 @@ async def _disaggregated_trip(
         first = await prefill_answer(prefill, call, config.stall_timeout_s)
         write_settled = True
         route.end_prefill()
-        prefill.record_success()
         pool.router.prefilled(route, first.cached_tokens)
         metrics.observe_cached(prefill.address, first.cached_tokens)
         timings = HandoffTimings(
@@ -133,7 +142,6 @@ async def _disaggregated_trip(
             if stream is not None:
                 stream.cancel()
             await settle(release(decode, prefill, rid, None if write_settled else reservation.kv_target))
-        pool.admission.released()
 
 
 async def _local_trip(
@@ -151,7 +159,6 @@ async def _local_trip(
         async for chunk in chunks(decode, stream, config.stall_timeout_s):
             finished = chunk.finish_reason is not None
             if timings is None:
-                decode.record_success()
                 timings = HandoffTimings(
                     0.0,
                     chunk.queue_ms or 0.0,
@@ -193,7 +200,7 @@ async def _reserve(
 
     async def reserve() -> Reservation:
         if not routes:
-            routes.append(pool.route(request.prompt_ids, avoid, may_prefill_locally=False))
+            routes.append(pool.route(request.pages, avoid, may_prefill_locally=False))
         route = routes[0]
         try:
             call = route.decode.client.reserve(rid, len(request.prompt_ids), timeout_s=config.reserve_timeout_s)

@@ -80,9 +80,11 @@ class Worker:
         another context length or pool, and an update changes its weights), then its load."""
         info = await self.client.model_info(PROBE_TIMEOUT_S)
         if info is not None:
-            self.info = info
+            if info != self.info:  # the same object while unchanged: the pool's pairing checks are cached by it
+                self.info = info
+            in_flight = self.num_in_flight  # before the await: requests routed meanwhile are not in the report
             try:
-                self.load, self._in_flight_at_load = await self.client.load(PROBE_TIMEOUT_S), self.num_in_flight
+                self.load, self._in_flight_at_load = await self.client.load(PROBE_TIMEOUT_S), in_flight
             except WorkerError:
                 self.load = None  # routing goes by this gateway's own counts until it answers again
         self._set_ready(info is not None)

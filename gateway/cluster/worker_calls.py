@@ -2,9 +2,10 @@
 
 `unless_stalled` awaits a call's answer and, each time `--stall-timeout` passes without one, checks
 that the worker still answers health checks; a call that fails because of its worker marks the worker
-(`Worker.record_failure`). `release` frees a decode worker's pages for an unfinished trip (asking the
-prefill worker first to confirm that no KV write into them is still running), and `settle` runs such a
-release to its end even if the trip that started it is cancelled again. Event loop only.
+(`Worker.record_failure`) and one that is answered clears its count (`Worker.record_success`).
+`release` frees a decode worker's pages for an unfinished trip (asking a ready prefill worker first to
+confirm that no KV write into them is still running), and `settle` runs such a release to its end even
+if the trip that started it is cancelled again. Event loop only.
 """
 
 from __future__ import annotations
@@ -57,13 +58,16 @@ async def unless_stalled(worker: Worker, awaitable: Awaitable[T], stall_timeout_
     """Await a call's answer; each time `stall_timeout_s` passes without one, check that the worker
     still answers health checks. A worker that does not (frozen, wedged, its host gone) ends the
     wait with a 503 and is marked unready; a slow but live one (a long prompt, a queue) is waited for.
-    A call that fails because of its worker marks the worker (`Worker.record_failure`)."""
+    A call that fails because of its worker marks the worker (`Worker.record_failure`); an answer
+    clears its count of failures in a row (`Worker.record_success`)."""
     pending = asyncio.ensure_future(awaitable)
     try:
         while True:
             done, _ = await asyncio.wait((pending,), timeout=stall_timeout_s)
             if done:
-                return pending.result()
+                answer = pending.result()
+                worker.record_success()
+                return answer
             if not await worker.responds():
                 logger.warning(
                     "%s worker %s sent nothing for %g s and does not answer health checks",
@@ -84,18 +88,23 @@ async def release(decode: Worker, prefill: Worker, request_id: str, unsettled: K
     """Free the decode server's pages for an unfinished trip. `unsettled` is the KV target of a
     Prefill that has not answered: the prefill server is asked to stop it and confirm its write is
     over, so the decode server frees the pages at once; if it cannot confirm, they rest for the
-    write grace instead. (Cancelling a Generate stream frees them too; the Abort makes it certain.)"""
+    write grace instead. A prefill worker that is not ready (just marked failed, or stalled) is not
+    asked: waiting on it would only delay the failover. (Cancelling a Generate stream frees the
+    pages too; the Abort makes it certain.)"""
     write_settled = unsettled is None
     if unsettled is not None:
-        with contextlib.suppress(WorkerError):
-            await prefill.client.cancel_prefill(request_id, unsettled, timeout_s=_SETTLE_TIMEOUT_S)
-            write_settled = True
+        is_asked = prefill.is_ready
+        if is_asked:
+            with contextlib.suppress(WorkerError):
+                await prefill.client.cancel_prefill(request_id, unsettled, timeout_s=_SETTLE_TIMEOUT_S)
+                write_settled = True
         if not write_settled:
             logger.warning(
-                "prefill worker %s did not confirm that %s's KV write is over; its decode pages "
+                "prefill worker %s did not confirm that %s's KV write is over%s; its decode pages "
                 "rest for the write grace",
                 prefill.address,
                 request_id,
+                "" if is_asked else " (it is not ready: not asked)",
             )
     await abort(decode, request_id, write_settled)
 

@@ -64,7 +64,8 @@ async def serving_grpc_api(
     def is_ready() -> bool:
         return state.pool.is_ready
 
-    reported = await _set_health(health_servicer, is_ready)  # before the port opens: never SERVING too soon
+    reported = is_ready()
+    await _set_health(health_servicer, reported)  # before the port opens: never SERVING too soon
     await server.start()
     logger.info("gRPC API (%s) on %s", SERVICE_NAME, address)
     watcher = asyncio.create_task(_report_health(health_servicer, reported, is_ready, is_stopping, stopping))
@@ -97,17 +98,16 @@ async def _report_health(
     (Watch sees each change), and set `stopping` once the gateway is."""
     while not is_stopping():
         await asyncio.sleep(_HEALTH_POLL_S)
-        if is_ready() != reported:
-            reported = await _set_health(servicer, is_ready)
+        if (ready := is_ready()) != reported:
+            await _set_health(servicer, ready)
+            reported = ready
     stopping.set()
 
 
-async def _set_health(servicer: health.aio.HealthServicer, is_ready: Callable[[], bool]) -> bool:
-    ready = is_ready()
+async def _set_health(servicer: health.aio.HealthServicer, ready: bool) -> None:
     status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
     for service in ("", SERVICE_NAME):
         await servicer.set(service, status)
-    return ready
 
 
 class _KeyCheck(grpc.aio.ServerInterceptor):

@@ -49,8 +49,8 @@ def status_of(error: APIError) -> grpc.Status:
     """`error` as a status with details; the message is the HTTP body's (scrubbed of internal names)."""
     code = code_of(error)
     body = error.body()["error"]
-    # The reason is the HTTP body's code where it has a name (its HTTP status where it has none: the type).
-    reason = error.code if isinstance(error.code, str) else error.type
+    # The reason is the HTTP body's code where it has one, else its type.
+    reason = error.code if error.code is not None else error.type
     info = error_details_pb2.ErrorInfo(
         reason=reason.upper(), domain=_DOMAIN, metadata={"http_status": str(error.status)}
     )

@@ -19,6 +19,7 @@ from engine.request import Request, SamplingParams
 from engine.weights import open_checkpoint
 from gateway.cluster.handoff import run_handoff
 from gateway.cluster.pool import WorkerPool
+from gateway.cluster.prefix_index import PromptPages
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
@@ -148,7 +149,7 @@ def test_an_expired_reservation_frees_its_pages_and_its_grant_is_refused(model_p
     TTL and the write grace, and a prefill that arrives later with its grant is refused."""
     async def scenario() -> APIError:
         async with _gateway(model_path, reservation_ttl_s=0.5, write_grace_s=0.3) as (pool, config, _):
-            route = pool.route(PROMPT)
+            route = pool.route(PromptPages(PROMPT))
             prefill, decode = route.prefill, route.decode
             assert prefill is not None
             reservation = await decode.client.reserve("late", len(PROMPT), _TIMEOUT_S)

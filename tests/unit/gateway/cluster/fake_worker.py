@@ -48,19 +48,24 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
 
 
 class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
-    """Generate streams token 8 (with queue_ms), then aborts with `failure`, or hangs while `is_stuck`,
-    or ends with token 2 and FINISH_REASON_STOP."""
+    """Reserve answers RESOURCE_EXHAUSTED (no free pages) `num_full_reserves` times first. Generate
+    streams token 8 (with queue_ms), then aborts with `failure`, or hangs while `is_stuck`, or ends with
+    token 2 and FINISH_REASON_STOP."""
 
     def __init__(self) -> None:
         self.received: list = []
         self.failure: Failure | None = None
         self.is_stuck = False
         self.fails_reserve = True  # False: only the Generate stream fails with `failure`; Reserve answers
+        self.num_full_reserves = 0
 
     async def Reserve(self, request, context):
         self.received.append(request)
         if self.failure is not None and self.fails_reserve:
             await context.abort(*self.failure)
+        if self.num_full_reserves > 0:
+            self.num_full_reserves -= 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free pages")
         return decode_pb2.ReserveResponse(request_id=request.request_id, kv_target=KV_TARGET, ttl_ms=5000)
 
     async def Generate(self, request, context):

@@ -1,7 +1,8 @@
 """`run_handoff` through a real `WorkerPool` and `WorkerClient` against a fake worker on loopback: a
 whole trip, and each way a trip ends early (a prefill error, a prefill past its deadline, a frozen
 decode worker, a reader that stops) tells the workers, with `kv_write_settled` only once no KV write
-can be in flight."""
+can be in flight; what a trip tells the pool (worker failures cleared, the prefix index, the admission
+queue)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import pytest
 
 from gateway.cluster.handoff import run_handoff
 from gateway.cluster.pool import WorkerPool
+from gateway.cluster.worker_errors import stalled_error
 from gateway.config import GatewayConfig, RouterPolicy, RoutingConfig
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
-from gateway.records import FinishReason, PrefillPath, SamplingOptions, TokenEvent
+from gateway.records import FinishReason, PrefillPath, Role, SamplingOptions, TokenEvent
 from tandem.v1 import decode_pb2
 from tests.unit.gateway.cluster.fake_worker import KV_TARGET, FakeWorker, serve_fake_worker
 
@@ -117,6 +119,20 @@ def test_a_reader_that_stops_early_releases_the_pages(tmp_path: Path) -> None:
     _run(tmp_path, scenario)
 
 
+def test_a_decode_worker_that_answers_has_its_failures_in_a_row_cleared(tmp_path: Path) -> None:
+    async def scenario(pool: WorkerPool, config: GatewayConfig, worker: FakeWorker) -> None:
+        decode = pool.workers["decode"][0]
+        for _ in range(2):
+            decode.record_failure(stalled_error(Role.DECODE, decode.address, 1.0))
+        await pool.probe_all()   # serving again, with two failures in a row counted
+        assert [e.token_ids async for e in _trip(pool, config)][-1] == [2]
+        decode.record_failure(stalled_error(Role.DECODE, decode.address, 1.0))
+        await pool.probe_all()
+        assert decode.is_routable   # one failure since the trip's answers, not the third in a row: not skipped
+
+    _run(tmp_path, scenario)
+
+
 def _run_pair(tmp_path: Path, scenario, routing: RoutingConfig = RoutingConfig(policy=RouterPolicy.ROUND_ROBIN),
               **config) -> None:
     """`scenario(pool, config, a, b)` with prefill workers (a, b) and decode worker b, round-robin."""
@@ -141,13 +157,13 @@ def test_a_prefill_worker_that_fails_before_the_first_token_is_replaced_once(tmp
         metrics = GatewayMetrics()
         events = [e async for e in run_handoff(pool, config, metrics, "r1", PROMPT, SAMPLING)]
         assert [e.token_ids for e in events] == [[7], [8], [2]]
-        assert [len(w.prefill.received) for w in (a, b)] == [2, 1]   # a: Prefill, then CancelPrefill; b: Prefill
-        assert b.aborts() == [("r1", True)]   # the first reservation, freed once a confirmed its write is over
+        assert [len(w.prefill.received) for w in (a, b)] == [1, 1]   # a, just failed, is not asked to cancel
+        assert b.aborts() == [("r1", False)]   # the first reservation: its pages rest for the write grace
         assert not pool.workers["prefill"][0].is_ready and pool.workers["prefill"][1].is_ready
         assert metrics.failovers._value.get() == 1
         a.prefill.failure = (grpc.StatusCode.UNAVAILABLE, "still down")   # the next request avoids a at once
         assert [e.token_ids async for e in run_handoff(pool, config, metrics, "r2", PROMPT, SAMPLING)][0] == [7]
-        assert len(a.prefill.received) == 2
+        assert len(a.prefill.received) == 1
 
     _run_pair(tmp_path, scenario)
 
@@ -191,5 +207,36 @@ def test_a_short_prompt_is_prefilled_by_its_decode_worker(tmp_path: Path) -> Non
         with_logprobs = run_handoff(pool, config, GatewayMetrics(), "r2", PROMPT, SAMPLING, prompt_logprob_start=1)
         assert (await anext(with_logprobs)).timings.prefill_path is PrefillPath.DISAGGREGATED   # scored by prefill
         await with_logprobs.aclose()
+
+    _run_pair(tmp_path, scenario, RoutingConfig(policy=RouterPolicy.ROUND_ROBIN, local_prefill_threshold=8))
+
+
+def test_the_prefix_index_learns_a_prompt_only_from_the_route_its_prefill_went_on(tmp_path: Path) -> None:
+    async def scenario(pool: WorkerPool, config: GatewayConfig, a: FakeWorker, b: FakeWorker) -> None:
+        b.decode.num_full_reserves = 2   # two routes chosen and dropped before a third holds a reservation
+        metrics = GatewayMetrics()
+        prompt = list(range(40))   # two full pages of 16
+
+        def estimated() -> float:
+            return sum(metrics.route_cached_tokens.labels(w.address, "estimated")._value.get() for w in (a, b))
+
+        events = [e async for e in run_handoff(pool, config, metrics, "r1", prompt, SAMPLING)]
+        assert events[-1].finish_reason == FinishReason.STOP
+        assert sum(isinstance(r, decode_pb2.ReserveRequest) for r in b.decode.received) == 3
+        assert estimated() == 0   # the dropped routes taught no index
+        [e async for e in run_handoff(pool, config, metrics, "r2", prompt, SAMPLING)]
+        assert estimated() == 32   # the prefill sent did
+
+    _run_pair(tmp_path, scenario, RoutingConfig(policy=RouterPolicy.PREFIX_AWARE))
+
+
+def test_every_trip_wakes_the_admission_queue_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario(pool: WorkerPool, config: GatewayConfig, a: FakeWorker, b: FakeWorker) -> None:
+        wakes: list[str] = []
+        monkeypatch.setattr(pool.admission, "released", lambda: wakes.append("woken"))
+        [e async for e in run_handoff(pool, config, GatewayMetrics(), "r1", PROMPT, SAMPLING)]   # local
+        assert len(wakes) == 1
+        [e async for e in run_handoff(pool, config, GatewayMetrics(), "r2", PROMPT, SAMPLING, prompt_logprob_start=1)]
+        assert len(wakes) == 2   # disaggregated: once too
 
     _run_pair(tmp_path, scenario, RoutingConfig(policy=RouterPolicy.ROUND_ROBIN, local_prefill_threshold=8))

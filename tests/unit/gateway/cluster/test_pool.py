@@ -12,6 +12,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway.cluster.pool import WorkerPool
+from gateway.cluster.prefix_index import PromptPages
 from gateway.cluster.worker import Worker
 from gateway.errors import APIError
 from tandem.v1 import common_pb2, worker_pb2_grpc
@@ -79,17 +80,17 @@ def test_the_pool_pairs_workers_only_when_their_weights_agree() -> None:
         try:
             await pool.probe_all()
             assert pool.is_ready
-            picks = {pool.route([1, 2, 3]).decode.address for _ in range(4)}
+            picks = {pool.route(PromptPages([1, 2, 3])).decode.address for _ in range(4)}
             assert picks == {served[1][0]}                                    # never the "b" decode worker
             prefill.weights_id = "c"
             await pool.probe_all()
             assert not pool.is_ready
             with pytest.raises(APIError) as refused:
-                pool.route([1, 2, 3])
+                pool.route(PromptPages([1, 2, 3]))
             assert refused.value.status == 503 and "same model weights" in refused.value.message
             prefill.weights_id = "b"
             await pool.probe_all()
-            assert pool.is_ready and pool.route([1, 2, 3]).decode.address == served[2][0]
+            assert pool.is_ready and pool.route(PromptPages([1, 2, 3])).decode.address == served[2][0]
         finally:
             await pool.close()
             for _, server, _ in served:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.cluster.prefix_index import PrefixIndex, page_hashes
+from gateway.cluster.prefix_index import PrefixIndex, PromptPages, page_hashes
 
 PAGE = 4
 
@@ -20,6 +20,13 @@ def test_one_hash_per_full_page_each_standing_for_the_whole_prefix() -> None:
     # the same third page after a different second page is another prefix
     assert page_hashes(list(range(8)) + [8, 9, 10, 11], PAGE)[2] != c[2]
     assert page_hashes([1, 2, 3], PAGE) == ()
+
+
+def test_a_prompts_hashes_are_computed_once_per_page_size() -> None:
+    prompt = PromptPages(list(range(10)))
+    first = prompt.hashes(PAGE)
+    assert first == page_hashes(list(range(10)), PAGE) and prompt.hashes(PAGE) is first
+    assert prompt.hashes(8) == page_hashes(list(range(10)), 8) and len(prompt) == 10
 
 
 def test_a_match_counts_the_leading_pages_only() -> None:

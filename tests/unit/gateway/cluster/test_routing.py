@@ -9,7 +9,9 @@ from collections.abc import Callable
 
 import pytest
 
-from gateway.cluster.routing import Route, RouteReason, Router
+from gateway.cluster.pool import WorkerPool
+from gateway.cluster.prefix_index import PromptPages
+from gateway.cluster.routing import Route, Router, RouteReason
 from gateway.cluster.worker import Worker
 from gateway.cluster.worker_records import KvLayout, ModelInfo, WorkerLoad
 from gateway.config import RouterPolicy, RoutingConfig
@@ -42,8 +44,8 @@ def _in_loop(test: Callable[[], None]) -> None:
     asyncio.run(main())
 
 
-def _prompt(prefix: int, question: int, num_prefix_tokens: int = 64) -> list[int]:
-    return [prefix] * num_prefix_tokens + [1000 + question] * 8
+def _prompt(prefix: int, question: int, num_prefix_tokens: int = 64) -> PromptPages:
+    return PromptPages([prefix] * num_prefix_tokens + [1000 + question] * 8)
 
 
 def test_one_prefix_stays_on_one_prefill_worker_and_new_prefixes_spread() -> None:
@@ -79,6 +81,25 @@ def test_the_load_guard_sends_a_prefix_elsewhere_when_its_worker_is_too_busy() -
         # requests other gateways put there count too (the worker's last report, beyond our own)
         holder.worker.num_in_flight, holder.worker.load = 0, WorkerLoad(2, 2, 64, 64, 0)
         assert router.choose_prefill(_prompt(7, 3), prefills).reason is RouteReason.LOAD_GUARD
+
+    _in_loop(test)
+
+
+def test_a_route_chosen_but_never_used_leaves_the_index_alone() -> None:
+    """The pool's decision does not teach the index (an admission retry or a failover may drop the
+    route); the trip's `routed`, once the prefill is sent, does."""
+    def test() -> None:
+        pool = WorkerPool((), (), routing=RoutingConfig(RouterPolicy.PREFIX_AWARE))
+        pool.workers = {"prefill": _workers(Role.PREFILL, 2), "decode": _workers(Role.DECODE, 1)}
+        dropped = pool.route(_prompt(5, 0))
+        dropped.end()
+        used = pool.route(_prompt(5, 1))
+        assert (used.estimated_cached_tokens, used.prefill_reason) == (0, RouteReason.LEAST_LOAD)
+        pool.router.routed(used)
+        used.end()
+        again = pool.route(_prompt(5, 2))
+        assert again.prefill is used.prefill and again.estimated_cached_tokens == 64
+        assert again.prefill_reason is RouteReason.PREFIX_MATCH
 
     _in_loop(test)
 
