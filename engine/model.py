@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama, Qwen2, Qwen2-MoE, Mixtral) as plain nn.Modules with HF parameter names.
 
-Attention goes through a pluggable `AttentionBackend`; the KV pool is passed into `forward`, and
+Attention goes through a pluggable `AttentionBackend` (a dense layer fused into one C++ call,
+`DecoderLayer.fuse`, runs the `cpu` backend's kernel itself); the KV pool is passed into `forward`, and
 per-step layout travels in `AttentionMetadata`, so the modules hold no per-step state. MoE layers
 (`engine/moe.py`) replace the dense MLP where `ModelConfig.is_moe_layer`; a sequence-classification
 config (`num_labels` > 0) gets HF's `score` head instead of `lm_head`.
@@ -110,10 +111,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fused: Any = None  # the layer as one C++ call, when `fuse` found it can be
 
-    def fuse(self, backend: AttentionBackend) -> bool:
+    def fuse(self, backend: AttentionBackend, kv_dtype: torch.dtype) -> bool:
         """Compute this layer as one C++ call (`kernels.fused_layer`) from now on, if it is a dense
         layer whose every part is a kernel that call runs (packed weights, float32, the `cpu`
-        attention); else keep the modules. Call again after its weights are replaced."""
+        attention, a KV pool in `kv_dtype` the kernels take); else keep the modules. Call again
+        after its weights are replaced."""
         self.fused = None
         if not self.is_moe and isinstance(backend, CpuPagedAttention):
             attn, mlp = self.self_attn, getattr(self, self.ffn_name)
@@ -126,6 +128,7 @@ class DecoderLayer(nn.Module):
                 attn.num_kv_heads,
                 attn.head_dim,
                 backend.scale,
+                kv_dtype,
             )
         return self.fused is not None
 
@@ -212,10 +215,10 @@ class CausalLM(nn.Module):
             x, residual = layer(x, residual, positions, rotary, backend, kv_pool[:, layer_id], meta, counts)
         return self.model.norm(x, residual)[0]
 
-    def fuse_layers(self, backend: AttentionBackend) -> int:
+    def fuse_layers(self, backend: AttentionBackend, kv_dtype: torch.dtype) -> int:
         """`DecoderLayer.fuse` on every layer (after every weight load); how many are fused."""
         layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
-        return sum(layer.fuse(backend) for layer in layers)
+        return sum(layer.fuse(backend, kv_dtype) for layer in layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.score if self.config.num_labels else self.lm_head

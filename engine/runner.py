@@ -104,7 +104,7 @@ class ModelRunner:
         self.rotary = rotary_embedding(mc, context_len, self.dtype, self.device)
         attention = resolve_attention_backend(config.attention_backend, self.device, self.dtype)
         self.attention = attention_backend(attention, mc, config.page_size, self.dtype, self.device)
-        num_fused = self.model.fuse_layers(self.attention)
+        num_fused = self.model.fuse_layers(self.attention, self.kv_dtype)
         sampler = resolve_sampler(config.sampling_backend, self.device)
         self.sampler = create_sampler(sampler, self.device)
         self.decode_graphs = capture_decode_graphs(
@@ -134,7 +134,7 @@ class ModelRunner:
     def load_weights(self, checkpoint: Checkpoint, progress: bool = False) -> None:
         """(Re)load the model's weights in the configured quantization (shapes checked per tensor)."""
         load_causal_lm_weights(self.model, checkpoint, self.quantization, self.int8_activations, progress)
-        self.model.fuse_layers(self.attention)  # the fused layers point at the weights just replaced
+        self.model.fuse_layers(self.attention, self.kv_dtype)  # the fused layers point at the weights just replaced
 
     def _num_pages(self, config: EngineConfig) -> int:
         if config.max_total_tokens is not None:

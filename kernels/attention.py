@@ -10,9 +10,11 @@ last holding `kv_last_page_len[i]` tokens (1..page_size). Attention is causal: a
 q_len new tokens and seq_len tokens in all has its new tokens at positions seq_len - q_len ... One
 `AttentionMetadata` is built per step, on the host, and shared by every layer.
 
-A backend is created once per engine for its model's shapes, dtype and device. Each step the
+A backend is created once per engine for its model's shapes, dtype and device. Each eager step the
 runner calls `plan` once with the host-side metadata (pinned when the device is CUDA), then
-`attend` in every layer with the same metadata on the device.
+`attend` in every layer with the same metadata on the device. A CUDA-graph decode step plans with
+`plan_cuda_graph` instead (engine/cuda_graph.py), and a fused CPU layer runs the C++ attention
+kernel itself (kernels/fused_layer.py) without `attend`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
+from kernels.layers import NATIVE_KV_CACHE_DTYPES
 from kernels.registry import BackendRegistry, as_device, is_flashinfer_installed
 
 logger = logging.getLogger(__name__)
@@ -271,7 +274,7 @@ class CpuPagedAttention(TorchAttention):
         self._kernels = native.load()
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if kv_cache.dtype not in (torch.float32, torch.bfloat16):
+        if kv_cache.dtype not in NATIVE_KV_CACHE_DTYPES:
             return super().attend(q, kv_cache, meta)
         rows = q.float()
         if rows.stride(2) != 1 or rows.stride(1) != rows.shape[2]:  # rows may be strided (a view of q/k/v), heads not

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from kernels import native
-from kernels.quant_linear import INT8_QMAX, INT16_QMAX, QuantizedLinear
+from kernels.layers import NATIVE_KV_CACHE_DTYPES
+from kernels.quant_linear import QuantizedLinear, activation_qmax
 
 
 def fused_decoder_layer(
@@ -28,13 +29,15 @@ def fused_decoder_layer(
     num_kv_heads: int,
     head_dim: int,
     scale: float,
+    kv_dtype: torch.dtype,
 ) -> Any | None:
     """The C++ layer (its `forward(x, residual, positions, cos, sin, kv_cache, write_pages,
     write_offsets, qo_indptr, kv_indptr, kv_indices, kv_last_page_len)` returns (output, residual)
     as `DecoderLayer.forward` does), or None when a part is not what it computes: `projections`
     (qkv, o, gate_up, down) must all be `QuantizedLinear` with one activation rounding and float32
-    biases, the norms float32 CPU tensors, and the kernels built."""
-    if not native.is_available() or len(projections) != 4:
+    biases, the norms float32 CPU tensors, the KV pool (`kv_dtype`) one the kernels take, and the
+    kernels built."""
+    if not native.is_available() or len(projections) != 4 or kv_dtype not in NATIVE_KV_CACHE_DTYPES:
         return None
     linears = [p for p in projections if isinstance(p, QuantizedLinear)]
     if len(linears) != 4 or len({p.int8_activations for p in linears}) != 1:
@@ -46,7 +49,7 @@ def fused_decoder_layer(
         (p.quantized.data, p.out_features, p.quantized.bits, None if p.bias is None else p.bias.detach())
         for p in linears
     ]
-    qmax = INT8_QMAX if linears[0].int8_activations else INT16_QMAX
+    qmax = activation_qmax(linears[0].int8_activations)
     return native.load().DecoderLayer(
         input_norm.detach().contiguous(),
         post_norm.detach().contiguous(),

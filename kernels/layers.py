@@ -14,6 +14,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+# The KV pool dtypes the C++ kernels read and write; a pool in another dtype takes the torch code.
+NATIVE_KV_CACHE_DTYPES = (torch.float32, torch.bfloat16)
+
 
 def _fused(*tensors: torch.Tensor) -> ModuleType | None:
     """The C++ kernels when every tensor is a float32 CPU tensor and they are built, else None
@@ -108,7 +111,11 @@ class RotaryEmbedding:
         """Rotate q [T, Hq, D] and k [T, Hkv, D], write k and v into `kv_cache` [P, 2, S, Hkv, D] at
         (write_pages, write_offsets), rounded to the cache's dtype, and return the rotated q. One C++
         call for float32 on CPU."""
-        if (fused := _fused(q, k, v, self.cos)) is not None and all(t.stride(-1) == 1 for t in (q, k, v)):
+        if (
+            (fused := _fused(q, k, v, self.cos)) is not None
+            and kv_cache.dtype in NATIVE_KV_CACHE_DTYPES
+            and all(t.stride(-1) == 1 for t in (q, k, v))
+        ):
             fused.rope_and_store(q, k, v, self.cos, self.sin, positions, kv_cache, write_pages, write_offsets)
             return q
         q, k = self.apply(q, k, positions)

@@ -63,13 +63,9 @@ class QuantizedWeight:
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.scales, self.mins) if t is not None)
 
-    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 [N, K], or only the rows named by `rows` (an int64 index tensor)."""
-        qs, scales = self.qs, self.scales
-        mins = self.mins
-        if rows is not None:
-            qs, scales = qs[rows], scales[rows]
-            mins = mins[rows] if mins is not None else None
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]."""
+        qs, scales, mins = self.qs, self.scales, self.mins
         n = qs.shape[0]
         if self.format is QuantFormat.Q8_0:
             values = qs.view(torch.int8).float().view(n, -1, BLOCK)

@@ -25,6 +25,11 @@ INT16_QMAX = 32767
 INT8_QMAX = 127
 
 
+def activation_qmax(int8_activations: bool) -> int:
+    """The largest integer an activation block is rounded to: int8 (llama.cpp's way) or int16."""
+    return INT8_QMAX if int8_activations else INT16_QMAX
+
+
 def _kernel() -> Callable[..., torch.Tensor] | None:
     """The C++ matmul when the kernels are built, else None (a fallback computes in torch)."""
     return native.load().qmatmul if native.is_available() else None
@@ -42,7 +47,7 @@ def quantized_matmul(
         return (x.float() @ packed.dequantize().T).to(x.dtype)
     n, k = packed.shape
     flat = x.reshape(-1, k).float().contiguous()
-    out = kernel(flat, packed.data, n, packed.bits, INT8_QMAX if int8_activations else INT16_QMAX)
+    out = kernel(flat, packed.data, n, packed.bits, activation_qmax(int8_activations))
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
@@ -61,7 +66,7 @@ class QuantizedLinear(nn.Module):
         self.int8_activations = int8_activations
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.out_features, self.in_features = self.quantized.shape
-        self._qmax = INT8_QMAX if int8_activations else INT16_QMAX
+        self._qmax = activation_qmax(int8_activations)
         self._kernel = _kernel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

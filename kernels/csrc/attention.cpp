@@ -6,7 +6,8 @@
 //   1. scores: keys in tiles of one vector width; per query head, each key's products are summed
 //      across head_dim in registers, then a transpose-add tree turns a tile into one vector;
 //   2. softmax per query head (vectorized exp);
-//   3. output: each value row is loaded once and multiplied into up to 4 query heads' accumulators.
+//   3. output: each value row is loaded once and multiplied into up to 4 query heads' accumulators
+//      (2 on AVX2, whose register file is half as wide).
 // The vector path needs head_dim a multiple of the width (16 on AVX-512, 8 on AVX2) and at most 256;
 // other shapes, and builds without AVX2, take the scalar path.
 

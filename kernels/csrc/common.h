@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define TANDEM_AVX512 1
@@ -24,6 +25,13 @@
 #endif
 
 namespace tandem {
+
+// Scratch memory the caller writes in full before reading: unlike std::vector, not zero-filled first
+// (the fused layer's buffers are a few MB per layer in a long prefill).
+template <typename T>
+std::unique_ptr<T[]> scratch(int64_t n) {
+  return std::unique_ptr<T[]>(new T[n]);
+}
 
 constexpr int64_t kBlock = 32;   // elements per quantization block (GGUF's QK8_0 / QK4_0 / QK4_1)
 

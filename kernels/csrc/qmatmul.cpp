@@ -25,7 +25,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <vector>
 
 namespace tandem {
 namespace {
@@ -273,12 +272,12 @@ void qmatmul_panels(const QRows& x, int64_t m, const uint8_t* packed, int64_t n,
 
 void qmatmul(const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n, int bits, int qmax, float* out) {
   const int64_t nb = k / kBlock;
-  std::vector<int16_t> q(m * k);
-  std::vector<float> d(m * nb), s(m * nb);
+  const auto q = scratch<int16_t>(m * k);
+  const auto d = scratch<float>(m * nb), s = scratch<float>(m * nb);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) quantize_row(x + r * k, k, qmax, q.data() + r * k, &d[r * nb], &s[r * nb]);
+    for (int64_t r = begin; r < end; ++r) quantize_row(x + r * k, k, qmax, q.get() + r * k, &d[r * nb], &s[r * nb]);
   });
-  const QRows rows{q.data(), d.data(), s.data(), k, nb};
+  const QRows rows{q.get(), d.get(), s.get(), k, nb};
   if (bits == 8) qmatmul_panels<8>(rows, m, packed, n, out);
   else qmatmul_panels<4>(rows, m, packed, n, out);
 }

@@ -1,5 +1,5 @@
 // Float vectors of the width the build targets (16 lanes on AVX-512, 8 on AVX2), behind one
-// interface, so that the attention kernel is written once for both. Only what it needs.
+// interface, so that the attention and elementwise kernels are written once for both. Only what they need.
 #pragma once
 
 #include "common.h"

@@ -408,3 +408,19 @@ def test_non_finite_logits_fail_that_request_alone(model_dir: Path) -> None:
     assert _tokens(outputs["good"]) == alone and outputs["good"][-1].finish_reason is FinishReason.LENGTH
     _assert_idle(engine)
     assert not engine.holds("bad")
+
+
+def test_a_float16_kv_pool_under_float32_rows_takes_the_torch_code_on_cpu(model_dir: Path) -> None:
+    """The C++ kernels take float32 and bfloat16 pools only: with a float16 pool, rotary's KV store,
+    attention and the fused layer all decline it, so the `cpu` backend gives what the `torch` one does
+    (it used to stop at the first KV store)."""
+    sampling = SamplingParams(max_new_tokens=6, **GREEDY)
+    tokens = {}
+    for backend in ("cpu", "torch"):
+        engine = _engine(model_dir, kv_cache_dtype="float16", quantization="q8_0", attention_backend=backend)
+        assert not any(layer.fused for layer in engine.runner.model.model.layers)
+        engine.add_request(Request("r", PROMPT_A, sampling))
+        tokens[backend] = _tokens(_run(engine)["r"])
+    assert len(tokens["cpu"]) == 6 and tokens["cpu"] == tokens["torch"]
+    fused = _engine(model_dir, kv_cache_dtype="bfloat16", quantization="q8_0")
+    assert all(layer.fused for layer in fused.runner.model.model.layers)
