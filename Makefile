@@ -51,10 +51,12 @@ chaos: install
 # On a machine with an NVIDIA GPU: FlashInfer and Mooncake's CUDA build in place of its CPU build (both pinned
 # in pyproject.toml), then the GPU-marked tests (skipped elsewhere) and the CPU checks of FlashInfer's
 # installed API. The swap stays: `make test` needs the CUDA build's libcuda from then on, which a GPU host has.
+# The CUDA build is force-reinstalled: on a second run, '.[gpu]' brings the CPU build back (a base
+# dependency) over the same files, and uninstalling it deletes them from under the CUDA build.
 test-gpu: install
 	$(PY) -m pip install --quiet -e '.[gpu]'
 	$(PY) -m pip uninstall --quiet -y mooncake-transfer-engine-non-cuda
-	$(PY) -m pip install --quiet "$$($(PY) -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["mooncake-cuda"][0])')"
+	$(PY) -m pip install --quiet --force-reinstall --no-deps "$$($(PY) -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["mooncake-cuda"][0])')"
 	$(PY) -m pytest -m gpu tests $(PYTEST_ARGS)
 	$(PY) -m pytest tests/unit/kernels/test_flashinfer_api.py
 

@@ -1,4 +1,4 @@
-"""The `tandem` command: serve (all three services), gateway, prefill, decode, healthcheck,
+"""The `tandem` command: serve (the workers and the gateway in front of them), gateway, prefill, decode, healthcheck,
 internal-token; and a child of `tandem serve`, which gets its config on stdin (launcher/handoff.py)."""
 
 from __future__ import annotations

@@ -103,9 +103,11 @@ def worker_config(
     credentials: InternalCredentials,
     kv_grant_secret: str | None,
     torch_threads: int,
+    engine: EngineConfig | None = None,
 ) -> WorkerConfig:
     """The `role` worker's config from `tandem prefill|decode`'s or `tandem serve`'s flags, listening
-    on `host:port`; the KV transport is reached at --kv-host, else `host` (loopback for a wildcard)."""
+    on `host:port`; the KV transport is reached at --kv-host, else `host` (loopback for a wildcard).
+    `engine`: the role's `engine_config`, when the caller builds several workers of one role."""
     is_embedding = role == "prefill" and getattr(args, "is_embedding", False)
     try:
         return WorkerConfig(
@@ -113,7 +115,7 @@ def worker_config(
             model_path=args.model_path or default_model_path(),
             host=host,
             port=port,
-            engine=engine_config(args, role, is_embedding),
+            engine=engine or engine_config(args, role, is_embedding),
             transport=TransportConfig(
                 backend=args.kv_transport,
                 hostname=args.kv_host or ("127.0.0.1" if host in _WILDCARD_HOSTS else host),

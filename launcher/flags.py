@@ -14,7 +14,13 @@ from launcher.internal_plane import (
     add_internal_token_args,
     add_kv_grant_args,
 )
-from launcher.worker_flags import DEFAULT_WORKER_HOST, add_embedding_arg, add_model_args, add_worker_args
+from launcher.worker_flags import (
+    DEFAULT_WORKER_HOST,
+    add_embedding_arg,
+    add_model_args,
+    add_worker_args,
+    positive_int,
+)
 from server_runtime.config import WorkerConfig
 
 DEFAULT_PREFILL_PORT = 30001
@@ -178,10 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="port of the gateway's gRPC API (tandem.api.v1, beside HTTP on --host); 0 turns it off",
     )
     serve.add_argument(
-        "--prefill-workers", type=int, default=1, help="prefill workers to run (ports from --prefill-port up)"
+        "--prefill-workers", type=positive_int, default=1, help="prefill workers to run (ports from --prefill-port up)"
     )
     serve.add_argument(
-        "--decode-workers", type=int, default=1, help="decode workers to run (ports from --decode-port up)"
+        "--decode-workers", type=positive_int, default=1, help="decode workers to run (ports from --decode-port up)"
     )
     serve.add_argument(
         "--prefill-port", type=int, default=DEFAULT_PREFILL_PORT, help="the first prefill worker's gRPC port"

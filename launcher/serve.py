@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 
 from gateway.config import GatewayConfig
-from launcher.configs import gateway_config, worker_config
+from launcher.configs import engine_config, gateway_config, worker_config
 from launcher.defaults import default_torch_threads
 from launcher.handoff import HANDOFF_FLAG, child_environment, to_json
 from launcher.internal_plane import serve_credentials
@@ -49,13 +49,15 @@ def stack_configs(args: argparse.Namespace) -> StackConfigs:
     """The configs from `tandem serve`'s flags: one token for all (the flags' or a fresh one) and a fresh
     KV grant secret for the workers alone. Worker i of a role listens on its role's first port + i."""
     num_prefill, num_decode = args.prefill_workers, 0 if args.is_embedding else args.decode_workers
-    if num_prefill < 1 or (num_decode < 1 and not args.is_embedding):
-        raise SystemExit("tandem serve: --prefill-workers and --decode-workers must be >= 1")
     credentials = serve_credentials(args)
     grant_secret = None if args.is_embedding else generate_token()
     decode_port = args.decode_port if args.decode_port is not None else args.prefill_port + num_prefill
 
     def workers(role: str, count: int, first_port: int, first_metrics_port: int | None) -> tuple[WorkerConfig, ...]:
+        if count == 0:
+            return ()
+        # once per role: resolving it probes the device and may warn
+        engine = engine_config(args, role, role == "prefill" and args.is_embedding)
         return tuple(
             worker_config(
                 args,
@@ -66,6 +68,7 @@ def stack_configs(args: argparse.Namespace) -> StackConfigs:
                 credentials=credentials,
                 kv_grant_secret=grant_secret,
                 torch_threads=args.torch_threads or default_torch_threads(role, num_prefill, num_decode),
+                engine=engine,
             )
             for i in range(count)
         )

@@ -150,14 +150,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     graphs.add_argument(
         "--cuda-graph-max-bs",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="on a GPU, capture decode graphs for batch sizes 1, 2, 4, 8, 16, 32, ... up to this "
-        f"(default: --max-running-requests, at most {DEFAULT_MAX_GRAPH_BATCH_SIZE}); larger batches run eagerly",
+        f"(default: --max-running-requests; never above it or {DEFAULT_MAX_GRAPH_BATCH_SIZE}); larger batches "
+        "run eagerly",
     )
     graphs.add_argument(
         "--cuda-graph-bs",
-        type=_positive_int,
+        type=positive_int,
         nargs="+",
         default=None,
         help="on a GPU, the decode batch sizes to capture as CUDA graphs, instead of the ladder of --cuda-graph-max-bs",
@@ -246,7 +247,8 @@ def _device(text: str) -> str:
     return text
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
     try:
         value = int(text)
     except ValueError:

@@ -68,7 +68,8 @@ class WorkerContext:
     facts: EngineFacts
     version: str
     weights_id: str  # the served weights; set from each UpdateWeights' result
-    is_draining: bool = False  # shutting down: new requests (Reserve, Prefill) are refused, those in flight end
+    # shutting down: new requests (Reserve, Prefill, PrefillAndGenerate) are refused, those in flight end
+    is_draining: bool = False
 
     @property
     def weights_dirs(self) -> tuple[str, ...]:
