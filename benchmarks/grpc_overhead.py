@@ -26,28 +26,37 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "protos"))
 
-from tandem.api.v1 import chat_pb2, inference_service_pb2_grpc  # noqa: E402
+from tandem.api.v1 import inference_service_pb2_grpc  # noqa: E402
+from tests.e2e.grpc_client import MODEL, chat_request  # noqa: E402
 
-MODEL = "SmolLM2-135M-Instruct"
 QUESTION = "Write a short story about the sea."
 
 
 def over_http(url: str, max_tokens: int) -> tuple[float, float]:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     started = time.perf_counter()
     first = None
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as reply:
         reply.raise_for_status()
         for line in reply.iter_lines():
-            if first is None and line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+            if (
+                first is None
+                and line.startswith("data: {")
+                and json.loads(line[6:])["choices"][0]["delta"].get("content")
+            ):
                 first = time.perf_counter() - started
     return first or 0.0, time.perf_counter() - started
 
 
 def over_grpc(api: inference_service_pb2_grpc.InferenceServiceStub, max_tokens: int) -> tuple[float, float]:
-    request = chat_pb2.ChatCompletionRequest(model=MODEL, max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    request.messages.add(role="user", content=QUESTION)
+    request = chat_request(QUESTION, max_tokens=max_tokens, temperature=0, ignore_eos=True)
     started = time.perf_counter()
     first = None
     for chunk in api.ChatCompleteStream(request, timeout=600):

@@ -26,10 +26,18 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from cluster_runs import percentile  # noqa: E402
+
 
 def one(url: str, i: int, max_tokens: int) -> tuple[int, str, float]:
-    body = {"model": "SmolLM2-135M-Instruct", "prompt": f"Request {i}: write a short story about the sea.",
-            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": i % 2 == 1}
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "prompt": f"Request {i}: write a short story about the sea.",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": i % 2 == 1,
+    }
     started = time.perf_counter()
     reply = httpx.post(f"{url}/v1/completions", json=body, timeout=900)
     seconds = time.perf_counter() - started
@@ -38,11 +46,6 @@ def one(url: str, i: int, max_tokens: int) -> tuple[int, str, float]:
     if body["stream"] and '"error"' in reply.text:
         return 200, "error event", seconds
     return 200, "", seconds
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def main() -> int:
@@ -58,6 +61,7 @@ def main() -> int:
     stack = None
     if args.launch:
         from tests.e2e.stack import start_stack
+
         stack = start_stack(Path(tempfile.mkdtemp()), "--max-total-tokens", "2048", *args.serve_args.split())
     url = args.url or stack.url
     try:
@@ -70,11 +74,19 @@ def main() -> int:
             stack.stop()
     served = [s for status, code, s in results if status == 200 and not code]
     refused = Counter(f"{status} {code}".strip() for status, code, _ in results if status != 200 or code)
-    report = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "served": len(served),
-              "refused": dict(refused), "wall_s": round(wall, 1)}
+    report = {
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "served": len(served),
+        "refused": dict(refused),
+        "wall_s": round(wall, 1),
+    }
     if served:
-        report.update(p50_s=round(statistics.median(served), 2), p99_s=round(percentile(served, 0.99), 2),
-                      max_s=round(max(served), 2))
+        report.update(
+            p50_s=round(statistics.median(served), 2),
+            p99_s=round(percentile(served, 0.99), 2),
+            max_s=round(max(served), 2),
+        )
     print(json.dumps(report))
     return 0
 

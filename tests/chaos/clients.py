@@ -34,8 +34,15 @@ class Reply:
 
 def completion(url: str, prompt: str, max_tokens: int, stream: bool, reply: Reply, **fields) -> Reply:
     """A greedy /v1/completions request with ignore_eos (and `fields`), recorded into `reply` as it arrives."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": stream, **fields}
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+        **fields,
+    }
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
         reply.status, reply.headers = response.status_code, dict(response.headers)
         for line in response.iter_lines():
@@ -44,11 +51,3 @@ def completion(url: str, prompt: str, max_tokens: int, stream: bool, reply: Repl
                 reply.times.append(time.monotonic())
     reply.ended_at = time.monotonic()
     return reply
-
-
-def wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {timeout_s} s")
-        time.sleep(0.05)

@@ -7,31 +7,39 @@ to a different seed on each worker so that both the prefill (first token) and th
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 from tests.chaos.checks import assert_nothing_leaked, assert_still_serving, canary
-from tests.chaos.clients import Reply, completion, wait_until
+from tests.chaos.clients import Reply, completion
 from tests.e2e.error_bodies import internal_details
-from tests.e2e.stack import Services, running_services
+from tests.e2e.stack import Services, running_services, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos_extended]
 
 HOOK = "TANDEM_FAULT_NAN_LOGITS_SEED"
-PREFILL_NAN_SEED = 4242   # NaN logits at the prefill worker: the first token
-DECODE_NAN_SEED = 1234    # NaN logits at the decode worker: the second token on
+PREFILL_NAN_SEED = 4242  # NaN logits at the prefill worker: the first token
+DECODE_NAN_SEED = 1234  # NaN logits at the decode worker: the second token on
 MAX_TOKENS = 32
 VICTIMS = [f"Write a short poem about {topic}." for topic in ("the sea", "a cat", "mountains")]
 
 
 @pytest.fixture
 def services(tmp_path: Path) -> Iterator[Services]:
-    with running_services(tmp_path, "--dtype", "bfloat16", "--max-total-tokens", "4096", "--torch-threads", "1",
-                          prefill_env={HOOK: str(PREFILL_NAN_SEED)},
-                          decode_env={HOOK: str(DECODE_NAN_SEED)}) as services:
+    with running_services(
+        tmp_path,
+        "--dtype",
+        "bfloat16",
+        "--max-total-tokens",
+        "4096",
+        "--torch-threads",
+        "1",
+        prefill_env={HOOK: str(PREFILL_NAN_SEED)},
+        decode_env={HOOK: str(DECODE_NAN_SEED)},
+    ) as services:
         yield services
 
 
@@ -60,18 +68,24 @@ def test_non_finite_logits_fail_their_request_alone(services: Services) -> None:
     victims = [Reply() for _ in VICTIMS]
     nan_stream, nan_whole, nan_prefill_stream, nan_prefill_whole = Reply(), Reply(), Reply(), Reply()
     with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(completion, services.url, prompt, MAX_TOKENS, True, reply)
-                   for prompt, reply in zip(VICTIMS, victims)]
-        wait_until(lambda: all(len(v.events) >= 2 for v in victims), 120, "every victim decoding")
-        for reply, stream, seed in ((nan_stream, True, DECODE_NAN_SEED), (nan_whole, False, DECODE_NAN_SEED),
-                                    (nan_prefill_stream, True, PREFILL_NAN_SEED),
-                                    (nan_prefill_whole, False, PREFILL_NAN_SEED)):
-            futures.append(pool.submit(completion, services.url, "Tell me a story.", MAX_TOKENS, stream, reply,
-                                       seed=seed))
+        futures = [
+            pool.submit(completion, services.url, prompt, MAX_TOKENS, True, reply)
+            for prompt, reply in zip(VICTIMS, victims)
+        ]
+        wait_for(lambda: all(len(v.events) >= 2 for v in victims), 120, "every victim decoding")
+        for reply, stream, seed in (
+            (nan_stream, True, DECODE_NAN_SEED),
+            (nan_whole, False, DECODE_NAN_SEED),
+            (nan_prefill_stream, True, PREFILL_NAN_SEED),
+            (nan_prefill_whole, False, PREFILL_NAN_SEED),
+        ):
+            futures.append(
+                pool.submit(completion, services.url, "Tell me a story.", MAX_TOKENS, stream, reply, seed=seed)
+            )
         for future in futures:
             future.result()
 
-    assert [_text(v) for v in victims] == alone   # the batch went on, token for token as alone
+    assert [_text(v) for v in victims] == alone  # the batch went on, token for token as alone
     # decode: the stream has its first token (from the prefill worker), then the error and [DONE]
     assert nan_stream.status == 200 and nan_stream.lines[-1] == "data: [DONE]", nan_stream.lines
     errors = [e["error"] for e in nan_stream.events if "error" in e]

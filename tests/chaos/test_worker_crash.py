@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
 
 from tests.chaos.checks import assert_nothing_leaked, assert_still_serving, canary, worker_load
-from tests.chaos.clients import Reply, completion, wait_until
+from tests.chaos.clients import Reply, completion
 from tests.e2e.error_bodies import internal_details
-from tests.e2e.stack import Services, running_services, wait_health
+from tests.e2e.stack import Services, running_services, wait_for, wait_health
 
 pytestmark = pytest.mark.slow
 
@@ -30,12 +30,23 @@ pytestmark = pytest.mark.slow
 WRITE_GRACE_S = 5
 # Prefill steps of 64 tokens (a few seconds each in bf16 on a CPU without bf16 arithmetic): the prompts
 # below take the prefill worker many steps, and the test sees them arrive within one.
-WORKER_FLAGS = ("--dtype", "bfloat16", "--max-total-tokens", "8192", "--torch-threads", "1",
-                "--chunked-prefill-size", "64",
-                "--transfer-timeout", str(WRITE_GRACE_S), "--kv-write-grace", str(WRITE_GRACE_S))
-LONG_PROMPT = "Here is a list of facts about rivers, mountains and cities. " * 25   # about 300 tokens
-MAX_SECONDS_TO_ERROR = 5.0   # reliability.md scenario 4: a 503 within 5 s
-MAX_SECONDS_TO_ERROR_EVENT = 3.0   # scenario 6
+WORKER_FLAGS = (
+    "--dtype",
+    "bfloat16",
+    "--max-total-tokens",
+    "8192",
+    "--torch-threads",
+    "1",
+    "--chunked-prefill-size",
+    "64",
+    "--transfer-timeout",
+    str(WRITE_GRACE_S),
+    "--kv-write-grace",
+    str(WRITE_GRACE_S),
+)
+LONG_PROMPT = "Here is a list of facts about rivers, mountains and cities. " * 25  # about 300 tokens
+MAX_SECONDS_TO_ERROR = 5.0  # reliability.md scenario 4: a 503 within 5 s
+MAX_SECONDS_TO_ERROR_EVENT = 3.0  # scenario 6
 
 
 @pytest.fixture
@@ -57,24 +68,31 @@ def test_a_killed_prefill_worker_fails_its_requests_fast_and_frees_their_decode_
     num_requests = 5
     replies = [Reply() for _ in range(num_requests)]
     with ThreadPoolExecutor(num_requests) as pool:
-        futures = [pool.submit(completion, services.url, f"{i}. {LONG_PROMPT}", 4, i % 2 == 1, replies[i])
-                   for i in range(num_requests)]
-        wait_until(lambda: worker_load(services.prefill_port).num_waiting == num_requests, 60,
-                   "the prompts reaching the prefill worker")
+        futures = [
+            pool.submit(completion, services.url, f"{i}. {LONG_PROMPT}", 4, i % 2 == 1, replies[i])
+            for i in range(num_requests)
+        ]
+        wait_for(
+            lambda: worker_load(services.prefill_port).num_waiting == num_requests,
+            60,
+            "the prompts reaching the prefill worker",
+        )
         decode = worker_load(services.decode_port)
-        assert decode.num_free_pages < decode.num_total_pages - decode.num_cached_pages   # reserved for them
+        assert decode.num_free_pages < decode.num_total_pages - decode.num_cached_pages  # reserved for them
         services.kill_prefill()
         killed_at = time.monotonic()
         for future in futures:
             future.result()
     seconds_to_error = [reply.ended_at - killed_at for reply in replies]
     print(f"kill -> each 503: {[round(s, 2) for s in seconds_to_error]} s")
-    for reply in replies:   # the streams too: the prefill failed before their first byte
+    for reply in replies:  # the streams too: the prefill failed before their first byte
         _assert_retryable_503(reply)
     assert max(seconds_to_error) < MAX_SECONDS_TO_ERROR, seconds_to_error
 
     seconds_to_free = assert_nothing_leaked(services, within_s=WRITE_GRACE_S + 5, roles=("decode",))
-    print(f"kill -> decode pages free: {time.monotonic() - killed_at:.2f} s (after the errors: {seconds_to_free:.2f} s)")
+    print(
+        f"kill -> decode pages free: {time.monotonic() - killed_at:.2f} s (after the errors: {seconds_to_free:.2f} s)"
+    )
     wait_health(services.url, 503, timeout_s=5)
     refused = httpx.post(f"{services.url}/generate", json={"text": "Hello"}, timeout=30)
     assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1, refused.text
@@ -89,12 +107,13 @@ def test_a_killed_decode_worker_ends_every_stream_with_an_error_event_within_3_s
     streams = [Reply() for _ in range(4)]
     whole = Reply()
     with ThreadPoolExecutor(5) as pool:
-        futures = [pool.submit(completion, services.url, f"Tell me story number {i}.", 400, True, reply)
-                   for i, reply in enumerate(streams)]
+        futures = [
+            pool.submit(completion, services.url, f"Tell me story number {i}.", 400, True, reply)
+            for i, reply in enumerate(streams)
+        ]
         futures.append(pool.submit(completion, services.url, "Tell me a long story.", 400, False, whole))
-        wait_until(lambda: all(len(s.events) >= 3 for s in streams), 120, "three tokens on every stream")
-        wait_until(lambda: worker_load(services.decode_port).num_running == 5, 60,
-                   "the whole-answer request decoding")
+        wait_for(lambda: all(len(s.events) >= 3 for s in streams), 120, "three tokens on every stream")
+        wait_for(lambda: worker_load(services.decode_port).num_running == 5, 60, "the whole-answer request decoding")
         services.kill_decode()
         killed_at = time.monotonic()
         for future in futures:
@@ -110,8 +129,10 @@ def test_a_killed_decode_worker_ends_every_stream_with_an_error_event_within_3_s
         assert error["code"] == "worker_unavailable" and not internal_details(error["message"]), error
         seconds_to_error_event.append(at - killed_at)
         assert not any(c.get("finish_reason") == "stop" for e in stream.events for c in e.get("choices", []))
-    print(f"kill -> each stream's error event: {[round(s, 2) for s in seconds_to_error_event]} s; "
-          f"-> the whole-answer 503: {whole.ended_at - killed_at:.2f} s")
+    print(
+        f"kill -> each stream's error event: {[round(s, 2) for s in seconds_to_error_event]} s; "
+        f"-> the whole-answer 503: {whole.ended_at - killed_at:.2f} s"
+    )
     assert max(seconds_to_error_event) < MAX_SECONDS_TO_ERROR_EVENT, seconds_to_error_event
     _assert_retryable_503(whole)
     assert whole.ended_at - killed_at < MAX_SECONDS_TO_ERROR_EVENT

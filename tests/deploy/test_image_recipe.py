@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import importlib.metadata
 import importlib.util
 import re
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -46,23 +48,83 @@ def test_cuda_worker_swaps_the_mooncake_build_and_adds_flashinfer_both_pinned():
     assert "flashinfer-python==0.7.2.post1" in cuda and "mooncake-transfer-engine==0.3.13.post1" in cuda
     assert EXTRAS["gpu"] == ["flashinfer-python==0.7.2.post1"]
     assert names(cuda) == names(DEPENDENCIES) - {"torch", "mooncake-transfer-engine-non-cuda"} | {
-        "flashinfer-python", "mooncake-transfer-engine"}
+        "flashinfer-python",
+        "mooncake-transfer-engine",
+    }
     with pytest.raises(ValueError, match="no optional dependency group 'gpu'"):
         python_deps.image_requirements(DEPENDENCIES, "worker", "cuda", {})
 
 
-def test_the_cuda_worker_stage_checks_the_pinned_builds_it_installed():
+def _accelerator_checks() -> dict[str, str]:
+    """The worker-venv stage's `if [ "$ACCELERATOR" = X ]; then ...; fi` commands, by X, line continuations joined."""
     stage = _stage("worker-venv")
-    assert "flashinfer-python" in stage and "mooncake-transfer-engine-non-cuda" in stage
-    assert "check_gpu_deps.py" in stage or "importlib.metadata" in stage
+    branches = re.findall(r'if \[ "\$ACCELERATOR" = (\w+) \]; then (.*?); fi', stage, re.DOTALL)
+    return {name: re.sub(r"\\\n\s*", "", command) for name, command in branches}
+
+
+def test_the_cpu_worker_stage_imports_mooncake():
+    assert _accelerator_checks()["cpu"] == 'python3 -c "import mooncake.engine"'
+
+
+@pytest.mark.parametrize(
+    "installed, error",
+    [
+        ({"flashinfer-python": "0.7.2.post1", "mooncake-transfer-engine": "0.3.13.post1"}, None),
+        (
+            {
+                "flashinfer-python": "0.7.2.post1",
+                "mooncake-transfer-engine": "0.3.13.post1",
+                "mooncake-transfer-engine-non-cuda": "0.3.13",
+            },
+            "the CPU Mooncake would shadow the CUDA one",
+        ),
+        ({"mooncake-transfer-engine": "0.3.13.post1"}, "flashinfer-python"),
+        ({"flashinfer-python": "0.7.2.post1"}, "mooncake-transfer-engine"),
+    ],
+)
+def test_the_cuda_worker_stage_checks_the_builds_it_installed(monkeypatch, capsys, installed, error):
+    """The CUDA Mooncake links libcuda.so.1, which only a GPU host has, so the stage cannot import it: its
+    check, run here over a made-up set of installed distributions, fails the build when the CPU Mooncake is
+    still installed or either CUDA build is missing, and names the versions it found."""
+    command = _accelerator_checks()["cuda"]
+    assert command.startswith('python3 -c "') and command.endswith('"')
+    code = command[len('python3 -c "') : -1]
+    assert "import mooncake" not in code
+
+    def version(name: str) -> str:
+        if name not in installed:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    distributions = [SimpleNamespace(metadata={"Name": name}) for name in installed]
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda: iter(distributions))
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    if error is None:
+        exec(code, {})
+        assert capsys.readouterr().out.split() == [
+            "flashinfer-python",
+            "0.7.2.post1",
+            "mooncake-transfer-engine",
+            "0.3.13.post1",
+        ]
+    else:
+        with pytest.raises((AssertionError, importlib.metadata.PackageNotFoundError), match=error):
+            exec(code, {})
 
 
 def test_gateway_image_leaves_out_the_engine_side():
     gateway = python_deps.image_requirements(DEPENDENCIES, "gateway", "cpu")
-    assert set(gateway) <= set(DEPENDENCIES)                  # same specifiers as pyproject
-    assert not names(gateway) & {"torch", "safetensors", "mooncake-transfer-engine-non-cuda", "grpcio-tools", "xgrammar"}
+    assert set(gateway) <= set(DEPENDENCIES)  # same specifiers as pyproject
+    assert not names(gateway) & {
+        "torch",
+        "safetensors",
+        "mooncake-transfer-engine-non-cuda",
+        "grpcio-tools",
+        "xgrammar",
+    }
     assert {"transformers", "gguf", "fastapi", "uvicorn", "grpcio", "grpcio-health-checking"} <= names(gateway)
-    # The gRPC API: server reflection, and google.rpc's error details (googleapis-common-protos comes with grpcio-status).
+    # The gRPC API: server reflection, and google.rpc's error details (googleapis-common-protos comes with
+    # grpcio-status).
     assert {"grpcio-reflection", "grpcio-status", "protobuf"} <= names(gateway)
 
 
@@ -81,13 +143,24 @@ def test_gateway_imports_are_covered_by_its_requirements():
     """Every third-party module the gateway's packages (and `tandem healthcheck`) import is installed in its image."""
     provided = names(python_deps.image_requirements(DEPENDENCIES, "gateway", "cpu"))
     # By the longest matching prefix: google.rpc is googleapis-common-protos, which grpcio-status brings.
-    module_to_project = {"grpc": "grpcio", "grpc_health": "grpcio-health-checking",
-                         "grpc_reflection": "grpcio-reflection", "grpc_status": "grpcio-status",
-                         "google.protobuf": "protobuf", "google.rpc": "grpcio-status",
-                         "fastapi": "fastapi", "starlette": "fastapi", "pydantic": "fastapi", "uvicorn": "uvicorn",
-                         "transformers": "transformers", "jinja2": "jinja2", "httpx": "httpx",
-                         "multipart": "python-multipart", "python_multipart": "python-multipart",
-                         "prometheus_client": "prometheus-client"}
+    module_to_project = {
+        "grpc": "grpcio",
+        "grpc_health": "grpcio-health-checking",
+        "grpc_reflection": "grpcio-reflection",
+        "grpc_status": "grpcio-status",
+        "google.protobuf": "protobuf",
+        "google.rpc": "grpcio-status",
+        "fastapi": "fastapi",
+        "starlette": "fastapi",
+        "pydantic": "fastapi",
+        "uvicorn": "uvicorn",
+        "transformers": "transformers",
+        "jinja2": "jinja2",
+        "httpx": "httpx",
+        "multipart": "python-multipart",
+        "python_multipart": "python-multipart",
+        "prometheus_client": "prometheus-client",
+    }
     imported = set()
     for path in [*(ROOT / "gateway").rglob("*.py"), ROOT / "launcher" / "healthcheck.py"]:
         imported |= _imported_modules(path)
@@ -101,14 +174,18 @@ def test_gateway_imports_are_covered_by_its_requirements():
 
     unknown = {m for m in third_party if project(m) is None}
     assert not unknown, f"map these gateway imports to their PyPI projects: {unknown}"
-    assert "grpc_reflection.v1alpha" in third_party and "google.rpc" in third_party    # the gRPC API's, read
+    assert "grpc_reflection.v1alpha" in third_party and "google.rpc" in third_party  # the gRPC API's, read
     missing = {project(m) for m in third_party} - provided
     assert not missing, f"the gateway imports {missing}, which pyproject.toml's dependencies (and so its image) lack"
 
 
 def test_python_deps_cli_prints_one_requirement_a_line():
-    out = subprocess.run([sys.executable, str(ROOT / "docker" / "python_deps.py"), "worker", "--accelerator", "cuda"],
-                         capture_output=True, text=True, check=True).stdout.splitlines()
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "docker" / "python_deps.py"), "worker", "--accelerator", "cuda"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     assert out == python_deps.image_requirements(DEPENDENCIES, "worker", "cuda", EXTRAS)
     with pytest.raises(ValueError):
         python_deps.image_requirements(DEPENDENCIES, "worker", "rocm")
@@ -137,16 +214,29 @@ def test_base_image_is_a_build_argument_with_a_cpu_default():
 
 
 def test_build_context_has_what_the_build_reads_and_not_the_rest():
-    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-                if line.strip() and not line.startswith("#")]
+    patterns = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
 
     def ignored(relative: str) -> bool:
-        return any(fnmatch.fnmatch(relative, p.lstrip("/")) or relative.split("/")[0] == p.lstrip("/")
-                   for p in patterns)
+        return any(
+            fnmatch.fnmatch(relative, p.lstrip("/")) or relative.split("/")[0] == p.lstrip("/") for p in patterns
+        )
 
-    for needed in ("pyproject.toml", "README.md", "scripts/gen_protos.py", "docker/python_deps.py",
-                   "docker/install-torch.sh", "docker/bundle_model.py", "docker/check_cpu_grammar.py",
-                   "docker/wheels/README.md", "docker/certs/README.md", "protos/tandem/v1/common.proto"):
+    for needed in (
+        "pyproject.toml",
+        "README.md",
+        "scripts/gen_protos.py",
+        "docker/python_deps.py",
+        "docker/install-torch.sh",
+        "docker/bundle_model.py",
+        "docker/check_cpu_grammar.py",
+        "docker/wheels/README.md",
+        "docker/certs/README.md",
+        "protos/tandem/v1/common.proto",
+    ):
         assert (ROOT / needed).exists() and not ignored(needed), needed
     include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
     for package in (p.rstrip("*") for p in include):

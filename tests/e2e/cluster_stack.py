@@ -19,8 +19,17 @@ import grpc
 import httpx
 
 from tandem.v1 import common_pb2, worker_pb2_grpc
-from tests.e2e.stack import (ROOT, WORKER_METADATA, _CHILD_ENV, _decode_args, _launch, _prefill_args,
-                             free_port)
+from tests.e2e.stack import (
+    _CHILD_ENV,
+    ROOT,
+    WORKER_METADATA,
+    _decode_args,
+    _launch,
+    _prefill_args,
+    free_port,
+    log_tails,
+    stop_processes,
+)
 
 
 def free_port_run(count: int, host: str = "127.0.0.1") -> int:
@@ -45,13 +54,14 @@ def free_port_run(count: int, host: str = "127.0.0.1") -> int:
 def worker_load(port: int) -> common_pb2.GetLoadResponse:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         return worker_pb2_grpc.WorkerServiceStub(channel).GetLoad(
-            common_pb2.GetLoadRequest(), timeout=30, metadata=WORKER_METADATA)
+            common_pb2.GetLoadRequest(), timeout=30, metadata=WORKER_METADATA
+        )
 
 
 def pages_held(ports: list[int]) -> dict[int, int]:
     """Pages held by requests (not free, not only cached) on each worker, by gRPC port."""
     loads = {port: worker_load(port) for port in ports}
-    return {port: l.num_total_pages - l.num_free_pages - l.num_cached_pages for port, l in loads.items()}
+    return {port: load.num_total_pages - load.num_free_pages - load.num_cached_pages for port, load in loads.items()}
 
 
 def assert_no_pages_held(ports: list[int], within_s: float = 5.0) -> None:
@@ -71,7 +81,7 @@ def route_counts(url: str) -> dict[tuple[str, str, str], float]:
     counts: dict[tuple[str, str, str], float] = {}
     for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
         if line.startswith("tandem_gateway_route_decisions_total{"):
-            labels = dict(part.split("=", 1) for part in line[line.index("{") + 1:line.index("}")].split(","))
+            labels = dict(part.split("=", 1) for part in line[line.index("{") + 1 : line.index("}")].split(","))
             labels = {k: v.strip('"') for k, v in labels.items()}
             key = (labels["role"], labels["worker"], labels["reason"])
             counts[key] = counts.get(key, 0) + float(line.split()[-1])
@@ -139,17 +149,44 @@ def start_cluster(tmp_dir: Path, num_prefill: int, num_decode: int, *flags: str,
     first, port = free_port_run(num_prefill + num_decode), free_port()
     log_path = tmp_dir / "cluster.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launcher", "serve", "--port", str(port), "--grpc-port", "0",
-         "--prefill-workers", str(num_prefill), "--decode-workers", str(num_decode), "--prefill-port", str(first),
-         "--decode-port", str(first + num_prefill), "--data-dir", str(tmp_dir / "data"), *flags],
-        cwd=ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env={**os.environ, **_CHILD_ENV})
-    cluster = Cluster(proc, port, list(range(first, first + num_prefill)),
-                      list(range(first + num_prefill, first + num_prefill + num_decode)), log_path)
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "serve",
+            "--port",
+            str(port),
+            "--grpc-port",
+            "0",
+            "--prefill-workers",
+            str(num_prefill),
+            "--decode-workers",
+            str(num_decode),
+            "--prefill-port",
+            str(first),
+            "--decode-port",
+            str(first + num_prefill),
+            "--data-dir",
+            str(tmp_dir / "data"),
+            *flags,
+        ],
+        cwd=ROOT,
+        stdout=open(log_path, "w"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **_CHILD_ENV},
+    )
+    cluster = Cluster(
+        proc,
+        port,
+        list(range(first, first + num_prefill)),
+        list(range(first + num_prefill, first + num_prefill + num_decode)),
+        log_path,
+    )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"tandem serve exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-        if "Tandem is ready" in log_path.read_text():   # one pair; the others may still load
+        if "Tandem is ready" in log_path.read_text():  # one pair; the others may still load
             wait_workers_ready(cluster.url, cluster.worker_ports, max(1.0, deadline - time.monotonic()))
             return cluster
         time.sleep(0.5)
@@ -166,9 +203,9 @@ class ClusterServices:
     prefill_ports: list[int]
     decode_ports: list[int]
     port: int = field(default_factory=free_port)
-    procs: dict[int, subprocess.Popen] = field(default_factory=dict)   # by gRPC port
+    procs: dict[int, subprocess.Popen] = field(default_factory=dict)  # by gRPC port
     gateway: subprocess.Popen | None = None
-    extra_flags: dict[int, tuple[str, ...]] = field(default_factory=dict)   # a worker's own flags, by port
+    extra_flags: dict[int, tuple[str, ...]] = field(default_factory=dict)  # a worker's own flags, by port
     num_starts: int = 0
 
     @property
@@ -183,14 +220,16 @@ class ClusterServices:
         self.num_starts += 1
         role = "prefill" if port in self.prefill_ports else "decode"
         args = (_prefill_args if role == "prefill" else _decode_args)(
-            port, (*self.worker_flags, *self.extra_flags.get(port, ())))
+            port, (*self.worker_flags, *self.extra_flags.get(port, ()))
+        )
         self.procs[port] = _launch(args, self.log_dir / f"{role}-{port}-{self.num_starts}.log")
 
     def start_gateway(self, *flags: str, timeout_s: float = 300) -> None:
         addresses = [arg for port in self.prefill_ports for arg in ("--prefill", f"127.0.0.1:{port}")]
         addresses += [arg for port in self.decode_ports for arg in ("--decode", f"127.0.0.1:{port}")]
-        self.gateway = _launch(["gateway", "--port", str(self.port), "--grpc-port", "0", *addresses, *flags],
-                               self.log_dir / "gateway.log")
+        self.gateway = _launch(
+            ["gateway", "--port", str(self.port), "--grpc-port", "0", *addresses, *flags], self.log_dir / "gateway.log"
+        )
         self.wait_all_ready(timeout_s)
 
     def wait_all_ready(self, timeout_s: float = 300, ports: list[int] | None = None) -> None:
@@ -212,27 +251,27 @@ class ClusterServices:
         self.procs[port].wait()
 
     def stop(self) -> None:
-        procs = [p for p in (self.gateway, *self.procs.values()) if p is not None]
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes([p for p in (self.gateway, *self.procs.values()) if p is not None], grace_s=30)
 
     def logs(self, num_chars: int = 2000) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-num_chars:]}" for p in sorted(self.log_dir.glob("*.log")))
+        return log_tails(self.log_dir, num_chars)
 
 
-def start_cluster_services(tmp_dir: Path, num_prefill: int, num_decode: int, *worker_flags: str,
-                           extra_decode_flags: tuple[tuple[str, ...], ...] = ()) -> ClusterServices:
+def start_cluster_services(
+    tmp_dir: Path,
+    num_prefill: int,
+    num_decode: int,
+    *worker_flags: str,
+    extra_decode_flags: tuple[tuple[str, ...], ...] = (),
+) -> ClusterServices:
     """`num_prefill` prefill and `num_decode` decode workers with `worker_flags`, plus one more decode
     worker per entry of `extra_decode_flags` (with those flags too); call `start_gateway` next."""
-    services = ClusterServices(tmp_dir, tuple(worker_flags), [free_port() for _ in range(num_prefill)],
-                               [free_port() for _ in range(num_decode + len(extra_decode_flags))])
+    services = ClusterServices(
+        tmp_dir,
+        tuple(worker_flags),
+        [free_port() for _ in range(num_prefill)],
+        [free_port() for _ in range(num_decode + len(extra_decode_flags))],
+    )
     for port, flags in zip(services.decode_ports[num_decode:], extra_decode_flags):
         services.extra_flags[port] = flags
     for port in services.worker_ports:

@@ -4,8 +4,7 @@ repo's protos, request builders, and readers of a failed call's status and googl
 from __future__ import annotations
 
 import contextlib
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -75,12 +74,3 @@ def call_error(call: Any, *args: Any, **kwargs: Any) -> grpc.RpcError:
     except grpc.RpcError as error:
         return error
     raise AssertionError("the call succeeded")
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Until `condition()` holds; AssertionError naming `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout_s} s")
-        time.sleep(0.02)

@@ -12,9 +12,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import grpc
 import httpx
@@ -64,7 +64,8 @@ class WorkerPages:
         for role, port in (("prefill", self.prefill_port), ("decode", self.decode_port)):
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 loads[role] = worker_pb2_grpc.WorkerServiceStub(channel).GetLoad(
-                    common_pb2.GetLoadRequest(), timeout=30, metadata=WORKER_METADATA)   # waits for a step to end
+                    common_pb2.GetLoadRequest(), timeout=30, metadata=WORKER_METADATA
+                )  # waits for a step to end
         return loads
 
     def assert_no_pages_held(self, within_s: float = 5.0) -> None:
@@ -73,7 +74,9 @@ class WorkerPages:
         deadline = time.monotonic() + within_s
         while True:
             loads = self.load()
-            held = {role: l.num_total_pages - l.num_free_pages - l.num_cached_pages for role, l in loads.items()}
+            held = {
+                role: load.num_total_pages - load.num_free_pages - load.num_cached_pages for role, load in loads.items()
+            }
             if not any(held.values()):
                 return
             if time.monotonic() > deadline:
@@ -90,7 +93,7 @@ class Stack(WorkerPages):
     log_path: Path
     prefill_metrics_port: int = 0
     decode_metrics_port: int = 0
-    grpc_port: int = 0          # the gateway's gRPC API (tandem.api.v1)
+    grpc_port: int = 0  # the gateway's gRPC API (tandem.api.v1)
 
     @property
     def url(self) -> str:
@@ -131,16 +134,35 @@ def start_stack(tmp_dir: Path, *flags: str, timeout_s: float = 300) -> Stack:
     if "--grpc-port" not in flags:
         flags = (*flags, "--grpc-port", str(free_port()))
     grpc_port = int(flags[flags.index("--grpc-port") + 1])
-    flags = (*flags, "--prefill-metrics-port", str(prefill_metrics_port),
-             "--decode-metrics-port", str(decode_metrics_port))
+    flags = (
+        *flags,
+        "--prefill-metrics-port",
+        str(prefill_metrics_port),
+        "--decode-metrics-port",
+        str(decode_metrics_port),
+    )
     log_path = tmp_dir / "stack.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launcher", "serve", "--port", str(port), "--prefill-port", str(prefill_port),
-         "--decode-port", str(decode_port), *flags],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **_CHILD_ENV})
-    stack = Stack(proc, port, prefill_port, decode_port, log_path, prefill_metrics_port, decode_metrics_port,
-                  grpc_port)
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "serve",
+            "--port",
+            str(port),
+            "--prefill-port",
+            str(prefill_port),
+            "--decode-port",
+            str(decode_port),
+            *flags,
+        ],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **_CHILD_ENV},
+    )
+    stack = Stack(proc, port, prefill_port, decode_port, log_path, prefill_metrics_port, decode_metrics_port, grpc_port)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -150,6 +172,33 @@ def start_stack(tmp_dir: Path, *flags: str, timeout_s: float = 300) -> Stack:
         time.sleep(0.5)
     stack.stop()
     raise RuntimeError(f"tandem serve not ready in {timeout_s} s:\n{log_path.read_text()[-4000:]}")
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll until `condition()` holds; AssertionError naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout_s:g} s for {what}")
+        time.sleep(0.05)
+
+
+def stop_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM every process still running, then wait for each; one not gone within `grace_s` is killed."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def log_tails(log_dir: Path, num_chars: int) -> str:
+    """The last `num_chars` of every *.log file in `log_dir`, each under its name."""
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-num_chars:]}" for p in sorted(log_dir.glob("*.log")))
 
 
 def wait_health(url: str, status: int, timeout_s: float = 30) -> None:
@@ -181,9 +230,9 @@ class Services(WorkerPages):
     worker_flags: tuple[str, ...] = ()
     num_decode_starts: int = 1
     num_prefill_starts: int = 1
-    prefill_env: dict[str, str] | None = None   # extra environment of the prefill worker (fault hooks)
+    prefill_env: dict[str, str] | None = None  # extra environment of the prefill worker (fault hooks)
     decode_env: dict[str, str] | None = None
-    grpc_port: int = field(default_factory=free_port)    # the gateway's gRPC API, the same across restarts
+    grpc_port: int = field(default_factory=free_port)  # the gateway's gRPC API, the same across restarts
 
     @property
     def url(self) -> str:
@@ -198,9 +247,21 @@ class Services(WorkerPages):
         /health answers 200."""
         self.num_gateway_starts += 1
         log_path = self.log_dir / f"gateway-{self.num_gateway_starts}.log"
-        self.gateway = _launch(["gateway", "--port", str(self.port), "--grpc-port", str(self.grpc_port),
-                                "--prefill", f"127.0.0.1:{self.prefill_port}",
-                                "--decode", f"127.0.0.1:{self.decode_port}", *flags], log_path)
+        self.gateway = _launch(
+            [
+                "gateway",
+                "--port",
+                str(self.port),
+                "--grpc-port",
+                str(self.grpc_port),
+                "--prefill",
+                f"127.0.0.1:{self.prefill_port}",
+                "--decode",
+                f"127.0.0.1:{self.decode_port}",
+                *flags,
+            ],
+            log_path,
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for name, proc in (("gateway", self.gateway), ("prefill", self.prefill), ("decode", self.decode)):
@@ -228,8 +289,11 @@ class Services(WorkerPages):
     def start_decode(self) -> None:
         """Start a decode worker again, on the same ports and flags (it loads in the background)."""
         self.num_decode_starts += 1
-        self.decode = _launch(_decode_args(self.decode_port, self.worker_flags),
-                              self.log_dir / f"decode-{self.num_decode_starts}.log", self.decode_env)
+        self.decode = _launch(
+            _decode_args(self.decode_port, self.worker_flags),
+            self.log_dir / f"decode-{self.num_decode_starts}.log",
+            self.decode_env,
+        )
 
     def kill_prefill(self) -> None:
         """SIGKILL the prefill worker, as a crash would."""
@@ -239,29 +303,27 @@ class Services(WorkerPages):
     def start_prefill(self) -> None:
         """Start a prefill worker again, on the same ports and flags (it loads in the background)."""
         self.num_prefill_starts += 1
-        self.prefill = _launch(_prefill_args(self.prefill_port, self.worker_flags),
-                               self.log_dir / f"prefill-{self.num_prefill_starts}.log", self.prefill_env)
+        self.prefill = _launch(
+            _prefill_args(self.prefill_port, self.worker_flags),
+            self.log_dir / f"prefill-{self.num_prefill_starts}.log",
+            self.prefill_env,
+        )
 
     def stop(self) -> None:
-        procs = [p for p in (self.gateway, self.prefill, self.decode) if p is not None]
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes([p for p in (self.gateway, self.prefill, self.decode) if p is not None], grace_s=20)
 
     def logs(self, num_chars: int = 3000) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-num_chars:]}" for p in sorted(self.log_dir.glob("*.log")))
+        return log_tails(self.log_dir, num_chars)
 
 
 @contextlib.contextmanager
-def running_services(tmp_dir: Path, *worker_flags: str, gateway_flags: tuple[str, ...] = (),
-                     prefill_env: dict[str, str] | None = None,
-                     decode_env: dict[str, str] | None = None) -> Iterator[Services]:
+def running_services(
+    tmp_dir: Path,
+    *worker_flags: str,
+    gateway_flags: tuple[str, ...] = (),
+    prefill_env: dict[str, str] | None = None,
+    decode_env: dict[str, str] | None = None,
+) -> Iterator[Services]:
     """Workers started with `worker_flags`, and a gateway with `gateway_flags` (data in tmp_dir/data),
     all ready; stopped on the way out."""
     services = start_services(tmp_dir, *worker_flags, prefill_env=prefill_env, decode_env=decode_env)
@@ -272,15 +334,28 @@ def running_services(tmp_dir: Path, *worker_flags: str, gateway_flags: tuple[str
         services.stop()
 
 
-def start_services(tmp_dir: Path, *worker_flags: str, prefill_env: dict[str, str] | None = None,
-                   decode_env: dict[str, str] | None = None) -> Services:
+def start_services(
+    tmp_dir: Path,
+    *worker_flags: str,
+    prefill_env: dict[str, str] | None = None,
+    decode_env: dict[str, str] | None = None,
+) -> Services:
     """Start a prefill and a decode worker with `worker_flags` (and each with its extra environment, if
     given: e.g. a TANDEM_FAULT_* hook); call `start_gateway` next."""
     port, prefill_port, decode_port = free_port(), free_port(), free_port()
     prefill = _launch(_prefill_args(prefill_port, worker_flags), tmp_dir / "prefill.log", prefill_env)
     decode = _launch(_decode_args(decode_port, worker_flags), tmp_dir / "decode.log", decode_env)
-    return Services(prefill, decode, port, prefill_port, decode_port, tmp_dir, worker_flags=tuple(worker_flags),
-                    prefill_env=prefill_env, decode_env=decode_env)
+    return Services(
+        prefill,
+        decode,
+        port,
+        prefill_port,
+        decode_port,
+        tmp_dir,
+        worker_flags=tuple(worker_flags),
+        prefill_env=prefill_env,
+        decode_env=decode_env,
+    )
 
 
 def _prefill_args(port: int, worker_flags: tuple[str, ...]) -> list[str]:
@@ -293,10 +368,15 @@ def _decode_args(port: int, worker_flags: tuple[str, ...]) -> list[str]:
 
 def _launch(args: list[str], log_path: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     log = open(log_path, "w")
-    return subprocess.Popen([sys.executable, "-m", "launcher", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, **_CHILD_ENV, **(_WORKER_ENV if args[0] != "gateway" else {}),
-                                 **(extra_env or {})}, start_new_session=True,
-                            preexec_fn=_die_with_parent)
+    return subprocess.Popen(
+        [sys.executable, "-m", "launcher", *args],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **_CHILD_ENV, **(_WORKER_ENV if args[0] != "gateway" else {}), **(extra_env or {})},
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
 
 
 def _die_with_parent() -> None:
