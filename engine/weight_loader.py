@@ -2,13 +2,14 @@
 
 Quantization modes (`EngineConfig.quantization`):
 - `none`: every weight in the model's dtype (GGUF blocks dequantized): the reference path;
-- `gguf`: a GGUF file's Q8_0 / Q4_0 / Q4_1 matrices stay packed as the file has them, everything
-  else as `none` (for a safetensors checkpoint this is `none`);
+- `gguf`: a GGUF file's matrices of the block types `engine.weights.gguf_blocks` reads (Q8_0, Q4_x,
+  Q5_x, Q4_K, Q5_K, Q6_K) stay packed as the file has them, everything else as `none` (for a
+  safetensors checkpoint this is `none`);
 - `q8_0`, `q4_0`, `q4_1`: every projection of the decoder layers is quantized to that format at
   load (from the file's blocks when they already are that format), embeddings and the LM head to
   Q8_0, as llama.cpp's own 4-bit files keep them.
-A fused projection (q/k/v, gate/up) is packed only when all its parts end up in one format;
-otherwise it is computed in the model's dtype.
+A fused projection (q/k/v, gate/up) is packed when every part is, each run of parts in its own
+format (one matmul call computes them all); if a part stays float, so does the whole projection.
 
 Float weights are copied into the model's parameters, on whatever device those live. Quantized
 weights stay in host memory: the C++ kernel that computes with them runs on CPU only, and
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from engine.config import QUANTIZATIONS, ConfigError
+from kernels.packing import PackedWeight, pack
 from kernels.quant import BLOCK, QuantFormat, QuantizedWeight, quantize
 from kernels.quant_linear import QuantizedEmbedding, QuantizedLinear
 
@@ -201,14 +203,13 @@ def _assign_merged(
                 f"{group_name} part {name}: checkpoint shape {tuple(value.shape)} != model shape "
                 f"{(size, module.in_features)}"
             )
-    formats = {_target_format(group_name, value, quantization) for _, value, _ in ordered}
-    fmt = formats.pop() if len(formats) == 1 else None
-    if fmt is None:
+    formats = [_target_format(group_name, value, quantization) for _, value, _ in ordered]
+    if any(fmt is None for fmt in formats):
         weight = torch.cat([_as_float(value) for _, value, _ in ordered])
         _set_float_weight(model, group_name, module, weight)
         return
-    packed = QuantizedWeight.cat([_converted(value, fmt) for _, value, _ in ordered])
-    _set_quantized(model, group_name, module, packed, int8_activations)
+    converted = [_converted(value, fmt) for (_, value, _), fmt in zip(ordered, formats) if fmt is not None]
+    _set_quantized(model, group_name, module, pack(converted), int8_activations)
 
 
 def _assign(
@@ -239,7 +240,11 @@ def _assign(
 
 
 def _set_quantized(
-    model: nn.Module, module_name: str, module: nn.Module, weight: QuantizedWeight, int8_activations: bool
+    model: nn.Module,
+    module_name: str,
+    module: nn.Module,
+    weight: QuantizedWeight | PackedWeight,
+    int8_activations: bool,
 ) -> None:
     """Replace the module by its quantized form (keeping a Linear's bias parameter and fused parts)."""
     if isinstance(module, nn.Embedding) or isinstance(module, QuantizedEmbedding):

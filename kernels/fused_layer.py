@@ -34,9 +34,9 @@ def fused_decoder_layer(
     """The C++ layer (its `forward(x, residual, positions, cos, sin, kv_cache, write_pages,
     write_offsets, qo_indptr, kv_indptr, kv_indices, kv_last_page_len)` returns (output, residual)
     as `DecoderLayer.forward` does), or None when a part is not what it computes: `projections`
-    (qkv, o, gate_up, down) must all be `QuantizedLinear` with one activation rounding and float32
-    biases, the norms float32 CPU tensors, the KV pool (`kv_dtype`) one the kernels take, and the
-    kernels built."""
+    (qkv, o, gate_up, down) must all be `QuantizedLinear` (any formats, mixed ones included) with
+    one activation rounding and float32 biases, the norms float32 CPU tensors, the KV pool
+    (`kv_dtype`) one the kernels take, and the kernels built."""
     if not native.is_available() or len(projections) != 4 or kv_dtype not in NATIVE_KV_CACHE_DTYPES:
         return None
     linears = [p for p in projections if isinstance(p, QuantizedLinear)]
@@ -45,10 +45,7 @@ def fused_decoder_layer(
     tensors = [input_norm, post_norm, *(p.bias for p in linears if p.bias is not None)]
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
         return None
-    specs = [
-        (p.quantized.data, p.out_features, p.quantized.bits, None if p.bias is None else p.bias.detach())
-        for p in linears
-    ]
+    specs = [(p.quantized.data, p.quantized.table, None if p.bias is None else p.bias.detach()) for p in linears]
     qmax = activation_qmax(linears[0].int8_activations)
     return native.load().DecoderLayer(
         input_norm.detach().contiguous(),

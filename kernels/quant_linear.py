@@ -38,16 +38,17 @@ def _kernel() -> Callable[..., torch.Tensor] | None:
 def quantized_matmul(
     x: torch.Tensor, weight: PackedWeight | QuantizedWeight, int8_activations: bool = False
 ) -> torch.Tensor:
-    """x [..., K] (float32 or bfloat16) times weight^T -> [..., N] in x's dtype. A `QuantizedWeight`
-    is packed first (tests; layers pack once). Without the C++ kernels: float activations times
-    the dequantized weight (slow, and without the activation rounding)."""
+    """x [..., K] (float32 or bfloat16) times weight^T -> [..., N] in x's dtype, one call for every
+    segment of a mixed-format weight. A `QuantizedWeight` is packed first (tests; layers pack once).
+    Without the C++ kernels: float activations times the dequantized weight (slow, and without the
+    activation rounding)."""
     packed = weight if isinstance(weight, PackedWeight) else pack(weight)
     kernel = _kernel()
     if kernel is None:
         return (x.float() @ packed.dequantize().T).to(x.dtype)
     n, k = packed.shape
     flat = x.reshape(-1, k).float().contiguous()
-    out = kernel(flat, packed.data, n, packed.bits, activation_qmax(int8_activations))
+    out = kernel(flat, packed.data, packed.table, activation_qmax(int8_activations))
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
@@ -73,13 +74,14 @@ class QuantizedLinear(nn.Module):
         if self._kernel is not None and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
             # the common case, with as little Python per call as possible (decode calls this 100+ times a step)
             w = self.quantized
-            out = self._kernel(x, w.data, self.out_features, w.bits, self._qmax)
+            out = self._kernel(x, w.data, w.table, self._qmax)
         else:
             out = quantized_matmul(x, self.quantized, self.int8_activations)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.quantized.format.name}"
+        formats = "+".join(f.name for f in self.quantized.formats)
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={formats}"
 
 
 class QuantizedEmbedding(nn.Module):

@@ -23,15 +23,15 @@ from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from engine.config import Architecture, ConfigError, ModelConfig
+from engine.weights import gguf_blocks
 from engine.weights.names import Shape, check_tensors, hf_name_from_gguf
-from kernels.quant import BLOCK, QuantFormat, QuantizedWeight
+from kernels.quant import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
 _ARCHITECTURES = {"llama": Architecture.LLAMA, "qwen2": Architecture.QWEN2}
 _ROPE_PERMUTED = (".self_attn.q_proj.", ".self_attn.k_proj.")
-# GGUF block types kept packed, with their bytes per 32-element block
-_PACKED = {"Q8_0": (QuantFormat.Q8_0, 34), "Q4_0": (QuantFormat.Q4_0, 18), "Q4_1": (QuantFormat.Q4_1, 20)}
+_PACKED = gguf_blocks.PACKED_TYPES  # GGUF block types kept packed (Q8_0, Q4_x, Q5_x, Q4_K, Q5_K, Q6_K)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +46,7 @@ class GGUFTensorRef:
 @dataclass(frozen=True, slots=True)
 class GGUFSource:
     """Yields tensors one at a time from the memory-mapped file: float32, or with `keep_quantized`
-    the 2-D Q8_0 / Q4_0 / Q4_1 ones as packed `QuantizedWeight`s."""
+    the 2-D ones of a `_PACKED` block type as `QuantizedWeight`s."""
 
     reader: GGUFReader
     refs: tuple[GGUFTensorRef, ...]
@@ -57,7 +57,7 @@ class GGUFSource:
 
     def read(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         for ref in self.refs:
-            packed = ref.tensor.tensor_type.name in _PACKED and len(ref.tensor.shape) == 2
+            packed = ref.tensor.tensor_type in _PACKED and len(ref.tensor.shape) == 2
             yield ref.hf_name, _to_quantized(ref) if keep_quantized and packed else _to_torch(ref)
 
 
@@ -186,16 +186,9 @@ def _unpermute_rope(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def _to_quantized(ref: GGUFTensorRef) -> QuantizedWeight:
-    """The tensor's blocks unpacked into `QuantizedWeight` arrays (fp16 scales widened to float32)."""
-    fmt, block_bytes = _PACKED[ref.tensor.tensor_type.name]
+    """The tensor's blocks unpacked into a `QuantizedWeight` (engine.weights.gguf_blocks)."""
     rows, cols = (int(dim) for dim in reversed(ref.tensor.shape))
-    raw = torch.from_numpy(np.array(ref.tensor.data, dtype=np.uint8).reshape(rows, cols // BLOCK, block_bytes))
-    scales = raw[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
-    if fmt is QuantFormat.Q4_1:
-        mins, qs = raw[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float(), raw[..., 4:]
-    else:
-        mins, qs = None, raw[..., 2:]
-    weight = QuantizedWeight(fmt, qs.reshape(rows, -1).contiguous(), scales.contiguous(), mins)
+    weight = gguf_blocks.to_quantized(ref.tensor.data, ref.tensor.tensor_type, (rows, cols))
     if ref.unpermute_heads is not None:  # the permutation moves whole rows, so blocks move intact
         order = _unpermute_rope(torch.arange(rows), ref.unpermute_heads)
         weight = weight.index_rows(order)

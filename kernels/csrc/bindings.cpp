@@ -13,22 +13,57 @@ void check_rows(const torch::Tensor& x, const char* name) {
               " must be a contiguous [T, H] float32 tensor");
 }
 
-// x [M, K] float32; packed [ceil(N / 16), K / 32, panel bytes] uint8 (kernels/packing.py).
-torch::Tensor qmatmul(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t bits, int64_t qmax) {
+void check_qmax(int64_t qmax) {
+  TORCH_CHECK(qmax == 32767 || qmax == 127, "qmax must be 32767 (int16) or 127 (int8)");
+}
+
+// A packed weight's segments from its table int64 [S, 3] (format code, columns, byte offset into
+// `data`, uint8; kernels/packing.py), checked against `data` and k inputs. The pointers are into `data`.
+std::vector<tandem::PackedSegment> packed_segments(const torch::Tensor& data, const torch::Tensor& table, int64_t k) {
+  TORCH_CHECK(data.scalar_type() == torch::kUInt8 && data.is_contiguous(), "packed data must be contiguous uint8");
+  TORCH_CHECK(table.scalar_type() == torch::kInt64 && table.is_contiguous() && table.dim() == 2 && table.size(1) == 3 &&
+                  table.size(0) >= 1,
+              "segments must be an int64 [S, 3] table (format, columns, byte offset)");
+  std::vector<tandem::PackedSegment> segments;
+  const int64_t* row = table.data_ptr<int64_t>();
+  for (int64_t i = 0; i < table.size(0); ++i, row += 3) {
+    const auto [code, n, offset] = std::tuple{row[0], row[1], row[2]};
+    TORCH_CHECK(code >= 0 && code < tandem::kNumFormats, "segment ", i, ": unknown format ", code);
+    const auto format = static_cast<tandem::QuantFormat>(code);
+    TORCH_CHECK(k % (tandem::kBlock * tandem::group_blocks(format)) == 0, "segment ", i, ": K = ", k,
+                " is not a multiple of its blocks");
+    const int64_t bytes = (n + tandem::kPanel - 1) / tandem::kPanel * tandem::panel_bytes(format, k);
+    TORCH_CHECK(n >= 0 && offset >= 0 && offset + bytes <= data.numel(), "segment ", i, ": ", n,
+                " columns do not fit the packed data");
+    segments.push_back({data.data_ptr<uint8_t>() + offset, n, format});
+  }
+  return segments;
+}
+
+torch::Tensor qmatmul_segments(const torch::Tensor& x, const std::vector<tandem::PackedSegment>& segments, int64_t qmax) {
+  check_qmax(qmax);
+  int64_t n = 0;
+  for (const auto& segment : segments) n += segment.n;
+  auto out = torch::empty({x.size(0), n}, x.options());
+  const tandem::PackedMatrix w{segments.data(), static_cast<int64_t>(segments.size()), n, x.size(1)};
+  if (x.size(0) > 0 && n > 0) tandem::qmatmul(x.data_ptr<float>(), x.size(0), w, static_cast<int>(qmax), out.data_ptr<float>());
+  return out;
+}
+
+// x [M, K] float32 times the packed weight (data, segments: kernels/packing.py's PackedWeight) -> [M, N].
+torch::Tensor qmatmul(torch::Tensor x, torch::Tensor data, torch::Tensor segments, int64_t qmax) {
+  check_rows(x, "x");
+  return qmatmul_segments(x, packed_segments(data, segments, x.size(1)), qmax);
+}
+
+// The single-format form benchmarks/kernels.py calls: N columns of Q8_0 (bits 8) or Q4_0 / Q4_1
+// (bits 4, one layout) panels.
+torch::Tensor qmatmul_bits(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t bits, int64_t qmax) {
   check_rows(x, "x");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(qmax == 32767 || qmax == 127, "qmax must be 32767 (int16) or 127 (int8)");
-  const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(k % tandem::kBlock == 0, "K must be a multiple of 32, got ", k);
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 3 &&
-                  packed.size(0) == (n + tandem::kPanel - 1) / tandem::kPanel && packed.size(1) == k / tandem::kBlock &&
-                  packed.size(2) == tandem::panel_block_bytes(static_cast<int>(bits)),
-              "packed weights do not fit x [M, ", k, "] and N = ", n);
-  auto out = torch::empty({m, n}, x.options());
-  if (m > 0 && n > 0)
-    tandem::qmatmul(x.data_ptr<float>(), m, k, packed.data_ptr<uint8_t>(), n, static_cast<int>(bits),
-                    static_cast<int>(qmax), out.data_ptr<float>());
-  return out;
+  const auto format = bits == 8 ? tandem::QuantFormat::kQ8_0 : tandem::QuantFormat::kQ4_1;
+  const auto table = torch::tensor({static_cast<int64_t>(format), n, int64_t{0}}, torch::kInt64).reshape({1, 3});
+  return qmatmul_segments(x, packed_segments(packed.reshape({-1}), table, x.size(1)), qmax);
 }
 
 // kv_cache [P, 2, S, Hkv, D] float32 or bfloat16 (any page stride, the rest contiguous), for q heads of head_dim.
@@ -181,8 +216,8 @@ void rope_and_store(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Te
   tandem::rope_and_store(a, q.size(0));
 }
 
-// A packed projection as the decoder layer keeps it: (panels, N, bits, bias or None).
-using LinearSpec = std::tuple<torch::Tensor, int64_t, int64_t, torch::optional<torch::Tensor>>;
+// A packed projection as the decoder layer keeps it: (data, segments table, bias or None).
+using LinearSpec = std::tuple<torch::Tensor, torch::Tensor, torch::optional<torch::Tensor>>;
 
 // One dense decoder layer's weights, held for the model's life; `forward` runs tandem::decoder_layer.
 class DecoderLayer {
@@ -191,27 +226,27 @@ class DecoderLayer {
                int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t qmax, double scale)
       : input_norm_(input_norm), post_norm_(post_norm), linears_(std::move(linears)) {
     TORCH_CHECK(linears_.size() == 4, "linears: qkv, o, gate_up, down");
-    TORCH_CHECK(qmax == 32767 || qmax == 127, "qmax must be 32767 or 127");
+    check_qmax(qmax);
     const int64_t hidden = input_norm.numel(), q_size = num_q_heads * head_dim;
     for (const auto& norm : {input_norm, post_norm})
       TORCH_CHECK(norm.scalar_type() == torch::kFloat32 && norm.is_contiguous() && norm.numel() == hidden,
                   "norm weights must be [hidden] float32");
-    const int64_t k_in[4] = {hidden, q_size, hidden, std::get<1>(linears_[2]) / 2};
-    const int64_t n_out[4] = {q_size + 2 * num_kv_heads * head_dim, hidden, 2 * k_in[3], hidden};
+    const torch::Tensor& gate_up_table = std::get<1>(linears_[2]);
+    TORCH_CHECK(gate_up_table.dim() == 2 && gate_up_table.size(1) == 3, "linear 2: segments table");
+    const int64_t intermediate = gate_up_table.select(1, 1).sum().item<int64_t>() / 2;
+    const int64_t k_in[4] = {hidden, q_size, hidden, intermediate};
+    const int64_t n_out[4] = {q_size + 2 * num_kv_heads * head_dim, hidden, 2 * intermediate, hidden};
     tandem::PackedLinear* targets[4] = {&w_.qkv, &w_.o, &w_.gate_up, &w_.down};
     for (int i = 0; i < 4; ++i) {
-      const auto& [data, n, bits, bias] = linears_[i];
-      TORCH_CHECK(n == n_out[i] && (bits == 4 || bits == 8) && k_in[i] % tandem::kBlock == 0, "linear ", i,
-                  ": shape does not fit the layer");
-      TORCH_CHECK(data.scalar_type() == torch::kUInt8 && data.is_contiguous() && data.dim() == 3 &&
-                      data.size(0) == (n + tandem::kPanel - 1) / tandem::kPanel &&
-                      data.size(1) == k_in[i] / tandem::kBlock &&
-                      data.size(2) == tandem::panel_block_bytes(static_cast<int>(bits)),
-                  "linear ", i, ": packed weights do not fit");
+      const auto& [data, table, bias] = linears_[i];
+      segments_[i] = packed_segments(data, table, k_in[i]);
+      int64_t n = 0;
+      for (const auto& segment : segments_[i]) n += segment.n;
+      TORCH_CHECK(n == n_out[i], "linear ", i, ": shape does not fit the layer");
       if (bias.has_value())
         TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n,
                     "linear ", i, ": bias must be [N] float32");
-      *targets[i] = {data.data_ptr<uint8_t>(), n, k_in[i], static_cast<int>(bits),
+      *targets[i] = {{segments_[i].data(), static_cast<int64_t>(segments_[i].size()), n, k_in[i]},
                      bias.has_value() ? bias->data_ptr<float>() : nullptr};
     }
     w_.input_norm = input_norm.data_ptr<float>();
@@ -259,6 +294,7 @@ class DecoderLayer {
  private:
   torch::Tensor input_norm_, post_norm_;
   std::vector<LinearSpec> linears_;   // keeps the weights the raw pointers in w_ point into
+  std::vector<tandem::PackedSegment> segments_[4];
   tandem::DecoderLayerWeights w_{};
 };
 
@@ -269,9 +305,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // a worker's gRPC threads stream the last step's tokens while the engine thread computes the next.
   using NoGil = py::call_guard<py::gil_scoped_release>;
   m.def("qmatmul", &qmatmul,
-        "x [M, K] float32 times packed block-quantized weights [N, K]^T -> [M, N]; activations rounded to "
-        "int16 (qmax 32767) or int8 (qmax 127) blocks, exact integer block dots",
-        NoGil());
+        "x [M, K] float32 times packed block-quantized weights (data, segments) [N, K]^T -> [M, N]; activations "
+        "rounded to int16 (qmax 32767) or int8 (qmax 127) blocks, exact integer block dots",
+        py::arg("x"), py::arg("data"), py::arg("segments"), py::arg("qmax"), NoGil());
+  m.def("qmatmul", &qmatmul_bits, "the same over N columns of single-format Q8_0 (bits 8) or Q4_x (bits 4) panels",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bits"), py::arg("qmax"), NoGil());
   m.def("paged_attention", &paged_attention, "causal attention over a paged KV cache (CSR page table)", NoGil());
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, H] float32 rows, optionally after adding them into a residual",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none(), NoGil());

@@ -11,19 +11,20 @@
 namespace tandem {
 namespace {
 
-void linear(const PackedLinear& w, const float* x, int64_t t, int qmax, float* out) {
-  qmatmul(x, t, w.k, w.data, w.n, w.bits, qmax, out);
-  if (w.bias)
+void linear(const PackedLinear& linear, const float* x, int64_t t, int qmax, float* out) {
+  const int64_t n = linear.w.n;
+  qmatmul(x, t, linear.w, qmax, out);
+  if (linear.bias)
     for (int64_t r = 0; r < t; ++r)
-      for (int64_t j = 0; j < w.n; ++j) out[r * w.n + j] += w.bias[j];
+      for (int64_t j = 0; j < n; ++j) out[r * n + j] += linear.bias[j];
 }
 
 }  // namespace
 
 void decoder_layer(const DecoderLayerWeights& w, const DecoderStep& step, const float* x, float* residual,
                    bool is_first, int64_t t, float* out) {
-  const int64_t hidden = w.o.n, d = w.head_dim, q_size = w.num_q_heads * d, kv_size = w.num_kv_heads * d;
-  const auto h = scratch<float>(t * hidden), qkv = scratch<float>(t * w.qkv.n), attn = scratch<float>(t * q_size),
+  const int64_t hidden = w.o.w.n, d = w.head_dim, q_size = w.num_q_heads * d, kv_size = w.num_kv_heads * d;
+  const auto h = scratch<float>(t * hidden), qkv = scratch<float>(t * w.qkv.w.n), attn = scratch<float>(t * q_size),
              o = scratch<float>(t * hidden);
   if (is_first) {
     std::memcpy(residual, x, t * hidden * sizeof(float));
@@ -36,18 +37,18 @@ void decoder_layer(const DecoderLayerWeights& w, const DecoderStep& step, const 
   rope.q = qkv.get();
   rope.k = qkv.get() + q_size;
   rope.v = qkv.get() + q_size + kv_size;
-  rope.q_row_stride = rope.k_row_stride = rope.v_row_stride = w.qkv.n;
+  rope.q_row_stride = rope.k_row_stride = rope.v_row_stride = w.qkv.w.n;
   rope.num_q_heads = w.num_q_heads;
   rope.num_kv_heads = w.num_kv_heads;
   rope.head_dim = d;
   rope_and_store(rope, t);
-  paged_attention(qkv.get(), w.qkv.n, w.num_q_heads, step.kv, step.qo_indptr, step.kv_indptr, step.kv_indices,
+  paged_attention(qkv.get(), w.qkv.w.n, w.num_q_heads, step.kv, step.qo_indptr, step.kv_indptr, step.kv_indices,
                   step.last_page_len, step.batch, w.scale, attn.get());
   linear(w.o, attn.get(), t, w.qmax, o.get());
   rms_norm(o.get(), t, hidden, w.post_norm, w.eps, residual, h.get());
-  const auto gate_up = scratch<float>(t * w.gate_up.n), act = scratch<float>(t * w.down.k);
+  const auto gate_up = scratch<float>(t * w.gate_up.w.n), act = scratch<float>(t * w.down.w.k);
   linear(w.gate_up, h.get(), t, w.qmax, gate_up.get());
-  silu_and_mul(gate_up.get(), t, w.down.k, act.get());
+  silu_and_mul(gate_up.get(), t, w.down.w.k, act.get());
   linear(w.down, act.get(), t, w.qmax, out);
 }
 

@@ -10,16 +10,46 @@ namespace tandem {
 
 constexpr int64_t kPanel = 16;   // output columns interleaved in one panel of packed weights
 
-// Bytes of one (panel, block) of packed weights: the 16 columns' quantized values for 32 inputs,
-// then their 16 float16 scales, then (4-bit formats) their 16 float16 offsets.
-constexpr int64_t panel_block_bytes(int bits) { return bits == 8 ? 512 + 32 : 256 + 64; }
+// GGUF's block formats the matmul reads (the codes of kernels.quant.QuantFormat).
+enum class QuantFormat : int { kQ8_0 = 0, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K };
+constexpr int kNumFormats = 8;
 
-// out [m, n] = x [m, k] times the packed weight [n, k]^T (`bits` 8 or 4), float32. Each activation
-// row is first rounded to int16 blocks of 32 with one scale each (amax / qmax; qmax 32767, or 127
-// for llama.cpp's int8 rounding), then every product is an exact integer dot per block, scaled
-// in float32. k is a multiple of 32; `packed` holds ceil(n / 16) panels of k / 32 blocks.
-void qmatmul(const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n, int bits, int qmax,
-             float* out);
+// The panel layout of each format (kernels/packing.py, qmatmul.cpp): for each panel of 16 columns,
+// groups of blocks of 32 inputs (a K-quant's super-block of 8, else 1), each block's codes then its
+// scales, then (K-quants) the group's float16 D and -Dmin.
+constexpr bool is_k_quant(QuantFormat f) { return f >= QuantFormat::kQ4_K; }
+constexpr int high_bits(QuantFormat f) {   // bits of a code above its low nibble
+  if (f == QuantFormat::kQ6_K) return 2;
+  return f == QuantFormat::kQ5_0 || f == QuantFormat::kQ5_1 || f == QuantFormat::kQ5_K ? 1 : 0;
+}
+constexpr int64_t value_bytes(QuantFormat f) { return f == QuantFormat::kQ8_0 ? 512 : 256 + 64 * high_bits(f); }
+constexpr int64_t scale_bytes(QuantFormat f) {
+  return f == QuantFormat::kQ4_0 || f == QuantFormat::kQ4_1 || f == QuantFormat::kQ5_1 ? 64 : 32;
+}
+constexpr int64_t group_blocks(QuantFormat f) { return is_k_quant(f) ? 8 : 1; }
+constexpr int64_t group_bytes(QuantFormat f) {
+  return group_blocks(f) * (value_bytes(f) + scale_bytes(f)) + (!is_k_quant(f) ? 0 : f == QuantFormat::kQ6_K ? 32 : 64);
+}
+// Bytes of one panel over k inputs (k a multiple of 32 * group_blocks).
+constexpr int64_t panel_bytes(QuantFormat f, int64_t k) { return k / (32 * group_blocks(f)) * group_bytes(f); }
+
+// A packed weight: row segments, each in its own format, stacked (a fused q/k/v whose parts differ).
+// Segment s holds output columns [sum of earlier n, + n) in ceil(n / 16) panels at `data`.
+struct PackedSegment {
+  const uint8_t* data;
+  int64_t n;
+  QuantFormat format;
+};
+struct PackedMatrix {
+  const PackedSegment* segments;
+  int64_t num_segments, n, k;   // n: every segment's columns
+};
+
+// out [m, w.n] = x [m, w.k] times the packed weight^T, float32. Each activation row is first rounded
+// to int16 blocks of 32 with one scale each (amax / qmax; qmax 32767, or 127 for llama.cpp's int8
+// rounding), then every product is an exact integer dot per block, scaled in float32. One call
+// rounds the activations once for every segment and writes each segment's columns.
+void qmatmul(const float* x, int64_t m, const PackedMatrix& w, int qmax, float* out);
 
 // ---- paged attention (attention.cpp) --------------------------------------------------------------
 
@@ -69,10 +99,8 @@ void rope_and_store(const RopeStore& a, int64_t tokens);
 // ---- one dense decoder layer (decoder.cpp) -------------------------------------------------------
 
 struct PackedLinear {
-  const uint8_t* data;   // panels (qmatmul above)
-  int64_t n, k;
-  int bits;
-  const float* bias;     // [n] or null
+  PackedMatrix w;       // qmatmul above
+  const float* bias;    // [w.n] or null
 };
 
 struct DecoderLayerWeights {

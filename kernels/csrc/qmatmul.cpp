@@ -1,20 +1,25 @@
-// Block-quantized matmul: float activations rounded to int16 blocks, packed 4- or 8-bit weights,
-// exact integer dot products per block (AVX-512 VNNI's vpdpwssd; AVX2's vpmaddwd), float32 scaling.
+// Block-quantized matmul: float activations rounded to int16 blocks, packed weights of GGUF's block
+// formats, exact integer dot products per block (AVX-512 VNNI's vpdpwssd; AVX2's vpmaddwd), float32
+// scaling.
 //
-// Why int16 activations: the products of 16-bit activations and 4/8-bit weights are exact in int32,
-// twice as many per instruction as float32 FMAs, and an activation block keeps 1/65534 of its
+// Why int16 activations: the products of 16-bit activations and 4- to 8-bit weights are exact in
+// int32, twice as many per instruction as float32 FMAs, and an activation block keeps 1/65534 of its
 // largest value as resolution, far finer than bf16's 1/512 per element (greedy agreement in
 // docs/performance.md). qmax 127 gives llama.cpp's int8 rounding with the same kernel.
 //
-// Packed weights (built once at load by kernels/packing.py): output columns in panels of 16; for
-// each panel and 32-input block, 16 columns' values interleaved so that one 32-byte load expands to
-// the operand of one vector instruction, then the 16 scales and (4-bit) the 16 offsets, float16:
-//   4-bit: 8 chunks of 32 bytes; chunk i byte 2j+t = q[j][4i+t] | q[j][4i+2+t] << 4  (column j, t < 2)
-//   8-bit: 16 chunks of 32 bytes; chunk i byte 2j+t = q[j][2i+t] (int8)
-// A 4-bit weight is d * q + m (Q4_0 is packed with m = -8 d); an 8-bit weight d * q.
-// Per (row, block): int32 s = sum q * xq, then acc = fma(float(s), d * dx, acc), then (4-bit)
-// acc = fma(m, dx * sum(xq), acc). Every path does exactly these float operations per column, so
-// AVX-512, AVX2 and scalar builds give the same bits.
+// Packed weights (built once at load by kernels/packing.py, whose docstring has the byte layout):
+// output columns in panels of 16; for each panel and 32-input block, 16 columns' codes interleaved
+// so that one 32-byte load expands to the operand of one vector instruction (8-bit: 16 chunks;
+// otherwise 8 chunks of nibbles, then 2 or 4 rows of the bits above them for 5- or 6-bit codes, each
+// row byte parallel to the chunks' bytes, so one load + widen + shift gives the same lanes' high
+// bits), then the block's 16 scales (and offsets) as the file stores them; a K-quant's 8 blocks are
+// followed by its float16 D (and -Dmin). A code's integer weight is q (Q8_0, Q4_x, Q5_1, Q4_K, Q5_K),
+// q - 16 (Q5_0) or q - 32 (Q6_K), subtracted in int16 before the dot.
+// Per (row, block): int32 s = sum w * xq (Q6_K: one per 16-element half), then
+// acc = fma(float(s), dw * dx, acc) per sum, then (formats with offsets) acc = fma(mw, dx * sum(xq), acc),
+// where dw is the block's float16 d or, for K-quants, float(sc) * D (exact), and mw the float16 m or
+// float(mn) * -Dmin (exact). Every path does exactly these float operations per column, so AVX-512,
+// AVX2 and scalar builds give the same bits.
 
 #include "common.h"
 #include "kernels.h"
@@ -22,9 +27,11 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 namespace tandem {
 namespace {
@@ -101,37 +108,75 @@ inline float half_at(const uint8_t* p) {
   return out;
 }
 
+
+// A format's layout and arithmetic, at compile time (kernels.h has the byte sizes).
+template <QuantFormat F>
+struct Layout {
+  static constexpr bool kInt8 = F == QuantFormat::kQ8_0;
+  static constexpr int kHighBits = high_bits(F);
+  static constexpr int kHighRows = kHighBits ? 2 * kHighBits : 1;   // chunk i's high bits: row i / (8 / kHighRows)
+  static constexpr int kOffset = F == QuantFormat::kQ5_0 ? 16 : F == QuantFormat::kQ6_K ? 32 : 0;
+  static constexpr bool kHasMins = F == QuantFormat::kQ4_0 || F == QuantFormat::kQ4_1 || F == QuantFormat::kQ5_1 ||
+                                   F == QuantFormat::kQ4_K || F == QuantFormat::kQ5_K;
+  static constexpr int kSums = F == QuantFormat::kQ6_K ? 2 : 1;   // integer sums per block (Q6_K: per 16)
+  static constexpr int64_t kBlockBytes = value_bytes(F) + scale_bytes(F);
+};
+
+// Block b of a panel, and the D (and -Dmin) of its group (K-quants).
+template <QuantFormat F>
+inline const uint8_t* block_at(const uint8_t* panel, int64_t b) {
+  return panel + b / group_blocks(F) * group_bytes(F) + b % group_blocks(F) * Layout<F>::kBlockBytes;
+}
+template <QuantFormat F>
+inline const uint8_t* tail_at(const uint8_t* panel, int64_t b) {
+  return panel + b / group_blocks(F) * group_bytes(F) + group_blocks(F) * Layout<F>::kBlockBytes;
+}
+
 #ifdef TANDEM_AVX512
+inline __m512 halves16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+// The 16 columns' weight scales of a block (Q6_K: one per half) and offsets.
+template <QuantFormat F>
+struct Scales {
+  __m512 d[Layout<F>::kSums];
+  __m512 m;
+};
+template <QuantFormat F>
+inline Scales<F> block_scales(const uint8_t* s, const uint8_t* tail) {
+  Scales<F> w{};
+  if constexpr (F == QuantFormat::kQ6_K) {
+    const __m512 dd = halves16(tail);
+    for (int h = 0; h < 2; ++h) w.d[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(s + 16 * h))), dd);
+  } else if constexpr (is_k_quant(F)) {
+    w.d[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(load16(s))), halves16(tail));
+    w.m = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(load16(s + 16))), halves16(tail + 32));
+  } else {
+    w.d[0] = halves16(s);
+    if constexpr (Layout<F>::kHasMins) w.m = halves16(s + 32);
+  }
+  return w;
+}
+
 // R rows x one panel (16 columns). Integer sums use `kSplit` partial accumulators per row so that a
 // short tile is not bound by vpdpwssd's latency; integer addition is exact, so any split gives the
 // same sums.
-template <int Bits, int R>
+template <QuantFormat F, int R>
 void panel_tile(const uint8_t* panel, const QRows& x, int64_t r0, float* out, int64_t ldo, int64_t cols) {
+  using L = Layout<F>;
   constexpr int kSplit = R >= 4 ? 1 : 4 / R;
-  constexpr int64_t kQBytes = Bits == 8 ? 512 : 256;
-  constexpr int64_t kStride = panel_block_bytes(Bits);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi16(0x0F);
+  const __m512i low4 = _mm512_set1_epi16(0x0F), offset = _mm512_set1_epi16(L::kOffset);
+  const __m512i high_mask = _mm512_set1_epi16(((1 << L::kHighBits) - 1) << 4);
   for (int64_t b = 0; b < x.nb; ++b) {
-    const uint8_t* blk = panel + b * kStride;
-    __m512i isum[R][kSplit];
+    const uint8_t* blk = block_at<F>(panel, b);
+    __m512i isum[R][L::kSums * kSplit];
     for (int r = 0; r < R; ++r)
-      for (int s = 0; s < kSplit; ++s) isum[r][s] = _mm512_setzero_si512();
+      for (int s = 0; s < L::kSums * kSplit; ++s) isum[r][s] = _mm512_setzero_si512();
     const int16_t* xq[R];
     for (int r = 0; r < R; ++r) xq[r] = x.q + (r0 + r) * x.k + b * kBlock;
-    if constexpr (Bits == 4) {
-#pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) {
-        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * i)));
-        const __m512i wa = _mm512_and_si512(v, low4), wb = _mm512_srli_epi16(v, 4);
-        for (int r = 0; r < R; ++r) {
-          __m512i& s = isum[r][i % kSplit];
-          s = _mm512_dpwssd_epi32(s, wa, _mm512_set1_epi32(pair_at(xq[r] + 4 * i)));
-          s = _mm512_dpwssd_epi32(s, wb, _mm512_set1_epi32(pair_at(xq[r] + 4 * i + 2)));
-        }
-      }
-    } else {
+    if constexpr (L::kInt8) {
 #pragma GCC unroll 16
       for (int i = 0; i < 16; ++i) {
         const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * i)));
@@ -140,17 +185,43 @@ void panel_tile(const uint8_t* panel, const QRows& x, int64_t r0, float* out, in
           s = _mm512_dpwssd_epi32(s, w, _mm512_set1_epi32(pair_at(xq[r] + 2 * i)));
         }
       }
-    }
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kQBytes)));
-    for (int r = 0; r < R; ++r) {
-      __m512i total = isum[r][0];
-      for (int s = 1; s < kSplit; ++s) total = _mm512_add_epi32(total, isum[r][s]);
-      const int64_t at = (r0 + r) * x.nb + b;
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[at])), acc[r]);
-      if constexpr (Bits == 4) {
-        const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kQBytes + 32)));
-        acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[at]), acc[r]);
+    } else {
+#pragma GCC unroll 4
+      for (int row = 0; row < L::kHighRows; ++row) {
+        [[maybe_unused]] __m512i high = _mm512_setzero_si512();
+        if constexpr (L::kHighBits > 0)
+          high = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256 + 32 * row)));
+#pragma GCC unroll 8
+        for (int c = 0; c < 8 / L::kHighRows; ++c) {
+          const int i = row * (8 / L::kHighRows) + c;
+          const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * i)));
+          __m512i wa = _mm512_and_si512(v, low4), wb = _mm512_srli_epi16(v, 4);
+          if constexpr (L::kHighBits > 0) {
+            wa = _mm512_or_si512(wa, _mm512_and_si512(_mm512_slli_epi16(high, 4), high_mask));
+            wb = _mm512_or_si512(wb, _mm512_and_si512(_mm512_slli_epi16(high, 4 - L::kHighBits), high_mask));
+            high = _mm512_srli_epi16(high, 2 * L::kHighBits);
+          }
+          if constexpr (L::kOffset > 0) {
+            wa = _mm512_sub_epi16(wa, offset);
+            wb = _mm512_sub_epi16(wb, offset);
+          }
+          for (int r = 0; r < R; ++r) {
+            __m512i& s = isum[r][i * L::kSums / 8 * kSplit + i % kSplit];
+            s = _mm512_dpwssd_epi32(s, wa, _mm512_set1_epi32(pair_at(xq[r] + 4 * i)));
+            s = _mm512_dpwssd_epi32(s, wb, _mm512_set1_epi32(pair_at(xq[r] + 4 * i + 2)));
+          }
+        }
       }
+    }
+    const Scales<F> w = block_scales<F>(blk + value_bytes(F), tail_at<F>(panel, b));
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (r0 + r) * x.nb + b;
+      for (int h = 0; h < L::kSums; ++h) {
+        __m512i total = isum[r][h * kSplit];
+        for (int s = 1; s < kSplit; ++s) total = _mm512_add_epi32(total, isum[r][h * kSplit + s]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(w.d[h], _mm512_set1_ps(x.d[at])), acc[r]);
+      }
+      if constexpr (L::kHasMins) acc[r] = _mm512_fmadd_ps(w.m, _mm512_set1_ps(x.s[at]), acc[r]);
     }
   }
   const __mmask16 mask = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
@@ -159,48 +230,87 @@ void panel_tile(const uint8_t* panel, const QRows& x, int64_t r0, float* out, in
 constexpr int kRowTile = 8;
 
 #elif defined(TANDEM_AVX2)
+inline __m256 halves8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m128i load8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+inline __m256i widen16(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// The 8 columns' (half `half` of the panel) weight scales of a block (Q6_K: one per half) and offsets.
+template <QuantFormat F>
+struct Scales {
+  __m256 d[Layout<F>::kSums];
+  __m256 m;
+};
+template <QuantFormat F>
+inline Scales<F> block_scales(const uint8_t* s, const uint8_t* tail, int half) {
+  Scales<F> w{};
+  if constexpr (F == QuantFormat::kQ6_K) {
+    const __m256 dd = halves8(tail + 16 * half);
+    for (int h = 0; h < 2; ++h)
+      w.d[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(s + 16 * h + 8 * half))), dd);
+  } else if constexpr (is_k_quant(F)) {
+    w.d[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(load8(s + 8 * half))), halves8(tail + 16 * half));
+    w.m = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(load8(s + 16 + 8 * half))),
+                        halves8(tail + 32 + 16 * half));
+  } else {
+    w.d[0] = halves8(s + 16 * half);
+    if constexpr (Layout<F>::kHasMins) w.m = halves8(s + 32 + 16 * half);
+  }
+  return w;
+}
+
 // R rows x one panel, as two halves of 8 columns (16 ymm registers hold no more).
-template <int Bits, int R>
+template <QuantFormat F, int R>
 void panel_tile(const uint8_t* panel, const QRows& x, int64_t r0, float* out, int64_t ldo, int64_t cols) {
-  constexpr int64_t kQBytes = Bits == 8 ? 512 : 256;
-  constexpr int64_t kStride = panel_block_bytes(Bits);
-  const __m256i low4 = _mm256_set1_epi16(0x0F);
+  using L = Layout<F>;
+  const __m256i low4 = _mm256_set1_epi16(0x0F), offset = _mm256_set1_epi16(L::kOffset);
+  const __m256i high_mask = _mm256_set1_epi16(((1 << L::kHighBits) - 1) << 4);
   for (int half = 0; half < 2; ++half) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < x.nb; ++b) {
-      const uint8_t* blk = panel + b * kStride;
-      __m256i isum[R];
-      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+      const uint8_t* blk = block_at<F>(panel, b);
+      __m256i isum[R][L::kSums];
+      for (int r = 0; r < R; ++r)
+        for (int s = 0; s < L::kSums; ++s) isum[r][s] = _mm256_setzero_si256();
       const int16_t* xq[R];
       for (int r = 0; r < R; ++r) xq[r] = x.q + (r0 + r) * x.k + b * kBlock;
-      if constexpr (Bits == 4) {
-        for (int i = 0; i < 8; ++i) {
-          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 * i + 16 * half));
-          const __m256i v = _mm256_cvtepu8_epi16(raw);
-          const __m256i wa = _mm256_and_si256(v, low4), wb = _mm256_srli_epi16(v, 4);
-          for (int r = 0; r < R; ++r) {
-            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(wa, _mm256_set1_epi32(pair_at(xq[r] + 4 * i))));
-            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(wb, _mm256_set1_epi32(pair_at(xq[r] + 4 * i + 2))));
-          }
+      if constexpr (L::kInt8) {
+        for (int i = 0; i < 16; ++i) {
+          const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 * i + 16 * half)));
+          for (int r = 0; r < R; ++r)
+            isum[r][0] = _mm256_add_epi32(isum[r][0], _mm256_madd_epi16(w, _mm256_set1_epi32(pair_at(xq[r] + 2 * i))));
         }
       } else {
-        for (int i = 0; i < 16; ++i) {
-          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 * i + 16 * half));
-          const __m256i w = _mm256_cvtepi8_epi16(raw);
-          for (int r = 0; r < R; ++r)
-            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(w, _mm256_set1_epi32(pair_at(xq[r] + 2 * i))));
+        for (int row = 0; row < L::kHighRows; ++row) {
+          [[maybe_unused]] __m256i high = _mm256_setzero_si256();
+          if constexpr (L::kHighBits > 0) high = widen16(blk + 256 + 32 * row + 16 * half);
+          for (int c = 0; c < 8 / L::kHighRows; ++c) {
+            const int i = row * (8 / L::kHighRows) + c;
+            const __m256i v = widen16(blk + 32 * i + 16 * half);
+            __m256i wa = _mm256_and_si256(v, low4), wb = _mm256_srli_epi16(v, 4);
+            if constexpr (L::kHighBits > 0) {
+              wa = _mm256_or_si256(wa, _mm256_and_si256(_mm256_slli_epi16(high, 4), high_mask));
+              wb = _mm256_or_si256(wb, _mm256_and_si256(_mm256_slli_epi16(high, 4 - L::kHighBits), high_mask));
+              high = _mm256_srli_epi16(high, 2 * L::kHighBits);
+            }
+            if constexpr (L::kOffset > 0) {
+              wa = _mm256_sub_epi16(wa, offset);
+              wb = _mm256_sub_epi16(wb, offset);
+            }
+            for (int r = 0; r < R; ++r) {
+              __m256i& s = isum[r][i * L::kSums / 8];
+              s = _mm256_add_epi32(s, _mm256_madd_epi16(wa, _mm256_set1_epi32(pair_at(xq[r] + 4 * i))));
+              s = _mm256_add_epi32(s, _mm256_madd_epi16(wb, _mm256_set1_epi32(pair_at(xq[r] + 4 * i + 2))));
+            }
+          }
         }
       }
-      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kQBytes + 16 * half)));
+      const Scales<F> w = block_scales<F>(blk + value_bytes(F), tail_at<F>(panel, b), half);
       for (int r = 0; r < R; ++r) {
         const int64_t at = (r0 + r) * x.nb + b;
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(dw, _mm256_set1_ps(x.d[at])), acc[r]);
-        if constexpr (Bits == 4) {
-          const __m256 mw =
-              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kQBytes + 32 + 16 * half)));
-          acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[at]), acc[r]);
-        }
+        for (int h = 0; h < L::kSums; ++h)
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][h]), _mm256_mul_ps(w.d[h], _mm256_set1_ps(x.d[at])), acc[r]);
+        if constexpr (L::kHasMins) acc[r] = _mm256_fmadd_ps(w.m, _mm256_set1_ps(x.s[at]), acc[r]);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -213,28 +323,50 @@ void panel_tile(const uint8_t* panel, const QRows& x, int64_t r0, float* out, in
 constexpr int kRowTile = 4;
 
 #else
-// Portable: the same integer sums and float operations, one column at a time.
-template <int Bits, int R>
+// Portable: the same integer sums and float operations, one column at a time, read from the layout's
+// definition (kernels/packing.py) rather than from the vector paths' shifts.
+template <QuantFormat F>
+inline int weight_at(const uint8_t* blk, int64_t j, int k) {
+  using L = Layout<F>;
+  if constexpr (L::kInt8) return static_cast<int8_t>(blk[32 * (k / 2) + 2 * j + k % 2]);
+  const int i = k / 4, u = k % 4 / 2, t = k % 2;
+  int q = (blk[32 * i + 2 * j + t] >> (4 * u)) & 0x0F;
+  if constexpr (L::kHighBits > 0) {
+    const int position = L::kHighBits * (2 * i + u);
+    q |= ((blk[256 + 32 * (position / 8) + 2 * j + t] >> (position % 8)) & ((1 << L::kHighBits) - 1)) << 4;
+  }
+  return q - L::kOffset;
+}
+
+// Column j's weight scale of half h of a block (one half but for Q6_K), and its offset.
+template <QuantFormat F>
+inline float weight_scale(const uint8_t* s, const uint8_t* tail, int64_t j, int h) {
+  if constexpr (F == QuantFormat::kQ6_K) return static_cast<float>(static_cast<int8_t>(s[16 * h + j])) * half_at(tail + 2 * j);
+  else if constexpr (is_k_quant(F)) return static_cast<float>(s[j]) * half_at(tail + 2 * j);
+  else return half_at(s + 2 * j);
+}
+template <QuantFormat F>
+inline float weight_min(const uint8_t* s, const uint8_t* tail, int64_t j) {
+  if constexpr (is_k_quant(F)) return static_cast<float>(s[16 + j]) * half_at(tail + 32 + 2 * j);
+  else return half_at(s + 32 + 2 * j);
+}
+
+template <QuantFormat F, int R>
 void panel_tile(const uint8_t* panel, const QRows& x, int64_t r0, float* out, int64_t ldo, int64_t cols) {
-  constexpr int64_t kQBytes = Bits == 8 ? 512 : 256;
-  constexpr int64_t kStride = panel_block_bytes(Bits);
+  using L = Layout<F>;
   for (int r = 0; r < R; ++r) {
     for (int64_t j = 0; j < cols; ++j) {
       float acc = 0.0f;
       for (int64_t b = 0; b < x.nb; ++b) {
-        const uint8_t* blk = panel + b * kStride;
+        const uint8_t* blk = block_at<F>(panel, b);
+        const uint8_t* scales = blk + value_bytes(F);
         const int16_t* xq = x.q + (r0 + r) * x.k + b * kBlock;
-        int32_t isum = 0;
-        for (int k = 0; k < kBlock; ++k) {
-          int w;
-          if (Bits == 8) w = static_cast<int8_t>(blk[32 * (k / 2) + 2 * j + k % 2]);
-          else w = (blk[32 * (k / 4) + 2 * j + k % 2] >> (k % 4 >= 2 ? 4 : 0)) & 0x0F;
-          isum += w * xq[k];
-        }
-        const float dw = half_at(blk + kQBytes + 2 * j);
+        int32_t isum[L::kSums] = {};
+        for (int k = 0; k < kBlock; ++k) isum[k * L::kSums / kBlock] += weight_at<F>(blk, j, k) * xq[k];
         const int64_t at = (r0 + r) * x.nb + b;
-        acc = std::fma(static_cast<float>(isum), dw * x.d[at], acc);
-        if (Bits == 4) acc = std::fma(half_at(blk + kQBytes + 32 + 2 * j), x.s[at], acc);
+        for (int h = 0; h < L::kSums; ++h)
+          acc = std::fma(static_cast<float>(isum[h]), weight_scale<F>(scales, tail_at<F>(panel, b), j, h) * x.d[at], acc);
+        if constexpr (L::kHasMins) acc = std::fma(weight_min<F>(scales, tail_at<F>(panel, b), j), x.s[at], acc);
       }
       out[(r0 + r) * ldo + j] = acc;
     }
@@ -243,43 +375,59 @@ void panel_tile(const uint8_t* panel, const QRows& x, int64_t r0, float* out, in
 constexpr int kRowTile = 4;
 #endif
 
-template <int Bits, int R>
+template <QuantFormat F, int R>
 void tail_tile(int rows, const uint8_t* panel, const QRows& x, int64_t r0, float* out, int64_t ldo, int64_t cols) {
   if constexpr (R > 0) {
-    if (rows == R) panel_tile<Bits, R>(panel, x, r0, out, ldo, cols);
-    else tail_tile<Bits, R - 1>(rows, panel, x, r0, out, ldo, cols);
+    if (rows == R) panel_tile<F, R>(panel, x, r0, out, ldo, cols);
+    else tail_tile<F, R - 1>(rows, panel, x, r0, out, ldo, cols);
   }
 }
 
-template <int Bits>
-void qmatmul_panels(const QRows& x, int64_t m, const uint8_t* packed, int64_t n, float* out) {
-  const int64_t panels = (n + kPanel - 1) / kPanel;
-  const int64_t panel_bytes = x.nb * panel_block_bytes(Bits);
-  // Panels outer: one panel's weights stay in L1 while every row tile passes over them.
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const uint8_t* panel = packed + p * panel_bytes;
-      const int64_t cols = std::min<int64_t>(kPanel, n - p * kPanel);
-      float* o = out + p * kPanel;
-      int64_t r = 0;
-      for (; r + kRowTile <= m; r += kRowTile) panel_tile<Bits, kRowTile>(panel, x, r, o, n, cols);
-      if (r < m) tail_tile<Bits, kRowTile - 1>(static_cast<int>(m - r), panel, x, r, o, n, cols);
-    }
-  });
+// Every row of x times one panel of format F.
+template <QuantFormat F>
+void panel_rows(const uint8_t* panel, const QRows& x, int64_t m, float* out, int64_t ldo, int64_t cols) {
+  int64_t r = 0;
+  for (; r + kRowTile <= m; r += kRowTile) panel_tile<F, kRowTile>(panel, x, r, out, ldo, cols);
+  if (r < m) tail_tile<F, kRowTile - 1>(static_cast<int>(m - r), panel, x, r, out, ldo, cols);
 }
+
+using PanelRows = void (*)(const uint8_t*, const QRows&, int64_t, float*, int64_t, int64_t);
+template <int... I>
+constexpr std::array<PanelRows, kNumFormats> panel_rows_by_format(std::integer_sequence<int, I...>) {
+  return {&panel_rows<static_cast<QuantFormat>(I)>...};
+}
+constexpr std::array<PanelRows, kNumFormats> kPanelRows = panel_rows_by_format(std::make_integer_sequence<int, kNumFormats>{});
 
 }  // namespace
 
-void qmatmul(const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n, int bits, int qmax, float* out) {
-  const int64_t nb = k / kBlock;
+void qmatmul(const float* x, int64_t m, const PackedMatrix& w, int qmax, float* out) {
+  const int64_t k = w.k, nb = k / kBlock;
   const auto q = scratch<int16_t>(m * k);
   const auto d = scratch<float>(m * nb), s = scratch<float>(m * nb);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) quantize_row(x + r * k, k, qmax, q.get() + r * k, &d[r * nb], &s[r * nb]);
   });
   const QRows rows{q.get(), d.get(), s.get(), k, nb};
-  if (bits == 8) qmatmul_panels<8>(rows, m, packed, n, out);
-  else qmatmul_panels<4>(rows, m, packed, n, out);
+  int64_t panels = 0;
+  for (int64_t i = 0; i < w.num_segments; ++i) panels += (w.segments[i].n + kPanel - 1) / kPanel;
+  // Panels outer (every segment's, in one range the threads split): one panel's weights stay in L1
+  // while every row tile passes over them.
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const PackedSegment* segment = w.segments;
+      int64_t first = 0, col = 0;
+      for (;; ++segment) {
+        const int64_t count = (segment->n + kPanel - 1) / kPanel;
+        if (p < first + count) break;
+        first += count;
+        col += segment->n;
+      }
+      const int64_t local = p - first;
+      const uint8_t* panel = segment->data + local * panel_bytes(segment->format, k);
+      const int64_t cols = std::min<int64_t>(kPanel, segment->n - local * kPanel);
+      kPanelRows[static_cast<int>(segment->format)](panel, rows, m, out + col + local * kPanel, w.n, cols);
+    }
+  });
 }
 
 }  // namespace tandem

@@ -1,19 +1,22 @@
 """Fused decoder layers (engine/model.py `DecoderLayer.fuse`, kernels/fused_layer.py): a layer run as
-one C++ call gives the same bits as its modules run one by one, on the bundled model and on a Qwen2
-(q/k/v biases) quantized at load, with float32 and bfloat16 KV pools; and only layers whose every
-part that call computes are fused."""
+one C++ call gives the same bits as its modules run one by one, on the bundled model, on a Qwen2
+(q/k/v biases) quantized at load, and on a Qwen2 GGUF of K-quants whose q/k/v and gate/up each mix
+two formats, with float32 and bfloat16 KV pools; and only layers whose every part that call
+computes are fused."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType as GGML
 
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import Request, SamplingParams
 from engine.weights import open_checkpoint
 from tests.tiny_models import save_tiny_qwen2, save_tiny_qwen2_moe
+from tests.unit.kernels.gguf_random import save_tiny_kquant_model
 
 
 def _engine(path: Path, **config: object) -> Engine:
@@ -57,6 +60,20 @@ def test_a_qwen2_with_biases_quantized_at_load_fused_gives_the_same_bits(tmp_pat
         modules = _engine(path, dtype="float32", quantization=quantization, page_size=4)
         _unfuse(modules)
         assert _generate(fused, prompts, 5) == _generate(modules, prompts, 5)
+
+
+def test_a_gguf_of_k_quants_and_mixed_fused_projections_fused_gives_the_same_bits(tmp_path: Path) -> None:
+    types = {"q_proj.weight": GGML.Q5_0, "k_proj.weight": GGML.Q5_0, "v_proj.weight": GGML.Q8_0,
+             "o_proj.weight": GGML.Q4_K, "gate_proj.weight": GGML.Q5_K, "up_proj.weight": GGML.Q4_K,
+             "down_proj.weight": GGML.Q6_K, "lm_head.weight": GGML.Q6_K}
+    path = save_tiny_kquant_model(tmp_path / "hf", tmp_path / "kq.gguf", types)
+    prompts = [[5, 9, 200, 17, 3, 44], [7, 8], list(range(20, 60))]
+    fused = _engine(path, dtype="float32", quantization="gguf", page_size=4)
+    layer = fused.runner.model.model.layers[0]
+    assert layer.fused is not None and len(layer.self_attn.qkv_proj.quantized.segments) == 2
+    modules = _engine(path, dtype="float32", quantization="gguf", page_size=4)
+    _unfuse(modules)
+    assert _generate(fused, prompts, 5) == _generate(modules, prompts, 5)
 
 
 def test_only_layers_the_call_computes_are_fused(tmp_path: Path, smollm2_path: Path) -> None:

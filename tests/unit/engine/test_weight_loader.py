@@ -17,10 +17,17 @@ from engine.weights import open_checkpoint
 from kernels.quant import QuantFormat
 from kernels.quant_linear import QuantizedEmbedding, QuantizedLinear
 from tests.tiny_models import save_tiny_gguf, save_tiny_llama
+from tests.unit.kernels.gguf_random import save_tiny_kquant_model
 
 MIXED = {"q_proj.weight": GGML.Q4_1, "k_proj.weight": GGML.Q8_0, "v_proj.weight": GGML.Q4_1,
          "o_proj.weight": GGML.Q4_0, "gate_proj.weight": GGML.Q4_1, "up_proj.weight": GGML.Q4_1,
          "down_proj.weight": GGML.Q8_0, "embed_tokens.weight": GGML.Q8_0}
+
+
+# what Q4_K_M files hold (Qwen2.5-Coder-0.5B: q/k/o/gate/up/embedding Q5_0, v Q8_0, down Q6_K or Q4_K)
+K_QUANTS = {"q_proj.weight": GGML.Q5_0, "k_proj.weight": GGML.Q5_0, "v_proj.weight": GGML.Q8_0,
+            "o_proj.weight": GGML.Q5_K, "gate_proj.weight": GGML.Q4_K, "up_proj.weight": GGML.Q5_0,
+            "down_proj.weight": GGML.Q6_K, "embed_tokens.weight": GGML.Q5_0, "lm_head.weight": GGML.Q6_K}
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +77,12 @@ def test_packed_gguf_blocks_dequantize_to_exactly_the_float_path(mixed_gguf: Pat
         assert torch.equal(got, expected), name
 
 
-def test_gguf_mode_keeps_the_files_formats_and_fuses_only_matching_parts(mixed_gguf: Path) -> None:
+def test_gguf_mode_keeps_the_files_formats_and_packs_parts_of_mixed_formats(mixed_gguf: Path) -> None:
     engine = _engine(mixed_gguf, "gguf")
     layer = engine.runner.model.model.layers[0]
-    assert isinstance(layer.self_attn.qkv_proj, MergedLinear)        # Q4_1 + Q8_0 + Q4_1: computed in float
+    qkv = layer.self_attn.qkv_proj
+    assert isinstance(qkv, QuantizedLinear)        # Q4_1 + Q8_0 + Q4_1: three segments, one call
+    assert qkv.quantized.formats == (QuantFormat.Q4_1, QuantFormat.Q8_0, QuantFormat.Q4_1)
     assert isinstance(layer.mlp.gate_up_proj, QuantizedLinear)
     assert layer.mlp.gate_up_proj.quantized.format is QuantFormat.Q4_1
     assert layer.self_attn.o_proj.quantized.format is QuantFormat.Q4_0
@@ -125,3 +134,42 @@ def test_the_bundled_model_keeps_its_q4_1_layers_and_q8_0_table(smollm2_path: Pa
     while engine.has_work:
         tokens += [o.token_id for o in engine.step() if o.token_id is not None]
     assert tokens[:5] == [504, 3575, 282, 4649, 314]    # "The capital of France is"
+
+
+@pytest.mark.parametrize("llama", [False, True], ids=["qwen2", "llama"])
+def test_a_q4_k_m_like_file_stays_packed_in_its_formats(tmp_path: Path, llama: bool) -> None:
+    """Every projection packed as the file has it (q/k/v and gate/up as segments of two formats), the
+    blocks dequantizing to exactly the float path's tensors (Llama's Q/K rows un-permuted as whole
+    rows), and the logits those of the float model."""
+    path = save_tiny_kquant_model(tmp_path / "hf", tmp_path / "kq.gguf", K_QUANTS, llama=llama)
+    checkpoint = open_checkpoint(str(path))
+    floats = dict(checkpoint.tensors(progress=False))
+    packed = dict(checkpoint.tensors(progress=False, keep_quantized=True))
+    assert packed["model.layers.0.mlp.down_proj.weight"].format is QuantFormat.Q6_K
+    for name, value in packed.items():
+        assert torch.equal(value if isinstance(value, torch.Tensor) else value.dequantize(), floats[name]), name
+    engine = _engine(path, "gguf")
+    model = engine.runner.model
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.quantized.formats == (QuantFormat.Q5_0, QuantFormat.Q8_0)
+    assert layer.mlp.gate_up_proj.quantized.formats == (QuantFormat.Q4_K, QuantFormat.Q5_0)
+    assert layer.self_attn.o_proj.quantized.format is QuantFormat.Q5_K
+    assert model.lm_head.quantized.format is QuantFormat.Q6_K
+    assert model.model.embed_tokens.quantized.format is QuantFormat.Q5_0
+    reference = _logits(_engine(path, "none"))
+    assert torch.nn.functional.cosine_similarity(_logits(engine), reference, dim=-1).min() > 0.999
+
+
+def test_a_file_with_q2_k_and_q3_k_tensors_loads_them_in_float(tmp_path: Path) -> None:
+    """Types without a packed form are dequantized, as before: here q (Q2_K) and hence all of q/k/v,
+    and down (Q3_K); the rest stays packed."""
+    types = {**K_QUANTS, "q_proj.weight": GGML.Q2_K, "down_proj.weight": GGML.Q3_K}
+    path = save_tiny_kquant_model(tmp_path / "hf", tmp_path / "low.gguf", types)
+    engine = _engine(path, "gguf")
+    layer = engine.runner.model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, MergedLinear) and type(layer.mlp.down_proj) is torch.nn.Linear
+    assert isinstance(layer.mlp.gate_up_proj, QuantizedLinear)
+    floats = dict(open_checkpoint(str(path)).tensors(progress=False))
+    assert torch.equal(layer.mlp.down_proj.weight, floats["model.layers.0.mlp.down_proj.weight"])
+    reference = _logits(_engine(path, "none"))
+    assert torch.nn.functional.cosine_similarity(_logits(engine), reference, dim=-1).min() > 0.999

@@ -1,6 +1,7 @@
 """The kernels' other instruction-set paths, each built in a child process (TANDEM_KERNEL_ARCH):
 AVX2 (x86-64-v3, what images are built for) and portable scalar code (x86-64). The quantized
-matmul gives the same bits on every path (same integer sums, same float operations per column);
+matmul gives the same bits on every path for every format, mixed-format weights included, with
+int16 and int8 activations (same integer sums, same float operations per column);
 attention and SiLU agree to float rounding. Each build is cached, so only the first run compiles."""
 
 from __future__ import annotations
@@ -29,18 +30,23 @@ torch.save(compute(), {out!r})
 
 def compute() -> dict[str, torch.Tensor]:
     """Every kernel on fixed inputs, with the kernels this process builds (the matmul's rows in
-    tiles of every length, a partial last panel; attention over pages of both dtypes, GQA 3, a short
-    last tile; SiLU over a width with a scalar tail)."""
+    tiles of every length, a partial last panel, every format from random GGUF blocks and a weight
+    of three formats; attention over pages of both dtypes, GQA 3, a short last tile; SiLU over a
+    width with a scalar tail)."""
     from kernels.packing import pack
-    from kernels.quant import QuantFormat, quantize
+    from kernels.quant import QuantFormat
+    from tests.unit.kernels.gguf_random import random_weight
 
     kernels = native.load()
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(13, 96, generator=gen)
+    x = torch.randn(13, 512, generator=gen) * torch.rand(13, 1, generator=gen)
     out: dict[str, torch.Tensor] = {"isa": torch.tensor(list(kernels.isa().encode()))}
-    for fmt in QuantFormat:
-        weight = pack(quantize(torch.randn(40, 96, generator=gen) * 0.05, fmt))
-        out[f"qmatmul-{fmt.name}"] = kernels.qmatmul(x, weight.data, 40, fmt.bits, 32767)
+    weights = {fmt.name: pack(random_weight(fmt, 40, 512, seed=fmt.value)) for fmt in QuantFormat}
+    formats = (QuantFormat.Q5_0, QuantFormat.Q8_0, QuantFormat.Q6_K)
+    weights["mixed"] = pack([random_weight(fmt, 20 + 3 * i, 512, seed=10 + i) for i, fmt in enumerate(formats)])
+    for name, weight in weights.items():
+        for qmax in (32767, 127):
+            out[f"qmatmul-{name}-{qmax}"] = kernels.qmatmul(x, weight.data, weight.table, qmax)
     pages, size = [[3, 0, 5], [1, 4]], 16
     meta = AttentionMetadata.build(pages, [1, 20], [37, 20], size)
     pool = torch.randn(6, 2, size, 3, 64, generator=gen)
