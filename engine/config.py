@@ -8,9 +8,7 @@ runtime state, never in these records.
 
 from __future__ import annotations
 
-import enum
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,51 +19,47 @@ class ConfigError(ValueError):
     """A configuration value is missing or invalid."""
 
 
-# the ModelConfig fields on which some weight's shape depends (checked before new weights load in place)
-_SHAPE_FIELDS = (
-    "architecture",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "tie_word_embeddings",
-    "qkv_bias",
-    "o_proj_bias",
-    "num_experts",
-    "moe_intermediate_size",
-    "shared_expert_intermediate_size",
-    "decoder_sparse_step",
-    "mlp_only_layers",
-)
+@dataclass(frozen=True, slots=True)
+class LayerFeatures:
+    """What a family's decoder layers compute beyond Llama's (each default is Llama's behaviour).
+
+    `qk_norm`: an RMSNorm over each head of q and k before rotary (Qwen3, Gemma 3). `sandwich_norms`:
+    an RMSNorm on the attention output and on the MLP output before each residual add, the MLP's
+    input norm named `pre_feedforward_layernorm` (Gemma 3). `activation`: the gated MLP's "silu" or
+    "gelu_tanh". `attention_scale`: the softmax scale (None: head_dim ** -0.5). `sliding_window`:
+    a layer attends to its last `sliding_window` positions only, on the layers in `sliding_layers`
+    (all layers when empty); `local_rope_theta` is those layers' own rotary base (Gemma 3).
+    `embedding_scale` multiplies the embeddings (in the model's dtype); `final_logit_softcap` caps
+    logits as `c * tanh(logits / c)`.
+    """
+
+    qk_norm: bool = False
+    sandwich_norms: bool = False
+    activation: str = "silu"
+    attention_scale: float | None = None
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None
+    embedding_scale: float | None = None
+    final_logit_softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError(f"sliding_window must be positive or None, got {self.sliding_window}")
 
 
-class Architecture(enum.Enum):
-    LLAMA = "LlamaForCausalLM"
-    QWEN2 = "Qwen2ForCausalLM"
-    QWEN2_MOE = "Qwen2MoeForCausalLM"  # routed experts + a sigmoid-gated shared expert
-    MIXTRAL = "MixtralForCausalLM"  # top-k routed experts, no shared expert
-    LLAMA_CLASSIFIER = "LlamaForSequenceClassification"  # `score` head instead of `lm_head` (reward models)
-    QWEN2_CLASSIFIER = "Qwen2ForSequenceClassification"
-
-    @property
-    def is_classifier(self) -> bool:
-        return self in (Architecture.LLAMA_CLASSIFIER, Architecture.QWEN2_CLASSIFIER)
-
-    @property
-    def has_qkv_bias(self) -> bool:
-        """Qwen2-family attention always has q/k/v biases (Llama only with `attention_bias`)."""
-        return self in (Architecture.QWEN2, Architecture.QWEN2_MOE, Architecture.QWEN2_CLASSIFIER)
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder.
+    """Shape and numerics of a decoder, as its family (`engine/models/`) reads them from an HF
+    `config.json` or GGUF metadata. `architecture` is the HF class name the registry knows it by.
 
-    `qkv_bias` is True for Qwen2 and for Llama configs with `attention_bias`; `o_proj_bias` only for
-    the latter. `eos_token_ids` holds every token id that ends generation by default.
+    `qkv_bias` / `o_proj_bias`: biases on q/k/v and on o. `features`: what the layers compute beyond
+    Llama's (`LayerFeatures`). `eos_token_ids` holds every token id that ends generation by default.
 
     Mixture of experts (`num_experts` > 0): layer i routes each token to `num_experts_per_tok` of
     `num_experts` SwiGLU experts of width `moe_intermediate_size` when `is_moe_layer(i)`; the other
@@ -74,7 +68,7 @@ class ModelConfig:
     a `score` head with that many outputs replaces `lm_head`.
     """
 
-    architecture: Architecture
+    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -91,6 +85,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     rope_scaling: tuple[tuple[str, Any], ...] = field(default=())
+    features: LayerFeatures = LayerFeatures()
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -118,7 +113,7 @@ class ModelConfig:
         scaling = dict(self.rope_scaling)
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind not in (None, "default", "llama3", "linear"):
-            raise ConfigError(f"unsupported rope_scaling type {kind!r}")
+            raise ConfigError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
         if self.num_experts > 0:
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ConfigError(
@@ -127,11 +122,8 @@ class ModelConfig:
                 )
             if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
                 raise ConfigError("moe_intermediate_size and decoder_sparse_step must be positive")
-        if self.architecture.is_classifier != (self.num_labels > 0):
-            raise ConfigError(
-                f"{self.architecture.value} needs num_labels "
-                f"{'> 0' if self.architecture.is_classifier else '= 0'}, got {self.num_labels}"
-            )
+        if self.num_labels < 0:
+            raise ConfigError(f"num_labels must be >= 0, got {self.num_labels}")
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether decoder layer `layer_id` routes tokens to experts (else it has a dense MLP)."""
@@ -145,92 +137,12 @@ class ModelConfig:
     def moe_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
 
-    def shape_changes(self, other: ModelConfig) -> list[str]:
-        """`field: ours -> other's` for each field that fixes a weight's shape and differs in
-        `other`; empty when weights made for `other` load into a model built from this config."""
-        return [
-            f"{name}: {getattr(self, name)} -> {getattr(other, name)}"
-            for name in _SHAPE_FIELDS
-            if getattr(self, name) != getattr(other, name)
-        ]
-
-    @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any]) -> ModelConfig:
-        """Build from the dict of an HF `config.json`."""
-        archs = config.get("architectures") or []
-        try:
-            architecture = Architecture(archs[0])
-        except (IndexError, ValueError):
-            supported = ", ".join(a.value for a in Architecture)
-            raise ConfigError(f"unsupported architectures {archs!r}; supported: {supported}") from None
-        num_heads = int(config["num_attention_heads"])
-        hidden = int(config["hidden_size"])
-        eos = config.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        rope_scaling = config.get("rope_scaling") or {}
-        rope_parameters = config.get("rope_parameters") or {}
-        if not rope_scaling and rope_parameters.get("rope_type", "default") != "default":
-            # transformers 5 writes the scaling into rope_parameters, next to rope_theta
-            rope_scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
-        rope_theta = config.get("rope_theta")
-        if rope_theta is None:  # transformers 5 moved rope settings into rope_parameters
-            rope_theta = rope_parameters.get("rope_theta", 10000.0)
-        max_positions = int(config.get("max_position_embeddings", 2048))
-        if architecture is Architecture.MIXTRAL and config.get("sliding_window"):
-            # No sequence is let past the window, so full attention over it is exact.
-            max_positions = min(max_positions, int(config["sliding_window"]))
-        return cls(
-            architecture=architecture,
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]),
-            num_layers=int(config["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-            head_dim=int(config.get("head_dim") or hidden // num_heads),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)) and not architecture.is_classifier,
-            qkv_bias=architecture.has_qkv_bias or bool(config.get("attention_bias", False)),
-            o_proj_bias=(
-                architecture in (Architecture.LLAMA, Architecture.LLAMA_CLASSIFIER)
-                and bool(config.get("attention_bias", False))
-            ),
-            bos_token_id=config.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            rope_scaling=tuple(sorted((k, v) for k, v in rope_scaling.items() if not isinstance(v, (list, dict)))),
-            **_moe_fields(architecture, config),
-            num_labels=_num_labels(config) if architecture.is_classifier else 0,
-        )
-
-
-def _moe_fields(architecture: Architecture, config: Mapping[str, Any]) -> dict[str, Any]:
-    """The MoE fields of `ModelConfig` from an HF config (none for dense architectures)."""
-    if architecture is Architecture.QWEN2_MOE:
-        return dict(
-            num_experts=int(config["num_experts"]),
-            num_experts_per_tok=int(config["num_experts_per_tok"]),
-            moe_intermediate_size=int(config["moe_intermediate_size"]),
-            shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0),
-            norm_topk_prob=bool(config.get("norm_topk_prob", False)),
-            decoder_sparse_step=int(config.get("decoder_sparse_step", 1)),
-            mlp_only_layers=tuple(int(i) for i in config.get("mlp_only_layers") or ()),
-        )
-    if architecture is Architecture.MIXTRAL:  # every layer is MoE; experts are intermediate_size wide
-        return dict(
-            num_experts=int(config["num_local_experts"]),
-            num_experts_per_tok=int(config["num_experts_per_tok"]),
-            moe_intermediate_size=int(config["intermediate_size"]),
-            norm_topk_prob=True,
-        )
-    return {}
-
-
-def _num_labels(config: Mapping[str, Any]) -> int:
-    """HF writes `id2label` (one entry per output); `num_labels` alone in older files; HF's default is 2."""
-    labels = config.get("id2label")
-    return len(labels) if labels else int(config.get("num_labels", 2))
+    def window_of(self, layer_id: int) -> int | None:
+        """How many trailing positions layer `layer_id` attends to (None: all of them)."""
+        features = self.features
+        if features.sliding_window is None:
+            return None
+        return features.sliding_window if not features.sliding_layers or layer_id in features.sliding_layers else None
 
 
 _DTYPES = ("bfloat16", "float32", "float16")

@@ -28,7 +28,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.graph_batches import default_graph_batch_sizes, graph_batch_size
 from engine.kv_pool import KVPool
-from engine.model import CausalLM
+from engine.models.layers import CausalLM
 from engine.request import Request
 from engine.step_inputs import StepInputs, paged_step_inputs, step_tokens
 from kernels.attention import AttentionBackend, AttentionMetadata

@@ -32,8 +32,8 @@ from engine.bert import ARCHITECTURE as BERT_ARCHITECTURE
 from engine.bert import BertModel
 from engine.config import EngineConfig
 from engine.errors import ContextLengthExceededError, InvalidRequestError
-from engine.model import CausalLM
 from engine.model_setup import attention_backend, load_causal_lm, materialize, rotary_embedding, torch_dtype
+from engine.models.layers import CausalLM
 from engine.page_allocator import pages_needed
 from engine.pooling import PoolingConfig, PoolingMode, pool, read_pooling_config, truncate
 from engine.step_inputs import paged_step_inputs
@@ -205,8 +205,8 @@ def load_embedder(model_path: str, config: EngineConfig, progress: bool = True) 
         decoder_checkpoint = open_checkpoint(model_path)
         mc = decoder_checkpoint.config
         model = load_causal_lm(decoder_checkpoint, dtype, config.device, progress=progress)
-        is_classifier = mc.architecture.is_classifier
-        mc_max, vocab, arch = mc.max_position_embeddings, mc.vocab_size, mc.architecture.value
+        is_classifier = mc.num_labels > 0
+        mc_max, vocab, arch = mc.max_position_embeddings, mc.vocab_size, mc.architecture
         hidden = mc.num_labels if is_classifier else mc.hidden_size
         encoder = ScratchDecoder(
             model, min(config.context_len or mc_max, mc_max), config, dtype, apply_head=is_classifier

@@ -30,6 +30,7 @@ from engine.runner import FaultHooks, ModelRunner, SampledToken
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats
 from engine.weights import Checkpoint
+from engine.weights.names import shape_changes
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +42,9 @@ class Engine:
         self, checkpoint: Checkpoint, config: EngineConfig, progress: bool = True, faults: FaultHooks = FaultHooks()
     ) -> None:
         mc = checkpoint.config
-        if mc.architecture.is_classifier:
+        if mc.num_labels > 0:
             raise ConfigError(
-                f"{mc.architecture.value} is a classification (reward) model, not a generation "
+                f"{mc.architecture} is a classification (reward) model, not a generation "
                 "model: serve it with --is-embedding (/classify)"
             )
         self.model_config = mc
@@ -164,7 +165,7 @@ class Engine:
         """Load new weights in place: shapes must match exactly (checked before any byte is copied).
         Every waiting or running request is aborted first, so none mixes two sets of weights; the
         prefix cache is flushed and `weights_id` names the new weights. Returns the abort outputs."""
-        changes = self.model_config.shape_changes(checkpoint.config)
+        changes = shape_changes(self.model_config, checkpoint.config)
         if changes:
             raise InvalidRequestError(f"the new weights do not match the served model's shapes ({', '.join(changes)})")
         outputs = [self.abort(rid, "aborted: the model weights are being updated") for rid in list(self._requests)]

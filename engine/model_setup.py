@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from engine.config import ConfigError, ModelConfig
-from engine.model import CausalLM
+from engine.models.layers import CausalLM
+from engine.models.registry import family_of
 from engine.weights import Checkpoint
 from kernels.attention import AttentionBackend, create_attention_backend
 from kernels.layers import RotaryEmbedding
@@ -52,7 +53,8 @@ def load_causal_lm(
 ) -> CausalLM:
     """`checkpoint`'s decoder on `device` in `dtype` (and `quantization`), weights loaded, in eval mode."""
     config = checkpoint.config
-    model = materialize(lambda: CausalLM(config), dtype, device)
+    family = family_of(config.architecture)
+    model = materialize(lambda: family.build(config), dtype, device)
     if config.tie_word_embeddings:
         # CausalLM ties lm_head to embed_tokens by sharing one Parameter, but `to_empty` replaces
         # each module's parameters with new ones, so the two come back as separate tensors. The
@@ -79,10 +81,15 @@ def load_causal_lm_weights(
 def rotary_embedding(
     config: ModelConfig, context_len: int, dtype: torch.dtype, device: torch.device | str
 ) -> RotaryEmbedding:
-    """The rotary tables for positions [0, context_len) of a `config` model."""
-    return RotaryEmbedding(
+    """The rotary tables for positions [0, context_len) of a `config` model (with the sliding-window
+    layers' own tables as `local` where the family gives them another base)."""
+    rotary = RotaryEmbedding(
         config.head_dim, context_len, config.rope_theta, dict(config.rope_scaling), dtype, torch.device(device)
     )
+    local_theta = config.features.local_rope_theta
+    if local_theta is not None:
+        rotary.local = RotaryEmbedding(config.head_dim, context_len, local_theta, {}, dtype, torch.device(device))
+    return rotary
 
 
 def attention_backend(

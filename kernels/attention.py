@@ -225,31 +225,51 @@ def create_attention_backend(
     return cls(num_heads, num_kv_heads, head_dim, page_size, dtype=dtype, device=as_device(device))
 
 
+def torch_paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    page_size: int,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of q [T, Hq, D] over kv_cache [P, 2, S, Hkv, D] on torch SDPA, one sequence at
+    a time: the reference every backend is tested against. With `window`, a token at position p sees
+    the keys at positions p - window + 1 .. p only (HF's sliding window)."""
+    num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
+    outputs = []
+    start = first_page = 0
+    for query_len, seq_len in zip(meta.query_lens, meta.seq_lens):
+        # page slices from the host-side lengths: no device-to-host read per sequence and layer
+        num_pages = -(-seq_len // page_size)
+        pages = meta.kv_indices[first_page : first_page + num_pages].long()
+        first_page += num_pages
+        qi = q[start : start + query_len].transpose(0, 1)  # [Hq, n, D]
+        # a pool in another dtype than q's (a float32 model over a bfloat16 pool) computes in q's
+        ki = kv_cache[pages, 0].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1).to(q.dtype)
+        vi = kv_cache[pages, 1].reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1).to(q.dtype)
+        if seq_len == query_len and (window is None or seq_len <= window):
+            mask, is_causal = None, query_len > 1
+        else:
+            positions = torch.arange(seq_len - query_len, seq_len, device=q.device).unsqueeze(1)
+            keys = torch.arange(seq_len, device=q.device).unsqueeze(0)
+            mask, is_causal = keys <= positions, False
+            if window is not None:
+                mask &= keys > positions - window
+        out = F.scaled_dot_product_attention(
+            qi, ki, vi, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
+        )
+        outputs.append(out.transpose(0, 1))
+        start += query_len
+    return torch.cat(outputs, dim=0)
+
+
 @register_attention_backend("torch")
 class TorchAttention(AttentionBackend):
     """Reference implementation on torch SDPA, one sequence at a time: the oracle for the others."""
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        outputs = []
-        start = first_page = 0
-        for query_len, seq_len in zip(meta.query_lens, meta.seq_lens):
-            # page slices from the host-side lengths: no device-to-host read per sequence and layer
-            num_pages = -(-seq_len // self.page_size)
-            pages = meta.kv_indices[first_page : first_page + num_pages].long()
-            first_page += num_pages
-            qi = q[start : start + query_len].transpose(0, 1)  # [Hq, n, D]
-            # a pool in another dtype than q's (a float32 model over a bfloat16 pool) computes in q's
-            ki = kv_cache[pages, 0].reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len].transpose(0, 1).to(q.dtype)
-            vi = kv_cache[pages, 1].reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len].transpose(0, 1).to(q.dtype)
-            if seq_len == query_len:
-                mask, is_causal = None, query_len > 1
-            else:
-                positions = torch.arange(seq_len - query_len, seq_len, device=q.device).unsqueeze(1)
-                mask, is_causal = torch.arange(seq_len, device=q.device).unsqueeze(0) <= positions, False
-            out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
-            outputs.append(out.transpose(0, 1))
-            start += query_len
-        return torch.cat(outputs, dim=0)
+        return torch_paged_attention(q, kv_cache, meta, self.page_size, self.scale)
 
 
 @register_attention_backend("cpu")

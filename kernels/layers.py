@@ -81,7 +81,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any]) -> to
 
 class RotaryEmbedding:
     """Precomputed cos/sin tables for positions [0, max_positions) on `device` (computed in fp32 on
-    the host, so every device gets the same tables); applied in the input dtype."""
+    the host, so every device gets the same tables); applied in the input dtype. `local` holds a
+    second set for a model whose sliding-window layers rotate with another base."""
 
     def __init__(
         self,
@@ -97,6 +98,11 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(device=device, dtype=dtype)
         self.sin = emb.sin().to(device=device, dtype=dtype)
+        self.local: RotaryEmbedding | None = None  # sliding-window layers' own tables, where a model has them
+
+    def for_layer(self, is_sliding: bool) -> RotaryEmbedding:
+        """The tables a layer rotates with: `local` on a sliding-window layer when set (Gemma 3), else these."""
+        return self.local if is_sliding and self.local is not None else self
 
     def apply_and_store(
         self,

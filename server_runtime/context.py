@@ -44,7 +44,7 @@ class EngineFacts:
         """Read `engine`; only while no engine thread runs it."""
         pool = engine.runner.kv_pool
         return cls(
-            architecture=engine.model_config.architecture.value,
+            architecture=engine.model_config.architecture,
             context_len=engine.context_len,
             vocab_size=engine.model_config.vocab_size,
             num_attention_heads=engine.model_config.num_heads,

@@ -19,6 +19,8 @@ from transformers import (AutoModelForCausalLM, BertConfig, BertModel, LlamaConf
                           LlamaForSequenceClassification, MixtralConfig, MixtralForCausalLM, PreTrainedModel,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification,
                           Qwen2MoeConfig, Qwen2MoeForCausalLM)
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM, Phi3Config,
+                          Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
@@ -45,6 +47,43 @@ def save_tiny_qwen2(path: str | Path, seed: int = 0, max_shard_size: str | None 
     """Write a random 2-layer Qwen2 (q/k/v biases, untied head, same sizes as Llama) to `path`."""
     config = Qwen2Config(tie_word_embeddings=False, use_sliding_window=False, **_COMMON)
     return _save(Qwen2ForCausalLM(config), path, seed, max_shard_size, dtype)
+
+
+TINY_WINDOW = 8  # the sliding window of the tiny windowed families: prompts in tests run past it
+
+
+def save_tiny_qwen3(path: str | Path, seed: int = 0) -> Path:
+    """Write a random 2-layer Qwen3 (q/k norms, head_dim 32 != hidden / heads; layer 1 slides over 8)."""
+    config = Qwen3Config(**{**_COMMON, "max_position_embeddings": 256}, head_dim=32, tie_word_embeddings=False,
+                         use_sliding_window=True, sliding_window=TINY_WINDOW, max_window_layers=1)
+    return _save(Qwen3ForCausalLM(config), path, seed, None, torch.float32)
+
+
+def save_tiny_mistral(path: str | Path, seed: int = 0) -> Path:
+    """Write a random 2-layer Mistral whose every layer slides over the last 8 positions."""
+    config = MistralConfig(**{**_COMMON, "max_position_embeddings": 256}, sliding_window=TINY_WINDOW,
+                           tie_word_embeddings=False)
+    return _save(MistralForCausalLM(config), path, seed, None, torch.float32)
+
+
+def save_tiny_phi3(path: str | Path, seed: int = 0) -> Path:
+    """Write a random 2-layer Phi-3 (fused qkv_proj and gate_up_proj in the checkpoint, window 8)."""
+    config = Phi3Config(**{**_COMMON, "max_position_embeddings": 256}, sliding_window=TINY_WINDOW,
+                        pad_token_id=0, tie_word_embeddings=False)
+    return _save(Phi3ForCausalLM(config), path, seed, None, torch.float32)
+
+
+def save_tiny_gemma3(path: str | Path, seed: int = 0, query_pre_attn_scalar: int = 32) -> Path:
+    """Write a random 6-layer Gemma 3 text model: layers 0-4 slide over 8 positions with rope base 10k,
+    layer 5 is global with base 1e6 (Gemma's pattern), q/k norms, sandwich norms, GeLU-tanh, tied head,
+    and a softmax scale from `query_pre_attn_scalar` (head_dim is 16)."""
+    config = Gemma3TextConfig(
+        **{**_COMMON, "num_hidden_layers": 6, "max_position_embeddings": 256}, head_dim=16,
+        sliding_window=TINY_WINDOW, query_pre_attn_scalar=query_pre_attn_scalar, tie_word_embeddings=True,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"], pad_token_id=0,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+    return _save(Gemma3ForCausalLM(config), path, seed, None, torch.float32)
 
 
 # Routers get larger weights than the rest so that routing is decisive: no two experts' probabilities

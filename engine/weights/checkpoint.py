@@ -112,7 +112,7 @@ def _opened(config: ModelConfig, path: Path, fmt: str, source: TensorSource) -> 
         "opened %s checkpoint %s: %s, %d layers, %d tensors, weights %s",
         fmt,
         path,
-        config.architecture.value,
+        config.architecture,
         config.num_layers,
         checkpoint.num_tensors,
         checkpoint.identity,

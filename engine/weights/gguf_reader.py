@@ -1,11 +1,12 @@
-"""Reads a llama.cpp `.gguf` file: config from its metadata, tensors dequantized to float32 or,
-on request, Q8_0 / Q4_0 / Q4_1 tensors kept packed as `kernels.quant.QuantizedWeight`.
+"""Reads a llama.cpp `.gguf` file: config from its metadata (through the family that
+`general.architecture` names, `engine.models.registry`), tensors dequantized to float32 or, on
+request, Q8_0 / Q4_0 / Q4_1 tensors kept packed as `kernels.quant.QuantizedWeight`.
 
 GGUF lists dimensions innermost first, so a `[in, out]` GGUF shape is an `(out, in)` torch
-tensor. For `general.architecture == "llama"`, llama.cpp's converter permutes the rows of the Q
-and K projections (interleaved rotary pairs instead of HF's rotate-half halves); this reader
-undoes that so the tensors equal the HF checkpoint. Qwen2 uses rotate-half in both and is not
-permuted.
+tensor. For the Llama family (`ModelFamily.gguf_rope_permuted`), llama.cpp's converter permutes
+the rows of the Q and K projections (interleaved rotary pairs instead of HF's rotate-half halves);
+this reader undoes that so the tensors equal the HF checkpoint. The other families use rotate-half
+in both and are not permuted.
 """
 
 from __future__ import annotations
@@ -15,21 +16,21 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
-from engine.config import Architecture, ConfigError, ModelConfig
+from engine.config import ConfigError, ModelConfig
+from engine.models.config_readers import GGUFMetadata
+from engine.models.registry import family_of, gguf_architecture
 from engine.weights import gguf_blocks
-from engine.weights.names import Shape, check_tensors, hf_name_from_gguf
+from engine.weights.names import Shape, check_tensors, gguf_to_hf_names
 from kernels.quant import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
-_ARCHITECTURES = {"llama": Architecture.LLAMA, "qwen2": Architecture.QWEN2}
 _ROPE_PERMUTED = (".self_attn.q_proj.", ".self_attn.k_proj.")
 _PACKED = gguf_blocks.PACKED_TYPES  # GGUF block types kept packed (Q8_0, Q4_x, Q5_x, Q4_K, Q5_K, Q6_K)
 
@@ -71,94 +72,35 @@ def open_gguf_file(path: Path) -> tuple[ModelConfig, GGUFSource]:
         reader = GGUFReader(path)
     except (OSError, ValueError, KeyError, IndexError) as exc:
         raise ConfigError(f"cannot read GGUF file {path}: {exc}") from exc
-    arch_name = str(_field(reader, "general.architecture"))
-    if arch_name not in _ARCHITECTURES:
-        raise ConfigError(
-            f"{path}: unsupported GGUF architecture {arch_name!r}; supported: {', '.join(_ARCHITECTURES)}"
-        )
-    tensor_names = {tensor.name for tensor in reader.tensors}
-    if "rope_freqs.weight" in tensor_names:
+    field = reader.get_field("general.architecture")
+    if field is None:
+        raise ConfigError(f"{path}: GGUF metadata lacks required key 'general.architecture'")
+    arch_name = str(field.contents())
+    family = family_of(gguf_architecture(arch_name))
+    if family.config_from_gguf is None:
+        raise ConfigError(f"{path}: GGUF files of the {family.name} family are not supported; use its HF checkpoint")
+    meta = GGUFMetadata(reader, arch_name)
+    if "rope_freqs.weight" in meta.tensor_names:
         raise ConfigError(
             f"{path}: rope scaling stored as a rope_freqs tensor (Llama 3.1 style) "
             "is not supported for GGUF; use the HF safetensors checkpoint"
         )
-    config = _config_from_metadata(reader, _ARCHITECTURES[arch_name], tensor_names)
+    config = family.config_from_gguf(meta)
+    names = gguf_to_hf_names(config, arch_name)
     refs, shapes = [], {}
     for tensor in reader.tensors:
-        hf_name = hf_name_from_gguf(tensor.name) or tensor.name  # unmapped names fail the check
+        hf_name = names.get(tensor.name, tensor.name)  # unmapped names fail the check
         shapes[hf_name] = tuple(int(dim) for dim in reversed(tensor.shape))
-        refs.append(GGUFTensorRef(hf_name, tensor, _unpermute_heads(hf_name, arch_name, config)))
+        heads = _unpermute_heads(hf_name, config) if family.gguf_rope_permuted else None
+        refs.append(GGUFTensorRef(hf_name, tensor, heads))
     check_tensors(shapes, config, str(path))
     types = Counter(tensor.tensor_type.name for tensor in reader.tensors)
     logger.debug("%s: tensor types %s", path.name, dict(types))
     return config, GGUFSource(reader, tuple(refs))
 
 
-def _config_from_metadata(reader: GGUFReader, architecture: Architecture, tensor_names: set[str]) -> ModelConfig:
-    arch = "llama" if architecture is Architecture.LLAMA else "qwen2"
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    eos = _field(reader, "tokenizer.ggml.eos_token_id", None)
-    bos = _field(reader, "tokenizer.ggml.bos_token_id", None)
-    has_bias = {part: f"blk.0.{part}.bias" in tensor_names for part in ("attn_q", "attn_k", "attn_v", "attn_output")}
-    if len({has_bias["attn_q"], has_bias["attn_k"], has_bias["attn_v"]}) != 1:
-        raise ConfigError(f"{reader.data.filename}: q, k and v must all have a bias or none")
-    return ModelConfig(
-        architecture=architecture,
-        vocab_size=_vocab_size(reader, arch),
-        hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length")),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        qkv_bias=architecture is Architecture.QWEN2 or has_bias["attn_q"],
-        o_proj_bias=has_bias["attn_output"],
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=() if eos is None else (int(eos),),
-        rope_scaling=_rope_scaling(reader, arch),
-    )
-
-
-def _rope_scaling(reader: GGUFReader, arch: str) -> tuple[tuple[str, Any], ...]:
-    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
-    if kind == "none":
-        return ()
-    if kind == "linear":
-        return (("factor", float(_field(reader, f"{arch}.rope.scaling.factor"))), ("rope_type", "linear"))
-    raise ConfigError(f"{reader.data.filename}: unsupported GGUF rope scaling type {kind!r}")
-
-
-def _vocab_size(reader: GGUFReader, arch: str) -> int:
-    size = _field(reader, f"{arch}.vocab_size", None)
-    if size is not None:
-        return int(size)
-    tokens = reader.get_field("tokenizer.ggml.tokens")
-    if tokens is None:
-        raise ConfigError(
-            f"{reader.data.filename}: neither {arch}.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size"
-        )
-    return len(tokens.data)  # one entry per array element; avoids decoding every token
-
-
-_REQUIRED = object()
-
-
-def _field(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
-    field = reader.get_field(key)
-    if field is None:
-        if default is _REQUIRED:
-            raise ConfigError(f"{reader.data.filename}: GGUF metadata lacks required key {key!r}")
-        return default
-    return field.contents()
-
-
-def _unpermute_heads(hf_name: str, arch_name: str, config: ModelConfig) -> int | None:
-    if arch_name != "llama" or not any(part in hf_name for part in _ROPE_PERMUTED):
+def _unpermute_heads(hf_name: str, config: ModelConfig) -> int | None:
+    if not any(part in hf_name for part in _ROPE_PERMUTED):
         return None
     return config.num_heads if ".q_proj." in hf_name else config.num_kv_heads
 

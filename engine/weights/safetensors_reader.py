@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ConfigError, ModelConfig
+from engine.models.registry import config_from_hf, family_of
 from engine.weights.names import LM_HEAD, Shape, check_tensors, is_ignored
 
 logger = logging.getLogger(__name__)
@@ -29,11 +30,17 @@ class SafetensorsShard:
     names: tuple[str, ...]
 
 
+def _unchanged(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 @dataclass(frozen=True, slots=True)
 class SafetensorsSource:
-    """Yields tensors shard by shard, in their stored dtype."""
+    """Yields tensors shard by shard, in their stored dtype, each through `convert(name, tensor)` (the
+    family's `from_hf_tensor`: the form its modules keep)."""
 
     shards: tuple[SafetensorsShard, ...]
+    convert: Callable[[str, torch.Tensor], torch.Tensor] = _unchanged
 
     @property
     def num_tensors(self) -> int:
@@ -45,7 +52,7 @@ class SafetensorsSource:
         for shard in self.shards:
             with safe_open(str(shard.path), framework="pt") as handle:
                 for name in shard.names:
-                    yield name, handle.get_tensor(name)
+                    yield name, self.convert(name, handle.get_tensor(name))
 
 
 def open_safetensors_dir(directory: Path) -> tuple[ModelConfig, SafetensorsSource]:
@@ -59,7 +66,7 @@ def open_safetensors_dir(directory: Path) -> tuple[ModelConfig, SafetensorsSourc
         directory, lambda name: is_ignored(name) or (name == LM_HEAD and config.tie_word_embeddings)
     )
     check_tensors(shapes, config, str(directory))
-    return config, source
+    return config, replace(source, convert=family_of(config.architecture).from_hf_tensor)
 
 
 def read_tensor_table(directory: Path, skip: Callable[[str], bool]) -> tuple[dict[str, Shape], SafetensorsSource]:
@@ -92,7 +99,7 @@ def _read_config(path: Path) -> ModelConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} does not hold a JSON object")
     try:
-        return ModelConfig.from_hf_config(raw)
+        return config_from_hf(raw)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
     except KeyError as exc:

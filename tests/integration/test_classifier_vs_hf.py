@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from engine.config import Architecture, ConfigError, EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.embedder import load_embedder
 from engine.engine import Engine
 from engine.weights import open_checkpoint
@@ -24,8 +24,8 @@ def test_scores_equal_hf_logits(tmp_path: Path, num_labels: int, qwen2: bool) ->
     # max_prefill_tokens 80: the batch runs in pieces, which must not change any score
     embedder = load_embedder(str(model_dir), EngineConfig(dtype="float32", max_prefill_tokens=80), progress=False)
     assert embedder.info.embedding_dim == num_labels and not embedder.info.is_matryoshka
-    expected_arch = Architecture.QWEN2_CLASSIFIER if qwen2 else Architecture.LLAMA_CLASSIFIER
-    assert embedder.info.architecture == expected_arch.value
+    expected_arch = "Qwen2ForSequenceClassification" if qwen2 else "LlamaForSequenceClassification"
+    assert embedder.info.architecture == expected_arch
     hf = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
         expected = torch.stack([hf(input_ids=torch.tensor([ids])).logits[0] for ids in INPUTS])
@@ -38,6 +38,6 @@ def test_scores_equal_hf_logits(tmp_path: Path, num_labels: int, qwen2: bool) ->
 def test_classifier_config_and_generation_engine_refusal(tmp_path: Path) -> None:
     model_dir = save_tiny_classifier(tmp_path / "reward")
     checkpoint = open_checkpoint(str(model_dir))
-    assert checkpoint.config.num_labels == 1 and checkpoint.config.architecture.is_classifier
+    assert checkpoint.config.num_labels == 1 and checkpoint.config.architecture.endswith("ForSequenceClassification")
     with pytest.raises(ConfigError, match="--is-embedding"):
         Engine(checkpoint, EngineConfig(dtype="float32", max_total_tokens=256), progress=False)

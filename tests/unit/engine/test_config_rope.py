@@ -10,8 +10,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.config import ConfigError, EngineConfig
 from engine.engine import Engine
+from engine.models.registry import config_from_hf
 from engine.request import Request, SamplingParams
 from engine.weights import open_checkpoint
 from kernels.layers import rope_inv_freq
@@ -30,7 +31,7 @@ def _hf_dict(rope_parameters: dict) -> dict:
 def test_transformers5_rope_parameters_carry_llama3_scaling() -> None:
     hf = _hf_dict({"rope_theta": 50000.0, **LLAMA3})
     assert "rope_scaling" not in hf or not hf["rope_scaling"]  # the layout this test is about
-    config = ModelConfig.from_hf_config(hf)
+    config = config_from_hf(hf)
     assert config.rope_theta == 50000.0
     assert dict(config.rope_scaling) == LLAMA3
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](LlamaConfig(**hf))
@@ -41,12 +42,12 @@ def test_transformers5_rope_parameters_carry_llama3_scaling() -> None:
 def test_legacy_rope_scaling_key_is_read() -> None:
     hf = {"architectures": ["LlamaForCausalLM"], "rope_theta": 50000.0, "rope_scaling": dict(LLAMA3),
           **SIZES}
-    config = ModelConfig.from_hf_config(hf)
+    config = config_from_hf(hf)
     assert dict(config.rope_scaling) == LLAMA3 and config.rope_theta == 50000.0
 
 
 def test_default_rope_has_no_scaling() -> None:
-    config = ModelConfig.from_hf_config(_hf_dict({"rope_type": "default", "rope_theta": 10000.0}))
+    config = config_from_hf(_hf_dict({"rope_type": "default", "rope_theta": 10000.0}))
     assert config.rope_scaling == () and config.rope_theta == 10000.0
 
 
@@ -54,7 +55,7 @@ def test_unsupported_scaling_in_rope_parameters_is_rejected() -> None:
     hf = _hf_dict({"rope_theta": 10000.0, **LLAMA3})
     hf["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
     with pytest.raises(ConfigError, match="yarn"):
-        ModelConfig.from_hf_config(hf)
+        config_from_hf(hf)
 
 
 def test_engine_with_llama3_scaling_matches_transformers(tmp_path: Path) -> None:

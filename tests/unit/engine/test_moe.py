@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import Architecture, ConfigError, ModelConfig
+from engine.config import ConfigError, ModelConfig
 from engine.errors import InvalidRequestError
-from engine.model import MLP, CausalLM
+from engine.models.layers import MLP
+from engine.models.registry import build_model, config_from_hf
 from engine.moe import ExpertRecorder, MixtralExpert, SparseMoeBlock, route
 from engine.weight_loader import checkpoint_shapes
 from engine.weights.names import expected_shapes
@@ -23,7 +24,7 @@ MIXTRAL = {**_BASE, "architectures": ["MixtralForCausalLM"], "num_local_experts"
 
 
 def _config(raw: dict, **overrides) -> ModelConfig:
-    return ModelConfig.from_hf_config({**raw, **overrides})
+    return config_from_hf({**raw, **overrides})
 
 
 def test_route_takes_the_top_k_of_the_softmax_and_renormalizes_when_asked() -> None:
@@ -51,7 +52,7 @@ def _dense_reference(block: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
 def test_sparse_block_equals_the_dense_definition_and_counts_each_choice_once(raw: dict) -> None:
     torch.manual_seed(0)
     config = _config(raw)
-    model = CausalLM(config)
+    model = build_model(config)
     block = getattr(model.model.layers[0], model.model.layers[0].ffn_name)
     x = torch.randn(9, config.hidden_size)
     counts = torch.zeros(config.num_experts, dtype=torch.int64)
@@ -63,10 +64,10 @@ def test_sparse_block_equals_the_dense_definition_and_counts_each_choice_once(ra
 
 
 def test_layers_get_hf_names_dense_or_moe() -> None:
-    qwen = CausalLM(_config(QWEN2_MOE))
+    qwen = build_model(_config(QWEN2_MOE))
     assert [layer.is_moe for layer in qwen.model.layers] == [True, False, True, True]
     assert isinstance(qwen.model.layers[1].mlp, MLP) and isinstance(qwen.model.layers[0].mlp, SparseMoeBlock)
-    mixtral = CausalLM(_config(MIXTRAL))
+    mixtral = build_model(_config(MIXTRAL))
     assert isinstance(mixtral.model.layers[0].block_sparse_moe.experts[3], MixtralExpert)
     for model, config in ((qwen, _config(QWEN2_MOE)), (mixtral, _config(MIXTRAL))):
         assert checkpoint_shapes(model) == expected_shapes(config)
@@ -74,7 +75,7 @@ def test_layers_get_hf_names_dense_or_moe() -> None:
 
 def test_qwen2_moe_config_fields() -> None:
     config = _config(QWEN2_MOE, decoder_sparse_step=2)
-    assert config.architecture is Architecture.QWEN2_MOE and config.qkv_bias
+    assert config.architecture == "Qwen2MoeForCausalLM" and config.qkv_bias
     assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
             config.shared_expert_intermediate_size, config.norm_topk_prob) == (6, 2, 8, 12, False)
     assert config.moe_layer_ids == (3,)   # every 2nd layer (1-based), minus mlp_only_layers
@@ -86,10 +87,10 @@ def test_qwen2_moe_config_fields() -> None:
 
 def test_mixtral_config_fields() -> None:
     config = _config(MIXTRAL, sliding_window=32)
-    assert config.architecture is Architecture.MIXTRAL and not config.qkv_bias
+    assert config.architecture == "MixtralForCausalLM" and not config.qkv_bias
     assert (config.num_experts, config.moe_intermediate_size, config.norm_topk_prob) == (4, 24, True)
     assert config.moe_layer_ids == (0, 1, 2, 3) and config.shared_expert_intermediate_size == 0
-    assert config.max_position_embeddings == 32   # capped to the sliding window: full attention is exact
+    assert config.max_position_embeddings == 64 and config.window_of(3) == 32   # every layer slides
     assert expected_shapes(config)["model.layers.2.block_sparse_moe.experts.3.w2.weight"] == (16, 24)
 
 
@@ -122,7 +123,7 @@ def test_recorder_counts_only_while_recording_and_dump_clears() -> None:
 
 
 def test_recorder_of_a_dense_model_refuses() -> None:
-    dense = ModelConfig.from_hf_config({**_BASE, "architectures": ["LlamaForCausalLM"]})
+    dense = config_from_hf({**_BASE, "architectures": ["LlamaForCausalLM"]})
     recorder = ExpertRecorder(dense)
     for action in (recorder.start, recorder.stop, recorder.dump):
         with pytest.raises(InvalidRequestError, match="no mixture-of-experts"):

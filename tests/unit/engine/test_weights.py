@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from engine.config import Architecture, ConfigError, ModelConfig
+from engine.config import ConfigError
+from engine.models.registry import config_from_hf
 from engine.weights import Checkpoint, open_checkpoint
 from tests.tiny_models import save_tiny_gguf, save_tiny_llama, save_tiny_qwen2
 
@@ -78,9 +79,9 @@ def test_smollm2_tensors_equal_transformers_gguf_load(smollm2: Checkpoint,
 
 def test_smollm2_config_equals_transformers(smollm2: Checkpoint, smollm2_hf_config: dict) -> None:
     config = smollm2.config
-    assert config == ModelConfig.from_hf_config(smollm2_hf_config)
+    assert config == config_from_hf(smollm2_hf_config)
     assert (config.architecture, config.hidden_size, config.num_layers, config.num_heads,
-            config.num_kv_heads, config.head_dim) == (Architecture.LLAMA, 576, 30, 9, 3, 64)
+            config.num_kv_heads, config.head_dim) == ("LlamaForCausalLM", 576, 30, 9, 3, 64)
     assert (config.intermediate_size, config.vocab_size, config.rope_theta) == (1536, 49152, 1e5)
     assert (config.bos_token_id, config.eos_token_ids, config.tie_word_embeddings) == (1, (2,), True)
     assert config.max_position_embeddings == 8192
@@ -113,7 +114,7 @@ def test_safetensors_equal_hf_state_dict(tmp_path: Path, save) -> None:
     checkpoint = open_checkpoint(str(directory))
     assert checkpoint.format == "safetensors" and checkpoint.path == str(directory.resolve())
     hf_config = json.loads((directory / "config.json").read_text())
-    assert checkpoint.config == ModelConfig.from_hf_config(hf_config)
+    assert checkpoint.config == config_from_hf(hf_config)
     _assert_matches(checkpoint, _hf_state_dict(directory))
 
 
@@ -167,7 +168,7 @@ def test_gguf_round_trip_equals_hf(tmp_path: Path, save) -> None:
     directory = save(tmp_path / "hf")
     gguf_path = save_tiny_gguf(directory, tmp_path / "model.gguf")
     checkpoint = open_checkpoint(str(gguf_path))
-    hf_config = ModelConfig.from_hf_config(json.loads((directory / "config.json").read_text()))
+    hf_config = config_from_hf(json.loads((directory / "config.json").read_text()))
     # float32 metadata rounds rms_norm_eps; everything else must agree exactly
     assert checkpoint.config.rms_norm_eps == pytest.approx(hf_config.rms_norm_eps, rel=1e-6)
     assert checkpoint.config == dataclasses.replace(hf_config,
@@ -199,9 +200,9 @@ def test_directory_without_weights(tmp_path: Path) -> None:
 def test_unsupported_architecture_in_config(tmp_path: Path) -> None:
     directory = save_tiny_llama(tmp_path)
     config = json.loads((directory / "config.json").read_text())
-    config["architectures"] = ["MistralForCausalLM"]
+    config["architectures"] = ["FalconForCausalLM"]
     (directory / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match="unsupported architectures.*MistralForCausalLM"):
+    with pytest.raises(ConfigError, match="unsupported architecture .FalconForCausalLM"):
         open_checkpoint(str(directory))
 
 
@@ -274,7 +275,7 @@ def test_directory_with_one_gguf(tmp_path: Path) -> None:
     save_tiny_gguf(save_tiny_qwen2(tmp_path / "hf"), only / "qwen.gguf")
     checkpoint = open_checkpoint(str(only))
     assert checkpoint.path == str(only / "qwen.gguf")
-    assert checkpoint.format == "gguf" and checkpoint.config.architecture is Architecture.QWEN2
+    assert checkpoint.format == "gguf" and checkpoint.config.architecture == "Qwen2ForCausalLM"
 
 
 def test_weights_identity_follows_content_not_place(tmp_path: Path) -> None:

@@ -1,0 +1,1 @@
+"""Model families, one module each, found through `engine.models.registry` by HF architecture name."""

@@ -1,0 +1,77 @@
+"""Model families found by name: HF architecture string (or GGUF `general.architecture`) -> family.
+
+Each family lives in its own module under `engine/models/`, imported only when a checkpoint asks for
+it, and exposes `FAMILY`, a `ModelFamily`. Adding a dense family is one module plus one line here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from engine.config import ConfigError, ModelConfig
+from engine.models.family import ModelFamily
+
+if TYPE_CHECKING:
+    from engine.models.layers import CausalLM
+
+# HF architecture -> the module whose FAMILY serves it
+_MODULES = {
+    "LlamaForCausalLM": "engine.models.llama",
+    "LlamaForSequenceClassification": "engine.models.llama",
+    "MistralForCausalLM": "engine.models.mistral",
+    "Qwen2ForCausalLM": "engine.models.qwen2",
+    "Qwen2ForSequenceClassification": "engine.models.qwen2",
+    "Qwen3ForCausalLM": "engine.models.qwen3",
+    "Phi3ForCausalLM": "engine.models.phi3",
+    "Gemma3ForCausalLM": "engine.models.gemma3",
+    "Qwen2MoeForCausalLM": "engine.models.qwen2_moe",
+    "MixtralForCausalLM": "engine.models.mixtral",
+}
+# llama.cpp's architecture names -> HF architecture (Mistral's GGUF files say "llama")
+_GGUF = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+
+
+def supported_architectures() -> tuple[str, ...]:
+    """The HF architectures a family file serves."""
+    return tuple(_MODULES)
+
+
+def supported_gguf_architectures() -> tuple[str, ...]:
+    return tuple(_GGUF)
+
+
+def family_of(architecture: str) -> ModelFamily:
+    """The family serving HF `architecture`; ConfigError naming the supported ones otherwise."""
+    module = _MODULES.get(architecture)
+    if module is None:
+        raise ConfigError(f"unsupported architecture {architecture!r}; supported: {', '.join(_MODULES)}")
+    family: ModelFamily = importlib.import_module(module).FAMILY
+    return family
+
+
+def gguf_architecture(name: str) -> str:
+    """The HF architecture of a GGUF file's `general.architecture`; ConfigError if none serves it."""
+    if name not in _GGUF:
+        raise ConfigError(f"unsupported GGUF architecture {name!r}; supported: {', '.join(_GGUF)}")
+    return _GGUF[name]
+
+
+def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
+    """The `ModelConfig` of an HF config dict, read by its architecture's family."""
+    archs = config.get("architectures") or []
+    if not archs:
+        raise ConfigError(f"config.json names no architectures; supported: {', '.join(_MODULES)}")
+    return family_of(str(archs[0])).config_from_hf(config)
+
+
+def build_model(config: ModelConfig) -> CausalLM:
+    """The module of `config`'s family (on the current default device: meta for shapes only)."""
+    return family_of(config.architecture).build(config)
