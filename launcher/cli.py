@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 
+from engine.config import ConfigError
 from gateway.config import GatewayConfig
 from launcher.configs import gateway_config, worker_config
 from launcher.defaults import default_torch_threads
@@ -23,6 +25,8 @@ from launcher.serve import serve
 from launcher.worker_flags import metrics_port
 from server_runtime.config import WorkerConfig
 from tandem.request_log import configure_logging
+
+logger = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,7 +100,11 @@ def _serve_worker(config: WorkerConfig) -> int:
     from server_runtime.worker import serve_worker
 
     kind = EMBEDDING if config.is_embedding else PREFILL if config.role == "prefill" else DECODE
-    asyncio.run(serve_worker(config, kind))
+    try:
+        asyncio.run(serve_worker(config, kind))
+    except (ConfigError, FileNotFoundError) as exc:  # a model it cannot serve: one line, no traceback
+        logger.error("cannot serve %s: %s", config.model_path, exc)
+        return 2
     return 0
 
 

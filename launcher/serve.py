@@ -6,9 +6,11 @@ Their configs are built here from one parse of the flags and handed to each chil
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from dataclasses import dataclass
 
+from engine.config import ConfigError
 from gateway.config import GatewayConfig
 from launcher.configs import engine_config, gateway_config, worker_config
 from launcher.defaults import default_torch_threads
@@ -18,6 +20,8 @@ from launcher.supervisor import ChildSpec, Supervisor
 from launcher.worker_flags import DEFAULT_WORKER_HOST, metrics_port
 from server_runtime.config import WorkerConfig
 from tandem.internal_auth import generate_token
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +113,10 @@ def _check_ports(workers: tuple[WorkerConfig, ...], gateway: GatewayConfig) -> N
 
 def serve(args: argparse.Namespace) -> int:
     stack = stack_configs(args)
+    if stack.decodes and (problem := checkpoint_problem(args.model_path)) is not None:
+        # one line before any child starts, rather than a traceback from each of them
+        logger.error("cannot serve %s: %s", args.model_path, problem)
+        return 2
     children = [child_spec(config, args.log_level, child_name(stack, config)) for config in stack.children]
     gateway = stack.gateway
     url_host = "127.0.0.1" if gateway.host in ("0.0.0.0", "::") else gateway.host
@@ -129,6 +137,18 @@ def serve(args: argparse.Namespace) -> int:
         f"Tandem is ready: gateway on http://{url_host}:{gateway.port}{grpc_api} "
         f"(model {gateway.served_model_name!r}; {workers}"
     )
+
+
+def checkpoint_problem(model_path: str) -> str | None:
+    """Why the generation model at `model_path` cannot be served (one line), or None when it opens:
+    its headers, config and tensor table are read and checked, no weights."""
+    from engine.weights import open_checkpoint  # torch: only when a model is served, not for --help
+
+    try:
+        open_checkpoint(model_path)
+    except (ConfigError, FileNotFoundError) as exc:
+        return str(exc)
+    return None
 
 
 def child_spec(config: WorkerConfig | GatewayConfig, log_level: str, name: str | None = None) -> ChildSpec:

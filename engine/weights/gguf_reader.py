@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from engine.config import ConfigError, ModelConfig
@@ -71,7 +71,11 @@ def open_gguf_file(path: Path) -> tuple[ModelConfig, GGUFSource]:
     try:
         reader = GGUFReader(path)
     except (OSError, ValueError, KeyError, IndexError) as exc:
-        raise ConfigError(f"cannot read GGUF file {path}: {exc}") from exc
+        raise ConfigError(
+            f"{path} is not a readable GGUF file, truncated or corrupted ({exc}); check its size and sha256 "
+            "against where it came from, and download it again"
+        ) from exc
+    _check_tensor_types(path, reader)
     field = reader.get_field("general.architecture")
     if field is None:
         raise ConfigError(f"{path}: GGUF metadata lacks required key 'general.architecture'")
@@ -97,6 +101,31 @@ def open_gguf_file(path: Path) -> tuple[ModelConfig, GGUFSource]:
     types = Counter(tensor.tensor_type.name for tensor in reader.tensors)
     logger.debug("%s: tensor types %s", path.name, dict(types))
     return config, GGUFSource(reader, tuple(refs))
+
+
+# types read as floats (block types dequantized by gguf at load: tested in tests/unit/engine/test_weight_loader.py)
+_FLOAT_TYPES = frozenset(
+    {
+        GGMLQuantizationType.F32,
+        GGMLQuantizationType.F16,
+        GGMLQuantizationType.BF16,
+        GGMLQuantizationType.Q2_K,
+        GGMLQuantizationType.Q3_K,
+    }
+)
+
+
+def _check_tensor_types(path: Path, reader: GGUFReader) -> None:
+    """ConfigError naming the first tensor whose type Tandem can neither keep packed nor dequantize."""
+    readable = _FLOAT_TYPES | set(_PACKED)
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in readable:
+            packed = ", ".join(sorted(t.name for t in _PACKED))
+            floats = ", ".join(sorted(t.name for t in _FLOAT_TYPES))
+            raise ConfigError(
+                f"{path}: tensor {tensor.name} is stored as {tensor.tensor_type.name}, which Tandem cannot read "
+                f"(packed: {packed}; read as floats: {floats}); requantize the file, e.g. to Q4_K_M"
+            )
 
 
 def _unpermute_heads(hf_name: str, config: ModelConfig) -> int | None:

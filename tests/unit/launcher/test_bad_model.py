@@ -1,0 +1,50 @@
+"""`tandem serve` on a model it cannot serve: one line naming the problem and what to do, exit code 2,
+no traceback, before any worker starts (real processes, real files)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import save_tiny_gguf, save_tiny_llama
+
+
+def _serve(model_path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "serve", "--model-path", str(model_path), "--port", "0"],
+        capture_output=True, text=True, timeout=120,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("bad")
+    return save_tiny_gguf(save_tiny_llama(directory / "hf"), directory / "model.gguf")
+
+
+def _one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
+    errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1, result.stderr[-2000:]
+    for needle in needles:
+        assert needle in errors[0]
+    assert "Tandem is ready" not in result.stderr
+
+
+def test_a_truncated_gguf_file(tiny_gguf: Path, tmp_path: Path) -> None:
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(tiny_gguf.read_bytes()[: tiny_gguf.stat().st_size // 2])
+    _one_line_error(_serve(truncated), "truncated or corrupted", "download it again")
+
+
+def test_an_architecture_with_no_family(tiny_gguf: Path, tmp_path: Path) -> None:
+    other = save_tiny_gguf(tiny_gguf.parent / "hf", tmp_path / "falcon.gguf", architecture="falcon")
+    _one_line_error(_serve(other), "unsupported GGUF architecture 'falcon'", "supported: llama, qwen2, qwen3")
+
+
+def test_a_missing_path(tmp_path: Path) -> None:
+    _one_line_error(_serve(tmp_path / "nowhere.gguf"), "does not exist locally")
