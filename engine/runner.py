@@ -110,14 +110,18 @@ class ModelRunner:
         self.decode_graphs = capture_decode_graphs(
             self.model, self.rotary, self.attention, self.kv_pool, config, mc, context_len
         )  # None: every decode step runs eagerly
+        self.weight_bytes = _weight_bytes(self.model)  # resident: packed blocks, floats, each shared tensor once
         logger.info(
-            "model on %s: dtype %s, quantization %s%s (%.1f MiB of weights), attention %s, sampling %s, "
+            "model on %s: dtype %s, quantization %s%s (%.1f MiB of weights, %.2fx the file's %.1f MiB), "
+            "attention %s, sampling %s, "
             "%d of %d layers fused (one C++ call each)",
             self.device,
             config.dtype,
             config.quantization,
             " with int8 activations" if config.int8_activations else "",
-            _weight_bytes(self.model) / 2**20,
+            self.weight_bytes / 2**20,
+            self.weight_bytes / checkpoint.num_tensor_bytes,
+            checkpoint.num_tensor_bytes / 2**20,
             attention,
             sampler,
             num_fused,

@@ -38,6 +38,7 @@ class Checkpoint:
     path: str
     format: str
     num_tensors: int
+    num_tensor_bytes: int  # the tensors' bytes in the files, as stored
     identity: str  # `weights_identity` of the files the weights come from
     _source: TensorSource = field(repr=False, compare=False)
 
@@ -105,6 +106,7 @@ def _opened(config: ModelConfig, path: Path, fmt: str, source: TensorSource) -> 
         path=str(path),
         format=fmt,
         num_tensors=source.num_tensors,
+        num_tensor_bytes=source.num_bytes,
         identity=weights_identity(files),
         _source=source,
     )

@@ -16,10 +16,11 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 
 from engine.config import ConfigError, ModelConfig
@@ -33,6 +34,55 @@ logger = logging.getLogger(__name__)
 
 _ROPE_PERMUTED = (".self_attn.q_proj.", ".self_attn.k_proj.")
 _PACKED = gguf_blocks.PACKED_TYPES  # GGUF block types kept packed (Q8_0, Q4_x, Q5_x, Q4_K, Q5_K, Q6_K)
+
+
+class FastGGUFReader(GGUFReader):
+    """`gguf.GGUFReader` with the same fields and tensors, read faster: slices of a plain array over the
+    mapping instead of `np.memmap` ones (whose per-slice Python hook dominated), and a tight loop for
+    arrays of strings (a 150k-token vocabulary is 300k parts). Opening the Qwen2.5 0.5B file's header
+    took 20 s with the library's reader; the tensor data is the same memory mapping."""
+
+    _ITEMSIZES: dict[Any, int] = {}
+
+    def _plain(self) -> np.ndarray:
+        plain = self.__dict__.get("_plain_view")
+        if plain is None:
+            plain = self.__dict__["_plain_view"] = self.data.view(np.ndarray)
+        return plain  # type: ignore[no-any-return]
+
+    def _get(
+        self, offset: int, dtype: Any, count: int = 1, override_order: Literal["I", "S", "<"] | None = None
+    ) -> np.ndarray:
+        count = int(count)
+        size = self._ITEMSIZES.get(dtype)
+        if size is None:
+            size = self._ITEMSIZES[dtype] = np.dtype(dtype).itemsize
+        arr = self._plain()[offset : offset + size * count].view(dtype=dtype)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[np.ndarray], list[int], list[Any]]:
+        if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)  # type: ignore[no-any-return]
+        item_type = GGUFValueType(int(self._get(orig_offs, np.uint32)[0]))
+        scalar = self.gguf_scalar_to_np.get(item_type)
+        if item_type != GGUFValueType.STRING and scalar is None:
+            return super()._get_field_parts(orig_offs, raw_type)  # type: ignore[no-any-return]
+        raw_itype, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+        parts: list[np.ndarray] = [raw_itype, count]
+        offs, n = orig_offs + 12, int(count[0])
+        if scalar is not None:  # one element per part, as the library lays them out
+            values = self._get(offs, scalar, n)
+            parts += (values[i : i + 1] for i in range(n))
+            return 12 + int(values.nbytes), parts, list(range(2, 2 + n)), [GGUFValueType.ARRAY, item_type]
+        plain = self._plain()
+        indices: list[int] = []
+        for _ in range(n):
+            size = plain[offs : offs + 8].view(np.uint64)
+            length = int(size[0])
+            parts += (size, plain[offs + 8 : offs + 8 + length])
+            indices.append(len(parts) - 1)
+            offs += 8 + length
+        return offs - orig_offs, parts, indices, [GGUFValueType.ARRAY, GGUFValueType.STRING]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +106,10 @@ class GGUFSource:
     def num_tensors(self) -> int:
         return len(self.refs)
 
+    @property
+    def num_bytes(self) -> int:
+        return sum(int(ref.tensor.n_bytes) for ref in self.refs)
+
     def read(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         for ref in self.refs:
             packed = ref.tensor.tensor_type in _PACKED and len(ref.tensor.shape) == 2
@@ -69,7 +123,7 @@ def open_gguf_file(path: Path) -> tuple[ModelConfig, GGUFSource]:
     or tensors that do not match the metadata.
     """
     try:
-        reader = GGUFReader(path)
+        reader = FastGGUFReader(path)
     except (OSError, ValueError, KeyError, IndexError) as exc:
         raise ConfigError(
             f"{path} is not a readable GGUF file, truncated or corrupted ({exc}); check its size and sha256 "

@@ -46,6 +46,11 @@ class SafetensorsSource:
     def num_tensors(self) -> int:
         return sum(len(shard.names) for shard in self.shards)
 
+    @property
+    def num_bytes(self) -> int:
+        """The shards' sizes (their headers are a few KiB of that)."""
+        return sum(shard.path.stat().st_size for shard in self.shards)
+
     def read(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor in its stored dtype (safetensors hold no packed blocks: `keep_quantized`
         changes nothing)."""

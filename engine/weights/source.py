@@ -25,6 +25,11 @@ class TensorSource(Protocol):
         """How many pairs `read()` yields."""
         ...
 
+    @property
+    def num_bytes(self) -> int:
+        """The bytes its tensors take in the files, as stored (packed blocks at their size)."""
+        ...
+
     def read(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         """Yield every parameter, in file order."""
         ...

@@ -34,3 +34,17 @@ def test_an_unreadable_block_type_is_named(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ConfigError, match=r"blk\.0\.ffn_down\.weight is stored as IQ4_NL.*requantize"):
         open_checkpoint(str(path))
+
+
+def test_the_fast_reader_reads_what_the_library_reads(smollm2_path: Path) -> None:
+    """Every field (parts, types, data indices, contents) and tensor of the bundled file, equal."""
+    from engine.weights.gguf_reader import FastGGUFReader
+
+    fast, library = FastGGUFReader(smollm2_path), GGUFReader(smollm2_path)
+    assert list(fast.fields) == list(library.fields)
+    for name, field in library.fields.items():
+        mine = fast.fields[name]
+        assert (mine.types, mine.data, mine.offset) == (field.types, field.data, field.offset)
+        assert [p.tobytes() for p in mine.parts] == [p.tobytes() for p in field.parts]
+    assert [(t.name, t.tensor_type, t.data_offset, t.data.shape) for t in fast.tensors] == [
+        (t.name, t.tensor_type, t.data_offset, t.data.shape) for t in library.tensors]
