@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from engine.engine import Engine
 from engine.kv_pool import KVLayout
+from engine.models.registry import implementation_of
 from engine.stats import EngineStats
 from kv_transfer import KVTransport
 from server_runtime.config import WorkerConfig
@@ -29,6 +30,7 @@ class EngineFacts:
     before the engine thread starts (`read`), so no servicer touches the engine from the event loop."""
 
     architecture: str
+    implementation: str  # whose modeling code runs it: "tandem" or "transformers" (engine.models.registry)
     context_len: int
     vocab_size: int
     num_attention_heads: int
@@ -43,8 +45,12 @@ class EngineFacts:
     def read(cls, engine: Engine) -> EngineFacts:
         """Read `engine`; only while no engine thread runs it."""
         pool = engine.runner.kv_pool
+        architecture = engine.model_config.architecture
+        implementation = implementation_of(architecture)
+        logger.info("%s runs on %s's modeling code", architecture, implementation.capitalize())
         return cls(
-            architecture=engine.model_config.architecture,
+            architecture=architecture,
+            implementation=implementation,
             context_len=engine.context_len,
             vocab_size=engine.model_config.vocab_size,
             num_attention_heads=engine.model_config.num_heads,

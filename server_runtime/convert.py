@@ -131,6 +131,7 @@ def model_info_to_proto(
     return common_pb2.GetModelInfoResponse(
         model_path=model_path,
         architecture=facts.architecture,
+        implementation=facts.implementation,
         context_len=facts.context_len,
         vocab_size=facts.vocab_size,
         eos_token_ids=list(facts.eos_token_ids),

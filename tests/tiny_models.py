@@ -234,3 +234,32 @@ def _gguf_name(hf_name: str) -> str:
     _, _, layer, rest = hf_name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
     return f"blk.{layer}.{_GGUF_BLOCK[module]}.{kind}"
+
+
+def save_tiny_olmo2(path: str | Path, seed: int = 0) -> Path:
+    """Write a random 2-layer OLMo 2 (q/k norms over all heads, norms after attention and MLP; no Tandem
+    family file, so it runs on the transformers fallback)."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    config = Olmo2Config(**_COMMON, tie_word_embeddings=False)
+    return _save(Olmo2ForCausalLM(config), path, seed, None, torch.float32)
+
+
+def save_tiny_granite(path: str | Path, seed: int = 0) -> Path:
+    """Write a random 2-layer Granite with tied embeddings and every multiplier off its default (attention
+    scale 0.3 != head_dim ** -0.5, logits divided by 4): a transformers-fallback architecture."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    config = GraniteConfig(**_COMMON, tie_word_embeddings=True, attention_multiplier=0.3, logits_scaling=4.0,
+                           embedding_multiplier=2.0, residual_multiplier=0.5)
+    return _save(GraniteForCausalLM(config), path, seed, None, torch.float32)
+
+
+def save_tiny_olmo3(path: str | Path, seed: int = 0) -> Path:
+    """Write a random 2-layer OLMo 3 whose layer 0 slides over the last TINY_WINDOW positions (a
+    transformers-fallback architecture with a window)."""
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+
+    config = Olmo3Config(**_COMMON, tie_word_embeddings=False, sliding_window=TINY_WINDOW,
+                         layer_types=["sliding_attention", "full_attention"])
+    return _save(Olmo3ForCausalLM(config), path, seed, None, torch.float32)

@@ -29,6 +29,8 @@ _MODULES = {
     "Qwen2MoeForCausalLM": "engine.models.qwen2_moe",
     "MixtralForCausalLM": "engine.models.mixtral",
 }
+# any other HF *ForCausalLM that transformers ships runs on its modeling code (engine/models/transformers_fallback.py)
+_FALLBACK = "engine.models.transformers_fallback"
 # llama.cpp's architecture names -> HF architecture (Mistral's GGUF files say "llama")
 _GGUF = {
     "llama": "LlamaForCausalLM",
@@ -49,12 +51,30 @@ def supported_gguf_architectures() -> tuple[str, ...]:
 
 
 def family_of(architecture: str) -> ModelFamily:
-    """The family serving HF `architecture`; ConfigError naming the supported ones otherwise."""
+    """The family serving HF `architecture`: its family file's, else, for a `*ForCausalLM` class that
+    transformers ships, the fallback on transformers' modeling code; ConfigError naming the supported
+    ones otherwise."""
     module = _MODULES.get(architecture)
+    if module is None and _has_transformers_class(architecture):
+        module = _FALLBACK
     if module is None:
-        raise ConfigError(f"unsupported architecture {architecture!r}; supported: {', '.join(_MODULES)}")
+        raise ConfigError(
+            f"unsupported architecture {architecture!r}: no family file serves it (supported: {', '.join(_MODULES)}) "
+            "and transformers has no such *ForCausalLM class"
+        )
     family: ModelFamily = importlib.import_module(module).FAMILY
     return family
+
+
+def implementation_of(architecture: str) -> str:
+    """Whose modeling code runs `architecture`: "tandem" (a family file) or "transformers" (the fallback)."""
+    return "tandem" if architecture in _MODULES else "transformers"
+
+
+def _has_transformers_class(architecture: str) -> bool:
+    from engine.models.transformers_fallback import causal_lm_class  # imports transformers: only when asked
+
+    return causal_lm_class(architecture) is not None
 
 
 def gguf_architecture(name: str) -> str:

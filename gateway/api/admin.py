@@ -69,6 +69,7 @@ async def _worker_info(worker: Worker) -> dict:
         entry.update(
             version=info.version,
             model_path=info.model_path,
+            implementation=info.implementation,
             context_len=info.context_len,
             page_size=info.kv_layout.page_size,
             max_total_num_tokens=info.num_pages * info.kv_layout.page_size,

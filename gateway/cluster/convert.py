@@ -144,6 +144,7 @@ def model_info_from_proto(msg: common_pb2.GetModelInfoResponse) -> ModelInfo:
         matryoshka_dimensions=tuple(msg.matryoshka_dimensions),
         weights_id=msg.weights_id,
         num_attention_heads=msg.num_attention_heads,
+        implementation=msg.implementation,
     )
 
 

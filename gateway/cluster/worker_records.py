@@ -121,6 +121,7 @@ class ModelInfo:
     matryoshka_dimensions: tuple[int, ...]
     weights_id: str
     num_attention_heads: int = 0
+    implementation: str = ""  # "tandem" or "transformers": whose modeling code; "" when the worker does not say
 
 
 @dataclass(frozen=True, slots=True)
