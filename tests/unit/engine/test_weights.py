@@ -250,7 +250,7 @@ def test_not_a_checkpoint_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not a .gguf file"):
         open_checkpoint(str(tmp_path / "model.bin"))
     (tmp_path / "broken.gguf").write_bytes(b"definitely not gguf")
-    with pytest.raises(ConfigError, match="cannot read GGUF file"):
+    with pytest.raises(ConfigError, match="is not a readable GGUF file, truncated or corrupted"):
         open_checkpoint(str(tmp_path / "broken.gguf"))
 
 
