@@ -14,7 +14,8 @@ also compiles FlashInfer's kernels outside the capture), one memory pool shared 
 graph replays at a time), the attention plan made outside the graph before each capture and replay.
 Capture needs an attention backend whose `attend` reads its page table from fixed device buffers
 (`AttentionBackend.supports_cuda_graphs`: FlashInfer) and a model with no host work in its forward
-pass (MoE routing reads expert counts to the host, so MoE models decode eagerly).
+pass (MoE routing reads expert counts to the host, so MoE models decode eagerly; so do sliding-window
+models, whose layers choose their attention path on the host, and the transformers fallback).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.graph_batches import default_graph_batch_sizes, graph_batch_size
 from engine.kv_pool import KVPool
 from engine.models.layers import CausalLM
+from engine.models.registry import implementation_of
 from engine.request import Request
 from engine.step_inputs import StepInputs, paged_step_inputs, step_tokens
 from kernels.attention import AttentionBackend, AttentionMetadata
@@ -59,6 +61,10 @@ def why_decode_runs_eagerly(
         return f"the {type(attention).__name__} attention backend cannot be captured (FlashInfer can)"
     if model_config.num_experts:
         return "MoE routing reads expert counts to the host every layer"
+    if model_config.features.sliding_window is not None:
+        return "sliding-window layers pick their attention path from the host's sequence lengths every step"
+    if implementation_of(model_config.architecture) != "tandem":
+        return "transformers' modeling code (the fallback) is not captured"
     return None
 
 
