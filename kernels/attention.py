@@ -276,7 +276,8 @@ class TorchAttention(AttentionBackend):
 class CpuPagedAttention(TorchAttention):
     """The C++ kernel (`kernels/csrc`): reads K/V in place through the page table, no padding, no
     masks, no copies; each row's result is independent of the rest of the batch. fp32 math over a
-    float32 or bfloat16 pool; a float16 pool takes the torch path."""
+    float32 or bfloat16 pool; a float16 pool takes the torch path. `attend` also takes a layer's own
+    softmax scale and sliding window (the kernel skips the pages before a row's window)."""
 
     def __init__(
         self,
@@ -293,9 +294,19 @@ class CpuPagedAttention(TorchAttention):
 
         self._kernels = native.load()
 
-    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        window: int | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """`AttentionBackend.attend`, with scores (q * `scale`) . k (None: 1 / sqrt(head_dim)) and, with
+        `window`, a row at position p attending keys p - window + 1 .. p only (`torch_paged_attention`'s)."""
+        scale = self.scale if scale is None else scale
         if kv_cache.dtype not in NATIVE_KV_CACHE_DTYPES:
-            return super().attend(q, kv_cache, meta)
+            return torch_paged_attention(q, kv_cache, meta, self.page_size, scale, window)
         rows = q.float()
         if rows.stride(2) != 1 or rows.stride(1) != rows.shape[2]:  # rows may be strided (a view of q/k/v), heads not
             rows = rows.contiguous()
@@ -306,6 +317,7 @@ class CpuPagedAttention(TorchAttention):
             meta.kv_indptr,
             meta.kv_indices,
             meta.kv_last_page_len,
-            self.scale,
+            scale,
+            window or 0,
         )
         return out.to(q.dtype)

@@ -1,4 +1,4 @@
-"""Elementwise layers: RMSNorm (with the residual add), SwiGLU activation, rotary position embedding.
+"""Elementwise layers: RMSNorm (with the residual add), SwiGLU and GeLU-tanh gating, rotary position embedding.
 
 Torch code is the implementation everywhere and the reference; float32 CPU tensors go through the
 fused C++ kernels (`kernels/csrc`) when they are built: one call where torch needs several.
@@ -52,12 +52,28 @@ def add_rms_norm(
     return rms_norm(residual, weight, eps), residual
 
 
+def plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm over the last dimension of x (any shape, e.g. [T, heads, head_dim]), with no residual;
+    a new tensor. One C++ call for float32 on CPU, whose rows get the bits the fused layer gives them."""
+    if (fused := _fused(x, weight)) is not None:
+        return fused.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps, None).view(x.shape)
+    return rms_norm(x, weight, eps)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for `gate_up` [T, 2I] holding [gate | up] -> [T, I]."""
     if (fused := _fused(gate_up)) is not None and gate_up.is_contiguous():
         return fused.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up for `gate_up` [T, 2I] holding [gate | up] -> [T, I]."""
+    if (fused := _fused(gate_up)) is not None and gate_up.is_contiguous():
+        return fused.gelu_tanh_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any]) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The decoder every family builds: plain nn.Modules with HF parameter names, options from `LayerFeatures`.
 
-Attention goes through a pluggable `AttentionBackend` (a dense Llama-shaped layer fused into one C++
-call, `DecoderLayer.fuse`, runs the `cpu` backend's kernel itself); the KV pool is passed into
+Attention goes through a pluggable `AttentionBackend` (a dense layer fused into one C++ call,
+`DecoderLayer.fuse`, runs the `cpu` backend's kernel itself); the KV pool is passed into
 `forward`, and per-step layout travels in `AttentionMetadata`, so the modules hold no per-step state.
 MoE layers (`engine/moe.py`) replace the dense MLP where the family's `ffn` factory says so; a
 sequence-classification config (`num_labels` > 0) gets HF's `score` head instead of `lm_head`.
@@ -14,15 +14,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.weight_loader import MergedLinear, load_into
+from engine.weight_loader import MergedLinear, Value, load_into
 from kernels.attention import AttentionBackend, AttentionMetadata, CpuPagedAttention, torch_paged_attention
-from kernels.fused_layer import fused_decoder_layer
-from kernels.layers import RotaryEmbedding, add_rms_norm, rms_norm, silu_and_mul
-from kernels.quant import QuantizedWeight
+from kernels.fused_layer import AttentionShape, LayerNorms, fused_decoder_layer
+from kernels.layers import RotaryEmbedding, add_rms_norm, gelu_tanh_and_mul, plain_rms_norm, silu_and_mul
 
 FfnFactory = Callable[[ModelConfig, int], tuple[str, nn.Module]]
 
@@ -38,8 +36,8 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
     def plain(self, x: torch.Tensor) -> torch.Tensor:
-        """norm(x) over the last dimension, with no residual."""
-        return rms_norm(x, self.weight, self.eps)
+        """norm(x) over the last dimension, with no residual (a new tensor)."""
+        return plain_rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -64,13 +62,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if features.qk_norm else None
         self.window = config.window_of(layer_id)
         scale = features.attention_scale
-        # the backends scale by head_dim ** -0.5; another scale is folded into q
+        # the cpu backend takes another scale as it is; the others scale by head_dim ** -0.5, so it is folded into q
         self.q_scale = None if scale is None or math.isclose(scale * math.sqrt(config.head_dim), 1.0) else scale
 
-    @property
-    def is_plain(self) -> bool:
-        """Whether this is Llama's attention (what the fused C++ layer computes)."""
-        return self.q_norm is None and self.window is None and self.q_scale is None
+    def scale(self, backend: AttentionBackend) -> float:
+        """The softmax scale: the family's, else the backend's 1 / sqrt(head_dim)."""
+        return backend.scale if self.q_scale is None else self.q_scale
 
     def forward(
         self,
@@ -96,6 +93,9 @@ class Attention(nn.Module):
             meta.write_pages,
             meta.write_offsets,
         )
+        if isinstance(backend, CpuPagedAttention):  # takes the scale and window itself, as the fused layer
+            out = backend.attend(q, kv_cache, meta, self.window, self.scale(backend))
+            return self.o_proj(out.reshape(num_tokens, -1))
         if self.q_scale is not None:
             q = q * (self.q_scale * math.sqrt(self.head_dim))
         if self.window is not None and max(meta.seq_lens) > self.window:
@@ -103,12 +103,6 @@ class Attention(nn.Module):
         else:
             out = backend.attend(q, kv_cache, meta)
         return self.o_proj(out.reshape(num_tokens, -1))
-
-
-def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gelu_tanh(gate) * up for `gate_up` [T, 2I] holding [gate | up] -> [T, I]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
 
 
 _ACTIVATIONS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
@@ -168,26 +162,36 @@ class DecoderLayer(nn.Module):
 
     def fuse(self, backend: AttentionBackend, kv_dtype: torch.dtype) -> bool:
         """Compute this layer as one C++ call (`kernels.fused_layer`) from now on, if it is a dense
-        Llama-shaped layer whose every part is a kernel that call runs (packed weights, float32, the
-        `cpu` attention, a KV pool in `kv_dtype` the kernels take); else keep the modules. Call again
+        layer whose every part is a kernel that call runs (packed weights, float32, the `cpu`
+        attention, a KV pool in `kv_dtype` the kernels take); else keep the modules. Call again
         after its weights are replaced."""
         self.fused = None
-        mlp = getattr(self, self.ffn_name)
-        is_plain = not self.is_moe and not self.is_sandwich and self.self_attn.is_plain and mlp.activation == "silu"
-        if is_plain and isinstance(backend, CpuPagedAttention):
-            attn = self.self_attn
-            self.fused = fused_decoder_layer(
-                self.input_layernorm.weight,
-                self.post_attention_layernorm.weight,
-                self.input_layernorm.eps,
-                [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj],
-                attn.num_heads,
-                attn.num_kv_heads,
-                attn.head_dim,
-                backend.scale,
-                kv_dtype,
-            )
+        attn, mlp = self.self_attn, getattr(self, self.ffn_name)
+        norms = self._layer_norms()
+        if self.is_moe or norms is None or not isinstance(backend, CpuPagedAttention):
+            return False
+        shape = AttentionShape(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale(backend), attn.window)
+        projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        self.fused = fused_decoder_layer(norms, projections, shape, mlp.activation, kv_dtype)
         return self.fused is not None
+
+    def _layer_norms(self) -> LayerNorms | None:
+        """The norms as the fused call takes them (None if their eps differ): with sandwich norms the
+        stream's norm before the MLP is pre_feedforward_layernorm, post_attention_layernorm that of
+        the attention output."""
+        attn = self.self_attn
+        ffn, attn_out, ffn_out = (
+            (self.pre_feedforward_layernorm, self.post_attention_layernorm, self.post_feedforward_layernorm)
+            if self.is_sandwich
+            else (self.post_attention_layernorm, None, None)
+        )
+        eps = self.input_layernorm.eps
+        if any(norm is not None and norm.eps != eps for norm in (ffn, attn.q_norm, attn.k_norm, attn_out, ffn_out)):
+            return None
+        q, k, attn_out_w, ffn_out_w = (
+            None if n is None else n.weight for n in (attn.q_norm, attn.k_norm, attn_out, ffn_out)
+        )
+        return LayerNorms(eps, self.input_layernorm.weight, ffn.weight, q, k, attn_out_w, ffn_out_w)
 
     def forward(
         self,
@@ -203,13 +207,15 @@ class DecoderLayer(nn.Module):
         """One layer on the residual stream: returns (this layer's output, the stream before it is added);
         the stream `residual` (None for the first layer) is updated in place. `expert_counts`
         ([num_experts] int64, MoE layers only) is added to as `SparseMoeBlock` says."""
+        is_sliding = self.self_attn.window is not None
         if self.fused is not None:
+            tables = rotary.for_layer(is_sliding)
             return self.fused.forward(  # type: ignore[no-any-return]
                 x.contiguous(),
                 residual,
                 positions,
-                rotary.cos,
-                rotary.sin,
+                tables.cos,
+                tables.sin,
                 kv_cache,
                 meta.write_pages,
                 meta.write_offsets,
@@ -219,7 +225,7 @@ class DecoderLayer(nn.Module):
                 meta.kv_last_page_len,
             )
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, rotary.for_layer(self.self_attn.window is not None), backend, kv_cache, meta)
+        h = self.self_attn(h, positions, rotary.for_layer(is_sliding), backend, kv_cache, meta)
         if self.is_sandwich:
             h = self.post_attention_layernorm.plain(h)
             h, residual = self.pre_feedforward_layernorm(h, residual)
@@ -296,7 +302,7 @@ class CausalLM(nn.Module):
 
     def load_weights(
         self,
-        tensors: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
+        tensors: Iterable[tuple[str, Value]],
         quantization: str = "none",
         int8_activations: bool = False,
     ) -> None:

@@ -10,6 +10,11 @@
 //      (2 on AVX2, whose register file is half as wide).
 // The vector path needs head_dim a multiple of the width (16 on AVX-512, 8 on AVX2) and at most 256;
 // other shapes, and builds without AVX2, take the scalar path.
+//
+// A sliding window (`window` > 0) limits a row at position p to keys p - window + 1 .. p: its walk
+// starts at that key's page and slot, so pages wholly before the window are never read. Keys are
+// visited in the same order and with the same operations either way, so a row with no window, or one
+// whose window covers every key, has the bits it has without one.
 
 #include "kernels.h"
 #include "vec.h"
@@ -32,25 +37,28 @@ struct WorkItem {
   int64_t seq, head_begin, head_end, row_begin, row_end;
 };
 
-// One sequence's view of the cache for one kv head: element offset of token j's K (V: + kv_stride).
+// One row's view of the cache for one kv head: element offset of its j-th visible key's K (V: +
+// kv_stride), the first visible key being slot `first_slot` of page `pages[0]` (a window's start).
 // `fetch_bytes`: how much of each token's K (and V) row to prefetch, from its first head: the
 // whole row (every head) while the first head of an item that covers them all is computed, so
 // that the others find it in cache; else nothing beyond what the head itself reads.
 struct SeqKV {
   const PagedKV& kv;
   const int32_t* pages;
+  int64_t first_slot;
   int64_t head_offset;
   int64_t fetch_bytes;
   int64_t offset(int64_t j) const {
+    j += first_slot;
     return pages[j / kv.page_size] * kv.page_stride + (j % kv.page_size) * kv.token_stride + head_offset;
   }
 };
 
-// Walks tokens 0, 1, ... page by page (no division per token; a page id is read only when used).
+// Walks the visible keys in order, page by page (no division per token; a page id is read only when used).
 struct TokenCursor {
   const SeqKV& s;
-  int64_t page = 0, in_page = 0;
-  explicit TokenCursor(const SeqKV& seq) : s(seq) {}
+  int64_t page = 0, in_page;
+  explicit TokenCursor(const SeqKV& seq) : s(seq), in_page(seq.first_slot) {}
   int64_t token() const { return s.pages[page] * s.kv.page_stride + in_page * s.kv.token_stride; }
   int64_t at() const { return token() + s.head_offset; }
   void next() {
@@ -227,8 +235,8 @@ void attend_row_scalar(const T* base, const SeqKV& seq, const float* q_scaled, i
 
 template <typename T>
 void attend_item(const WorkItem& item, const float* q, int64_t q_row_stride, int64_t num_q_heads, const PagedKV& kv,
-                 const int32_t* pages, int64_t seq_len, int64_t q_len, int64_t first_row, float scale, float* out,
-                 std::vector<float>& scores, std::vector<float>& q_scaled) {
+                 const int32_t* pages, int64_t seq_len, int64_t q_len, int64_t first_row, float scale, int64_t window,
+                 float* out, std::vector<float>& scores, std::vector<float>& q_scaled) {
   const T* base = static_cast<const T*>(kv.base);
   const int64_t d = kv.head_dim, group = num_q_heads / kv.num_kv_heads;
 #if defined(TANDEM_AVX512) || defined(TANDEM_AVX2)
@@ -240,9 +248,10 @@ void attend_item(const WorkItem& item, const float* q, int64_t q_row_stride, int
   q_scaled.resize(group * d);
   for (int64_t h = item.head_begin; h < item.head_end; ++h) {
     const int64_t fetch_bytes = has_all_heads && h == 0 ? kv.num_kv_heads * d * int64_t{sizeof(T)} : 0;
-    const SeqKV seq{kv, pages, h * kv.head_stride, fetch_bytes};
     for (int64_t row = item.row_begin; row < item.row_end; ++row) {
-      const int64_t visible = seq_len - q_len + (row - first_row) + 1;   // causal: keys at positions 0..pos
+      const int64_t pos = seq_len - q_len + (row - first_row);   // causal: keys at positions first..pos
+      const int64_t first = window > 0 ? std::max<int64_t>(0, pos + 1 - window) : 0, visible = pos + 1 - first;
+      const SeqKV seq{kv, pages + first / kv.page_size, first % kv.page_size, h * kv.head_stride, fetch_bytes};
       const float* qh = q + row * q_row_stride + h * group * d;
       for (int64_t i = 0; i < group * d; ++i) q_scaled[i] = qh[i] * scale;
       float* o = out + (row * num_q_heads + h * group) * d;
@@ -262,7 +271,7 @@ void attend_item(const WorkItem& item, const float* q, int64_t q_row_stride, int
 
 void paged_attention(const float* q, int64_t q_row_stride, int64_t num_q_heads, const PagedKV& kv, const int32_t* qo_indptr,
                      const int32_t* kv_indptr, const int32_t* kv_indices, const int32_t* last_page_len,
-                     int64_t batch, float scale, float* out) {
+                     int64_t batch, float scale, int64_t window, float* out) {
   // One item per (sequence, 8 rows) covering every kv head, so that each page is read whole and
   // once; one per kv head too when that is needed to give every thread work (small batches).
   int64_t row_items = 0;
@@ -284,10 +293,10 @@ void paged_attention(const float* q, int64_t q_row_stride, int64_t num_q_heads, 
       const int32_t* pages = kv_indices + kv_indptr[b];
       if (kv.is_bf16)
         attend_item<uint16_t>(item, q, q_row_stride, num_q_heads, kv, pages, seq_lens[b], q_len, qo_indptr[b], scale,
-                              out, scores, q_scaled);
+                              window, out, scores, q_scaled);
       else
         attend_item<float>(item, q, q_row_stride, num_q_heads, kv, pages, seq_lens[b], q_len, qo_indptr[b], scale,
-                           out, scores, q_scaled);
+                           window, out, scores, q_scaled);
     }
   });
 }

@@ -112,17 +112,19 @@ PageTable page_table(const torch::Tensor& qo_indptr, const torch::Tensor& kv_ind
 // q [T, Hq, D] float32 (rows may be strided, e.g. views of a fused projection; heads contiguous);
 // kv_cache [P, 2, S, Hkv, D] float32 or bfloat16; the CSR page table. Causal: query row i of a
 // sequence with q_len rows and seq_len keys sits at position seq_len - q_len + i.
+// Scores are (q * scale) . k; `window` > 0: a row at position p sees keys p - window + 1 .. p only.
 // Returns [T, Hq, D] float32, contiguous.
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor qo_indptr,
                               torch::Tensor kv_indptr, torch::Tensor kv_indices, torch::Tensor kv_last_page_len,
-                              double scale) {
+                              double scale, int64_t window) {
+  TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q: [T, Hq, D] float32, each row's heads contiguous");
   const tandem::PagedKV kv = paged_kv(kv_cache, q.size(1), q.size(2));
   const PageTable table = page_table(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, q.size(0), kv_cache);
   auto out = torch::empty(q.sizes(), q.options());
   tandem::paged_attention(q.data_ptr<float>(), q.stride(0), q.size(1), kv, table.qo, table.kvp, table.indices,
-                          table.last, table.batch, static_cast<float>(scale), out.data_ptr<float>());
+                          table.last, table.batch, static_cast<float>(scale), window, out.data_ptr<float>());
   return out;
 }
 
@@ -150,6 +152,15 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   const int64_t width = gate_up.size(1) / 2;
   auto out = torch::empty({gate_up.size(0), width}, gate_up.options());
   tandem::silu_and_mul(gate_up.data_ptr<float>(), gate_up.size(0), width, out.data_ptr<float>());
+  return out;
+}
+
+// gelu(gate, approximate="tanh") * up for gate_up [T, 2I] = [gate | up] -> [T, I].
+torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
+  check_rows(gate_up, "gate_up");
+  const int64_t width = gate_up.size(1) / 2;
+  auto out = torch::empty({gate_up.size(0), width}, gate_up.options());
+  tandem::gelu_tanh_and_mul(gate_up.data_ptr<float>(), gate_up.size(0), width, out.data_ptr<float>());
   return out;
 }
 
@@ -219,18 +230,38 @@ void rope_and_store(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Te
 // A packed projection as the decoder layer keeps it: (data, segments table, bias or None).
 using LinearSpec = std::tuple<torch::Tensor, torch::Tensor, torch::optional<torch::Tensor>>;
 
+using OptionalNorm = torch::optional<torch::Tensor>;
+
 // One dense decoder layer's weights, held for the model's life; `forward` runs tandem::decoder_layer.
+// Norms: input and ffn [hidden] (ffn: Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm);
+// optional q and k [head_dim], attn_out and ffn_out [hidden] (Gemma's post_attention_layernorm and
+// post_feedforward_layernorm); all float32 with one eps. `activation`: "silu" or "gelu_tanh".
 class DecoderLayer {
  public:
-  DecoderLayer(torch::Tensor input_norm, torch::Tensor post_norm, double eps, std::vector<LinearSpec> linears,
-               int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t qmax, double scale)
-      : input_norm_(input_norm), post_norm_(post_norm), linears_(std::move(linears)) {
+  DecoderLayer(torch::Tensor input_norm, torch::Tensor ffn_norm, OptionalNorm q_norm, OptionalNorm k_norm,
+               OptionalNorm attn_out_norm, OptionalNorm ffn_out_norm, double eps, std::vector<LinearSpec> linears,
+               int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t qmax, double scale,
+               int64_t window, const std::string& activation)
+      : linears_(std::move(linears)) {
     TORCH_CHECK(linears_.size() == 4, "linears: qkv, o, gate_up, down");
+    TORCH_CHECK(activation == "silu" || activation == "gelu_tanh", "activation must be silu or gelu_tanh");
+    TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
     check_qmax(qmax);
     const int64_t hidden = input_norm.numel(), q_size = num_q_heads * head_dim;
-    for (const auto& norm : {input_norm, post_norm})
-      TORCH_CHECK(norm.scalar_type() == torch::kFloat32 && norm.is_contiguous() && norm.numel() == hidden,
-                  "norm weights must be [hidden] float32");
+    // each norm checked and kept; its pointer (null when absent) goes to w_
+    auto keep = [&](const OptionalNorm& norm, int64_t size, const char* name) -> const float* {
+      if (!norm.has_value()) return nullptr;
+      TORCH_CHECK(norm->scalar_type() == torch::kFloat32 && norm->is_contiguous() && norm->numel() == size, name,
+                  " norm weight must be [", size, "] float32");
+      norms_.push_back(*norm);
+      return norm->data_ptr<float>();
+    };
+    w_.input_norm = keep(input_norm, hidden, "input");
+    w_.ffn_norm = keep(ffn_norm, hidden, "ffn");
+    w_.q_norm = keep(q_norm, head_dim, "q");
+    w_.k_norm = keep(k_norm, head_dim, "k");
+    w_.attn_out_norm = keep(attn_out_norm, hidden, "attn_out");
+    w_.ffn_out_norm = keep(ffn_out_norm, hidden, "ffn_out");
     const torch::Tensor& gate_up_table = std::get<1>(linears_[2]);
     TORCH_CHECK(gate_up_table.dim() == 2 && gate_up_table.size(1) == 3, "linear 2: segments table");
     const int64_t intermediate = gate_up_table.select(1, 1).sum().item<int64_t>() / 2;
@@ -249,14 +280,14 @@ class DecoderLayer {
       *targets[i] = {{segments_[i].data(), static_cast<int64_t>(segments_[i].size()), n, k_in[i]},
                      bias.has_value() ? bias->data_ptr<float>() : nullptr};
     }
-    w_.input_norm = input_norm.data_ptr<float>();
-    w_.post_norm = post_norm.data_ptr<float>();
     w_.eps = static_cast<float>(eps);
     w_.num_q_heads = num_q_heads;
     w_.num_kv_heads = num_kv_heads;
     w_.head_dim = head_dim;
     w_.qmax = static_cast<int>(qmax);
     w_.scale = static_cast<float>(scale);
+    w_.window = window;
+    w_.activation = activation == "silu" ? tandem::Activation::kSilu : tandem::Activation::kGeluTanh;
   }
 
   // x [T, hidden] float32; residual the stream (None: the first layer, x starts it); returns
@@ -268,7 +299,7 @@ class DecoderLayer {
                                                    torch::Tensor kv_indptr, torch::Tensor kv_indices,
                                                    torch::Tensor kv_last_page_len) {
     check_rows(x, "x");
-    TORCH_CHECK(x.size(1) == input_norm_.numel(), "x must be [T, hidden]");
+    TORCH_CHECK(x.size(1) == w_.o.w.n, "x must be [T, hidden]");
     const bool is_first = !residual.has_value();
     torch::Tensor stream = is_first ? torch::empty_like(x) : *residual;
     if (!is_first) {
@@ -292,8 +323,8 @@ class DecoderLayer {
   }
 
  private:
-  torch::Tensor input_norm_, post_norm_;
-  std::vector<LinearSpec> linears_;   // keeps the weights the raw pointers in w_ point into
+  std::vector<torch::Tensor> norms_;   // keep the weights the raw pointers in w_ point into
+  std::vector<LinearSpec> linears_;
   std::vector<tandem::PackedSegment> segments_[4];
   tandem::DecoderLayerWeights w_{};
 };
@@ -310,17 +341,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("data"), py::arg("segments"), py::arg("qmax"), NoGil());
   m.def("qmatmul", &qmatmul_bits, "the same over N columns of single-format Q8_0 (bits 8) or Q4_x (bits 4) panels",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bits"), py::arg("qmax"), NoGil());
-  m.def("paged_attention", &paged_attention, "causal attention over a paged KV cache (CSR page table)", NoGil());
+  m.def("paged_attention", &paged_attention,
+        "causal attention over a paged KV cache (CSR page table), over the last `window` positions when > 0",
+        py::arg("q"), py::arg("kv_cache"), py::arg("qo_indptr"), py::arg("kv_indptr"), py::arg("kv_indices"),
+        py::arg("kv_last_page_len"), py::arg("scale"), py::arg("window") = 0, NoGil());
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, H] float32 rows, optionally after adding them into a residual",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none(), NoGil());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [T, 2I] float32 rows", NoGil());
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up of [T, 2I] float32 rows", NoGil());
   m.def("rope_and_store", &rope_and_store, "rotary embedding on q, k in place; k, v written to the paged cache",
         NoGil());
   m.def("isa", &tandem::isa_name, "the instruction set the kernels were compiled for");
   py::class_<DecoderLayer>(m, "DecoderLayer", "one dense decoder layer over packed weights, in one call")
-      .def(py::init<torch::Tensor, torch::Tensor, double, std::vector<LinearSpec>, int64_t, int64_t, int64_t,
-                    int64_t, double>(),
-           py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("linears"), py::arg("num_q_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("qmax"), py::arg("scale"))
+      .def(py::init<torch::Tensor, torch::Tensor, OptionalNorm, OptionalNorm, OptionalNorm, OptionalNorm, double,
+                    std::vector<LinearSpec>, int64_t, int64_t, int64_t, int64_t, double, int64_t,
+                    const std::string&>(),
+           py::arg("input_norm"), py::arg("ffn_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("attn_out_norm"),
+           py::arg("ffn_out_norm"), py::arg("eps"), py::arg("linears"), py::arg("num_q_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("qmax"), py::arg("scale"), py::arg("window"),
+           py::arg("activation"))
       .def("forward", &DecoderLayer::forward, NoGil());
 }

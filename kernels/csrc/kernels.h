@@ -64,10 +64,11 @@ struct PagedKV {
 // contiguous) over the paged cache, for `batch` sequences in FlashInfer's CSR form (int32): sequence
 // b owns q rows qo_indptr[b]..qo_indptr[b+1] and pages kv_indices[kv_indptr[b]..kv_indptr[b+1]], the
 // last holding last_page_len[b] tokens. The page table must have been checked (bindings.cpp).
+// Scores are (q * scale) . k; `window` > 0: a row at position p sees keys p - window + 1 .. p only.
 // out: [rows, q_heads, head_dim] float32, contiguous.
 void paged_attention(const float* q, int64_t q_row_stride, int64_t num_q_heads, const PagedKV& kv,
                      const int32_t* qo_indptr, const int32_t* kv_indptr, const int32_t* kv_indices,
-                     const int32_t* last_page_len, int64_t batch, float scale, float* out);
+                     const int32_t* last_page_len, int64_t batch, float scale, int64_t window, float* out);
 
 // ---- elementwise layers (layers.cpp), float32 rows ------------------------------------------------
 
@@ -75,8 +76,17 @@ void paged_attention(const float* q, int64_t q_row_stride, int64_t num_q_heads, 
 // first, in place, and the sum is normalized.
 void rms_norm(const float* x, int64_t rows, int64_t h, const float* weight, float eps, float* residual, float* out);
 
+// rms_norm in place over each of `heads` vectors of `d` floats at x + r * row_stride (+ i * d), for
+// `rows` rows (q or k heads inside a fused q/k/v row): each vector gets the bits rms_norm gives it.
+void rms_norm_heads(float* x, int64_t rows, int64_t row_stride, int64_t heads, int64_t d, const float* weight,
+                    float eps);
+
 // out [rows, width] = silu(gate) * up for gate_up [rows, 2 * width] = [gate | up].
 void silu_and_mul(const float* gate_up, int64_t rows, int64_t width, float* out);
+
+// out [rows, width] = gelu_tanh(gate) * up (torch's gelu(approximate="tanh")), as gate * sigmoid(2u)
+// with u = sqrt(2 / pi) * (gate + 0.044715 gate^3), which is 0.5 * gate * (1 + tanh(u)).
+void gelu_tanh_and_mul(const float* gate_up, int64_t rows, int64_t width, float* out);
 
 // Rotary embedding (rotate-half) of q and k rows in place, then k and v written into the cache.
 struct RopeStore {
@@ -103,14 +113,23 @@ struct PackedLinear {
   const float* bias;    // [w.n] or null
 };
 
+enum class Activation : int { kSilu = 0, kGeluTanh };
+
+// The norms are RMSNorm weights, all of one eps; the optional ones are null where a family has none.
 struct DecoderLayerWeights {
-  const float* input_norm;   // [hidden]
-  const float* post_norm;
+  const float* input_norm;      // [hidden], on the stream before attention
+  const float* ffn_norm;        // [hidden], on the stream before the MLP (after the attention output is added)
+  const float* q_norm;          // [head_dim] per q head before rotary (Qwen3, Gemma 3), or null
+  const float* k_norm;          // [head_dim] per k head, or null
+  const float* attn_out_norm;   // [hidden] on the attention output before it is added (Gemma 3), or null
+  const float* ffn_out_norm;    // [hidden] on the MLP output (Gemma 3), or null
   float eps;
   PackedLinear qkv, o, gate_up, down;   // gate_up: [gate | up] rows
   int64_t num_q_heads, num_kv_heads, head_dim;
   int qmax;
-  float scale;   // attention's 1 / sqrt(head_dim)
+  float scale;      // the softmax scale (1 / sqrt(head_dim) unless the family sets another)
+  int64_t window;   // sliding window (paged_attention), 0 for none
+  Activation activation;
 };
 
 // What one step's layers share: rotary tables and positions, the layer's cache and write slots
@@ -127,7 +146,8 @@ struct DecoderStep {
 
 // out [t, hidden] = the layer's feed-forward output for rows x [t, hidden]; `residual` [t, hidden]
 // is the residual stream, updated in place (with `is_first`, set to x first). Exactly the kernels the
-// Python layer calls (engine/model.py), in the same order: the same bits, without Python between them.
+// Python layer calls (engine/models/layers.py), in the same order: the same bits, without Python between them.
+// `step.rope` holds the layer's own rotary tables (a sliding layer's may differ from the others').
 void decoder_layer(const DecoderLayerWeights& w, const DecoderStep& step, const float* x, float* residual,
                    bool is_first, int64_t t, float* out);
 

@@ -1,5 +1,6 @@
 // Elementwise layers in float32, one call each where torch needs several: RMSNorm (with the
-// residual add), SiLU * up, and rotary embedding with the KV store. Rows are independent.
+// residual add; over rows or over the heads inside rows), SiLU * up, GeLU-tanh * up, and rotary
+// embedding with the KV store. Rows are independent.
 
 #include "kernels.h"
 #include "vec.h"
@@ -34,6 +35,31 @@ inline float silu(float g) {
   return g * ((g >= 0.0f ? 1.0f : e) / (1.0f + e));
 }
 
+// out = weight * row / sqrt(mean(row^2) + eps): every RMSNorm's arithmetic, so that its forms agree
+// bit for bit (out may be row).
+inline void norm_row(const float* row, int64_t h, const float* weight, float eps, float* out) {
+  const float inv = 1.0f / std::sqrt(sum_of_squares(row, h) / static_cast<float>(h) + eps);
+  for (int64_t i = 0; i < h; ++i) out[i] = weight[i] * (row[i] * inv);
+}
+
+// g * sigmoid(z), sigmoid from e = exp(-|z|) as in silu (z = g: SiLU; z = 2u: GeLU-tanh)
+#if defined(TANDEM_AVX512) || defined(TANDEM_AVX2)
+inline Vec::Reg times_sigmoid(Vec::Reg g, Vec::Reg z) {
+  const Vec::Reg one = Vec::set1(1.0f);
+  const Vec::Reg e = Vec::exp_nonpositive(Vec::sub(Vec::zero(), Vec::abs(z)));
+  return Vec::mul(g, Vec::div(Vec::select_nonnegative(z, one, e), Vec::add(one, e)));
+}
+#endif
+
+constexpr float kGeluScale = 1.5957691216057308f;   // 2 * sqrt(2 / pi)
+constexpr float kGeluCubic = 0.044715f;
+
+inline float gelu_tanh(float g) {
+  const float z = kGeluScale * (g * (1.0f + kGeluCubic * (g * g)));
+  const float e = std::exp(-std::fabs(z));
+  return g * ((z >= 0.0f ? 1.0f : e) / (1.0f + e));
+}
+
 inline uint16_t to_bf16(float f) {   // round to nearest even, as torch's conversion
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof bits);
@@ -53,10 +79,19 @@ void rms_norm(const float* x, int64_t rows, int64_t h, const float* weight, floa
         for (int64_t i = 0; i < h; ++i) sum[i] += row[i];
         row = sum;
       }
-      const float inv = 1.0f / std::sqrt(sum_of_squares(row, h) / static_cast<float>(h) + eps);
-      float* o = out + r * h;
-      for (int64_t i = 0; i < h; ++i) o[i] = weight[i] * (row[i] * inv);
+      norm_row(row, h, weight, eps, out + r * h);
     }
+  });
+}
+
+void rms_norm_heads(float* x, int64_t rows, int64_t row_stride, int64_t heads, int64_t d, const float* weight,
+                    float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t h = 0; h < heads; ++h) {
+        float* head = x + r * row_stride + h * d;
+        norm_row(head, d, weight, eps, head);
+      }
   });
 }
 
@@ -68,15 +103,32 @@ void silu_and_mul(const float* gate_up, int64_t rows, int64_t width, float* out)
       float* o = out + r * width;
       int64_t i = 0;
 #if defined(TANDEM_AVX512) || defined(TANDEM_AVX2)
-      const Vec::Reg one = Vec::set1(1.0f);
       for (; i + Vec::kWidth <= width; i += Vec::kWidth) {
         const Vec::Reg g = Vec::load(gate + i);
-        const Vec::Reg e = Vec::exp_nonpositive(Vec::sub(Vec::zero(), Vec::abs(g)));
-        const Vec::Reg sigmoid = Vec::div(Vec::select_nonnegative(g, one, e), Vec::add(one, e));
-        Vec::store(o + i, Vec::mul(Vec::mul(g, sigmoid), Vec::load(up + i)));
+        Vec::store(o + i, Vec::mul(times_sigmoid(g, g), Vec::load(up + i)));
       }
 #endif
       for (; i < width; ++i) o[i] = silu(gate[i]) * up[i];
+    }
+  });
+}
+
+void gelu_tanh_and_mul(const float* gate_up, int64_t rows, int64_t width, float* out) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = gate_up + r * 2 * width;
+      const float* up = gate + width;
+      float* o = out + r * width;
+      int64_t i = 0;
+#if defined(TANDEM_AVX512) || defined(TANDEM_AVX2)
+      const Vec::Reg scale = Vec::set1(kGeluScale), cubic = Vec::set1(kGeluCubic), one = Vec::set1(1.0f);
+      for (; i + Vec::kWidth <= width; i += Vec::kWidth) {
+        const Vec::Reg g = Vec::load(gate + i);
+        const Vec::Reg z = Vec::mul(scale, Vec::mul(g, Vec::fma(cubic, Vec::mul(g, g), one)));
+        Vec::store(o + i, Vec::mul(times_sigmoid(g, z), Vec::load(up + i)));
+      }
+#endif
+      for (; i < width; ++i) o[i] = gelu_tanh(gate[i]) * up[i];
     }
   });
 }

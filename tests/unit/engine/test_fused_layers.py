@@ -1,13 +1,16 @@
-"""Fused decoder layers (engine/model.py `DecoderLayer.fuse`, kernels/fused_layer.py): a layer run as
-one C++ call gives the same bits as its modules run one by one, on the bundled model, on a Qwen2
-(q/k/v biases) quantized at load, and on a Qwen2 GGUF of K-quants whose q/k/v and gate/up each mix
-two formats, with float32 and bfloat16 KV pools; and only layers whose every part that call
-computes are fused."""
+"""Fused decoder layers (engine/models/layers.py `DecoderLayer.fuse`, kernels/fused_layer.py): a layer
+run as one C++ call gives the same bits as its modules run one by one, on the bundled model, on a
+Qwen2 (q/k/v biases) quantized at load, on a Qwen2 GGUF of K-quants whose q/k/v and gate/up each mix
+two formats, and on every other dense family (Qwen3's q/k norms, Gemma 3's sandwich norms, GeLU,
+scale and local rotary, Mistral's and Phi-3's sliding windows, prompts longer than the window), with
+float32 and bfloat16 KV pools; and only layers whose every part that call computes are fused."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from gguf import GGMLQuantizationType as GGML
 
@@ -15,7 +18,15 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import Request, SamplingParams
 from engine.weights import open_checkpoint
-from tests.tiny_models import save_tiny_qwen2, save_tiny_qwen2_moe
+from tests.tiny_models import (
+    TINY_WINDOW,
+    save_tiny_gemma3,
+    save_tiny_mistral,
+    save_tiny_phi3,
+    save_tiny_qwen2,
+    save_tiny_qwen2_moe,
+    save_tiny_qwen3,
+)
 from tests.unit.kernels.gguf_random import save_tiny_kquant_model
 
 
@@ -101,3 +112,22 @@ def test_a_float32_model_over_a_bfloat16_pool_by_config(smollm2_path: Path) -> N
     assert ours == _generate(modules, prompts, 4)
     theirs = _generate(torch_path, prompts, 4)
     assert {k: [t for t, _ in v] for k, v in ours.items()} == {k: [t for t, _ in v] for k, v in theirs.items()}
+
+
+@pytest.mark.parametrize("save", [save_tiny_qwen3, save_tiny_gemma3, save_tiny_mistral, save_tiny_phi3],
+                         ids=["qwen3", "gemma3", "mistral", "phi3"])
+@pytest.mark.parametrize(("quantization", "kv_cache_dtype"), [("q8_0", "float32"), ("q4_1", "bfloat16")])
+def test_every_dense_family_fuses_every_layer_with_the_bits_of_its_modules(
+    save: Callable[[Path], Path], quantization: str, kv_cache_dtype: str, tmp_path: Path
+) -> None:
+    """Prompts longer than the sliding window (page_size 4: windows start mid-page), a short one, and
+    decodes past the window; every layer fused, and the tokens and logprobs of the modules."""
+    path = save(tmp_path / "model")
+    prompts = [list(range(20, 20 + 3 * TINY_WINDOW)), [7, 8, 9], [5, 9, 200, 17, 3, 44, 61, 90, 100, 11]]
+    config = {"dtype": "float32", "quantization": quantization, "kv_cache_dtype": kv_cache_dtype, "page_size": 4}
+    fused = _engine(path, **config)
+    num_layers = len(fused.runner.model.model.layers)
+    assert fused.runner.model.fuse_layers(fused.runner.attention, fused.runner.kv_dtype) == num_layers
+    modules = _engine(path, **config)
+    _unfuse(modules)
+    assert _generate(fused, prompts, 2 * TINY_WINDOW) == _generate(modules, prompts, 2 * TINY_WINDOW)

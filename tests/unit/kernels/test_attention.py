@@ -1,6 +1,7 @@
 """Tests for kernels.attention: the CSR page table, and both backends (torch SDPA, the C++ kernel)
-against dense causal attention computed directly, on a cache whose page ids are shuffled; the
-backend registry per device, and the metadata's move to a device."""
+against dense causal attention computed directly, on a cache whose page ids are shuffled; the C++
+kernel's sliding window against the torch oracle's; the backend registry per device, and the
+metadata's move to a device."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kernels.attention import (
     TorchAttention,
     create_attention_backend,
     resolve_attention_backend,
+    torch_paged_attention,
 )
 
 PAGE_SIZE = 4
@@ -342,3 +344,63 @@ def test_cpu_kernel_bits_do_not_depend_on_the_number_of_threads() -> None:
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "size"), [
+    (4, 2, 8, 4),       # the scalar path (head_dim below a vector), GQA 2
+    (8, 2, 32, 16),     # GQA 4 on the vector path, pages longer than a key tile
+    (9, 3, 64, 4),      # GQA 3, pages shorter than a tile: a window starts mid-page and mid-tile
+], ids=["scalar-d8-p4", "gqa4-d32-p16", "gqa3-d64-p4"])
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_sliding_window_matches_the_torch_oracle(heads: int, kv_heads: int, dim: int, size: int,
+                                                            window: int, dtype: torch.dtype) -> None:
+    """A sliding window of several widths against `torch_paged_attention`'s, over sequences shorter and
+    longer than it: fresh prompts, a chunked prefill's second chunk over its cached first, decodes;
+    and bitwise, each sequence alone gives what it gives in the batch."""
+    gen = torch.Generator().manual_seed(heads * dim + size + window)
+    pool = torch.randn(80, 2, size, kv_heads, dim, generator=gen).to(dtype)
+    order = torch.randperm(80, generator=gen).tolist()
+    seq_lens, query_lens = [30, 3, 50, 41, 12, 7], [30, 3, 1, 9, 1, 2]
+    pages = []
+    for n in seq_lens:
+        count = -(-n // size)
+        pages.append(order[:count])
+        order = order[count:]
+    q = torch.randn(sum(query_lens), heads, dim, generator=gen)
+    meta = AttentionMetadata.build(pages, query_lens, seq_lens, size)
+    cpu = create_attention_backend("cpu", num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, page_size=size)
+    together = cpu.attend(q, pool, meta, window=window)
+    expected = torch_paged_attention(q, pool, meta, size, cpu.scale, window)
+    torch.testing.assert_close(together, expected, atol=2e-5, rtol=1e-4)
+    start = 0
+    for seq, (n, length) in enumerate(zip(query_lens, seq_lens)):
+        alone = AttentionMetadata.build([pages[seq]], [n], [length], size)
+        assert torch.equal(cpu.attend(q[start:start + n], pool, alone, window=window), together[start:start + n])
+        start += n
+
+
+def test_cpu_kernel_window_reads_no_page_before_it() -> None:
+    """Pages wholly before every row's window are never read: NaN there changes nothing; a window that
+    covers every key gives the bits of no window; and a scale passed in is the scale used."""
+    gen = torch.Generator().manual_seed(21)
+    pool = torch.randn(12, 2, 4, 2, 16, generator=gen)
+    pages = [[7, 2, 9, 0, 5, 11]]  # 23 tokens
+    meta = AttentionMetadata.build(pages, [2], [23], 4)
+    q = torch.randn(2, 4, 16, generator=gen)
+    cpu = create_attention_backend("cpu", num_heads=4, num_kv_heads=2, head_dim=16, page_size=4)
+    clean = cpu.attend(q, pool, meta, window=6)  # rows at 21, 22 see 16..21 and 17..22: pages 4 and 5
+    poisoned = pool.clone()
+    poisoned[[7, 2, 9, 0]] = float("nan")
+    assert torch.equal(cpu.attend(q, poisoned, meta, window=6), clean)
+    assert torch.equal(cpu.attend(q, pool, meta, window=23), cpu.attend(q, pool, meta))
+    torch.testing.assert_close(cpu.attend(q, pool, meta, window=6, scale=0.3),
+                               torch_paged_attention(q, pool, meta, 4, 0.3, 6), atol=2e-5, rtol=1e-4)
+
+
+def test_cpu_backend_windows_a_float16_pool_through_the_torch_path() -> None:
+    setup = _Setup(seed=14, capacities=[13, 3])
+    cache, q = setup.cache.half(), setup.randn(2, NUM_HEADS, HEAD_DIM).half()
+    meta = _meta(setup, [12, 2], [1, 1])
+    expected = torch_paged_attention(q, cache, meta, PAGE_SIZE, 0.5, 5)
+    torch.testing.assert_close(_backend("cpu").attend(q, cache, meta, window=5, scale=0.5), expected)

@@ -1,4 +1,4 @@
-"""Tests for kernels.layers against transformers' Llama implementation."""
+"""Tests for kernels.layers against transformers' Llama implementation (and torch's GeLU)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,16 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from kernels.layers import RotaryEmbedding, add_rms_norm, rms_norm, rope_inv_freq, silu_and_mul
+from kernels import native
+from kernels.layers import (
+    RotaryEmbedding,
+    add_rms_norm,
+    gelu_tanh_and_mul,
+    plain_rms_norm,
+    rms_norm,
+    rope_inv_freq,
+    silu_and_mul,
+)
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
@@ -117,6 +126,40 @@ def test_add_rms_norm_adds_the_residual_in_place_and_normalizes_the_sum(dtype: t
     alone, stream = add_rms_norm(x, None, weight, 1e-5)       # the first layer: no residual yet
     assert torch.equal(stream, x) and stream is not x
     torch.testing.assert_close(alone, reference(x), atol=2e-6 if dtype == torch.float32 else 0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_rms_norm_over_heads_matches_transformers(dtype: torch.dtype) -> None:
+    """Per-head norms (q/k of Qwen3, Gemma 3) of strided head views: float32 takes the C++ kernel,
+    whose rows get exactly what it gives them as rows of a contiguous [T, H] tensor."""
+    gen = torch.Generator().manual_seed(4)
+    qkv = (3.0 * torch.randn(5, 8 * 32, generator=gen)).to(dtype)
+    heads = qkv[:, 32:160].view(5, 4, 32)  # four heads of 32, rows strided
+    weight = (1.0 + 0.1 * torch.randn(32, generator=gen)).to(dtype)
+    reference = LlamaRMSNorm(32, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        reference.weight.copy_(weight)
+        expected = reference(heads)
+    out = plain_rms_norm(heads, weight, 1e-6)
+    assert out.shape == heads.shape and out.dtype == dtype
+    torch.testing.assert_close(out, expected, atol=2e-6 if dtype == torch.float32 else 0, rtol=1e-5)
+    if dtype == torch.float32 and native.is_available():
+        rows = native.load().rms_norm(heads.reshape(-1, 32).contiguous(), weight, 1e-6, None)
+        assert torch.equal(out.reshape(-1, 32), rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_and_mul_matches_torch(dtype: torch.dtype) -> None:
+    """float32 takes the C++ kernel (vector lanes and a scalar tail), bfloat16 the torch code."""
+    gen = torch.Generator().manual_seed(6)
+    gate = torch.cat([torch.tensor([-30.0, -9.0, -3.0, -0.5, 0.0, 0.5, 3.0, 9.0, 30.0]),
+                      4 * torch.randn(28, generator=gen)]).repeat(3, 1)
+    up = torch.randn(3, 37, generator=gen)
+    expected = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    out = gelu_tanh_and_mul(torch.cat([gate, up], dim=1).to(dtype))
+    assert out.dtype == dtype and out.shape == (3, 37)
+    torch.testing.assert_close(out.float(), expected, rtol=1e-5 if dtype == torch.float32 else 2e-2,
+                               atol=1e-6 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,8 +1,9 @@
 """The kernels' other instruction-set paths, each built in a child process (TANDEM_KERNEL_ARCH):
 AVX2 (x86-64-v3, what images are built for) and portable scalar code (x86-64). The quantized
 matmul gives the same bits on every path for every format, mixed-format weights included, with
-int16 and int8 activations (same integer sums, same float operations per column);
-attention and SiLU agree to float rounding. Each build is cached, so only the first run compiles."""
+int16 and int8 activations (same integer sums, same float operations per column); attention (with
+and without a sliding window), RMSNorm, SiLU and GeLU-tanh agree to float rounding. Each build is
+cached, so only the first run compiles."""
 
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ torch.save(compute(), {out!r})
 def compute() -> dict[str, torch.Tensor]:
     """Every kernel on fixed inputs, with the kernels this process builds (the matmul's rows in
     tiles of every length, a partial last panel, every format from random GGUF blocks and a weight
-    of three formats; attention over pages of both dtypes, GQA 3, a short last tile; SiLU over a
-    width with a scalar tail)."""
+    of three formats; attention over pages of both dtypes, GQA 3, a short last tile, with and without
+    sliding windows; RMSNorm over head-sized rows; SiLU and GeLU-tanh over a width with a scalar tail)."""
     from kernels.packing import pack
     from kernels.quant import QuantFormat
     from tests.unit.kernels.gguf_random import random_weight
@@ -53,10 +54,14 @@ def compute() -> dict[str, torch.Tensor]:
     q = torch.randn(21, 9, 64, generator=gen)
     for dtype in (torch.float32, torch.bfloat16):
         cache = pool.to(dtype)
-        out[f"attention-{dtype}"] = kernels.paged_attention(
-            q, cache, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, 0.125
-        )
+        for window in (0, 5, 19):  # none; a window starting mid-page and mid-tile; one past a page
+            out[f"attention-{dtype}-window{window}"] = kernels.paged_attention(
+                q, cache, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, 0.125, window
+            )
     out["silu"] = kernels.silu_and_mul(torch.randn(3, 2 * 37, generator=gen) * 4)
+    out["gelu_tanh"] = kernels.gelu_tanh_and_mul(torch.randn(3, 2 * 37, generator=gen) * 4)
+    heads = torch.randn(5, 7 * 32, generator=gen) * 3
+    out["rms_norm"] = kernels.rms_norm(heads.view(-1, 32), torch.rand(32, generator=gen) + 0.5, 1e-6, None)
     return out
 
 
