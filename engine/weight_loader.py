@@ -37,7 +37,7 @@ _QUANTIZABLE = frozenset(
 )
 _HIGH_PRECISION = frozenset({"lm_head", "embed_tokens"})
 
-Value = torch.Tensor | QuantizedWeight
+Value = torch.Tensor | QuantizedWeight | PackedWeight  # GGUF readers yield their matrices packed
 Parts = tuple[tuple[str, int], ...]
 
 
@@ -158,7 +158,7 @@ def _row_offset(module: nn.Module, part: str) -> int:
 
 
 def _as_float(value: Value) -> torch.Tensor:
-    return value.dequantize() if isinstance(value, QuantizedWeight) else value
+    return value.dequantize() if isinstance(value, (QuantizedWeight, PackedWeight)) else value
 
 
 def _copy_rows(params: dict[str, nn.Parameter], target: str, tensor: torch.Tensor, offset: int, name: str) -> None:
@@ -176,14 +176,14 @@ def _target_format(module_name: str, value: Value, quantization: str) -> QuantFo
     if quantization == "none" or kind not in _QUANTIZABLE:
         return None
     if quantization == "gguf":
-        return value.format if isinstance(value, QuantizedWeight) else None
+        return value.format if isinstance(value, (QuantizedWeight, PackedWeight)) else None
     if value.shape[-1] % BLOCK:
         return None
     return QuantFormat.Q8_0 if kind in _HIGH_PRECISION else QuantFormat[quantization.upper()]
 
 
-def _converted(value: Value, fmt: QuantFormat) -> QuantizedWeight:
-    if isinstance(value, QuantizedWeight) and value.format is fmt:
+def _converted(value: Value, fmt: QuantFormat) -> QuantizedWeight | PackedWeight:
+    if isinstance(value, (QuantizedWeight, PackedWeight)) and value.format is fmt:
         return value
     return quantize(_as_float(value), fmt)
 

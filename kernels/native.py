@@ -8,9 +8,10 @@ which). The build lands in `TANDEM_KERNEL_CACHE` (default: `<python prefix>/shar
 named by a hash of the sources and flags, so an edit or another architecture builds anew.
 
 The sources: `qmatmul.cpp` (quantized matmul), `attention.cpp` (paged attention), `layers.cpp`
-(norm, SiLU, rotary), `decoder.cpp` (a whole dense decoder layer in one call), each on raw
-pointers, and `bindings.cpp`, the only one that includes torch's extension headers (the slow part
-of a build), which checks the tensors and calls them.
+(norm, SiLU, rotary), `decoder.cpp` (a whole dense decoder layer in one call), `repack.cpp`
+(GGUF blocks -> matmul panels at load), each on raw pointers, and `bindings.cpp`, the only one
+that includes torch's extension headers (the slow part of a build), which checks the tensors and
+calls them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("bindings.cpp", "qmatmul.cpp", "attention.cpp", "layers.cpp", "decoder.cpp")
+_SOURCES = ("bindings.cpp", "qmatmul.cpp", "attention.cpp", "layers.cpp", "decoder.cpp", "repack.cpp")
 _HEADERS = ("common.h", "kernels.h", "vec.h")
 
 

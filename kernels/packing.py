@@ -31,8 +31,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from kernels import native
 from kernels.quant import BLOCK, QuantFormat, QuantizedWeight
 
 PANEL = 16
@@ -111,6 +113,31 @@ class PackedWeight:
     def num_bytes(self) -> int:
         return self.data.numel()
 
+    @staticmethod
+    def cat(parts: Sequence[PackedWeight]) -> PackedWeight:
+        """The rows of `parts` stacked, their panels copied as they are: a segment continues the one
+        before it when both are of one format and the earlier fills its last panel (its bytes are
+        then those of packing the rows together), else it starts a new one."""
+        k = parts[0].in_features
+        if any(p.in_features != k for p in parts):
+            raise ValueError(f"cannot stack weights of {sorted({p.in_features for p in parts})} input features")
+        if len(parts) == 1:
+            return parts[0]
+        datas: list[torch.Tensor] = []
+        segments: list[PackedSegment] = []
+        offset = 0
+        for part in parts:
+            for segment in part.segments:
+                size = -(-segment.rows // PANEL) * panel_bytes(segment.format, k)
+                datas.append(part.data[segment.offset : segment.offset + size])
+                last = segments[-1] if segments else None
+                if last is not None and last.format is segment.format and last.rows % PANEL == 0:
+                    segments[-1] = PackedSegment(last.format, last.rows + segment.rows, last.offset)
+                else:
+                    segments.append(PackedSegment(segment.format, segment.rows, offset))
+                offset += size
+        return PackedWeight((sum(s.rows for s in segments), k), torch.cat(datas), tuple(segments))
+
     def unpack(self) -> list[QuantizedWeight]:
         """Each segment as the `QuantizedWeight` it was packed from (scales as stored: float16 values)."""
         return [self._segment(s, torch.arange(s.rows)) for s in self.segments]
@@ -137,27 +164,42 @@ class PackedWeight:
         return _unpack(data.view(panels, -1, group_bytes(fmt)), fmt, k, rows)
 
 
-def pack(weight: QuantizedWeight | Sequence[QuantizedWeight]) -> PackedWeight:
+def pack(weight: QuantizedWeight | PackedWeight | Sequence[QuantizedWeight | PackedWeight]) -> PackedWeight:
     """The panel layout of a weight, or of the rows of several stacked (one segment per run of one
-    format). Exact: no value changes but Q4_0's offset form and float16 rounding (docstring)."""
-    parts = [weight] if isinstance(weight, QuantizedWeight) else list(weight)
+    format; parts already packed keep their panels, `PackedWeight.cat`). Exact: no value changes but
+    Q4_0's offset form and float16 rounding (docstring)."""
+    parts = [weight] if isinstance(weight, (QuantizedWeight, PackedWeight)) else list(weight)
     k = parts[0].in_features
     if any(p.in_features != k for p in parts):
         raise ValueError(f"cannot stack weights of {sorted({p.in_features for p in parts})} input features")
-    runs: list[list[QuantizedWeight]] = []
+    runs: list[PackedWeight | list[QuantizedWeight]] = []
     for part in parts:
-        if runs and runs[-1][0].format is part.format:
-            runs[-1].append(part)
+        last = runs[-1] if runs else None
+        if isinstance(part, QuantizedWeight) and isinstance(last, list) and last[0].format is part.format:
+            last.append(part)
         else:
-            runs.append([part])
-    datas, segments, offset = [], [], 0
-    for run in runs:
-        merged = run[0] if len(run) == 1 else QuantizedWeight.cat(run)
-        datas.append(_pack_segment(merged))
-        segments.append(PackedSegment(merged.format, merged.shape[0], offset))
-        offset += datas[-1].numel()
-    n = sum(s.rows for s in segments)
-    return PackedWeight((n, k), torch.cat(datas) if len(datas) > 1 else datas[0], tuple(segments))
+            runs.append([part] if isinstance(part, QuantizedWeight) else part)
+    return PackedWeight.cat([run if isinstance(run, PackedWeight) else _pack_run(run) for run in runs])
+
+
+def pack_gguf_blocks(
+    raw: np.ndarray | torch.Tensor, fmt: QuantFormat, rows: int, cols: int, row_order: torch.Tensor | None = None
+) -> PackedWeight:
+    """The panels of a weight [rows, cols] straight from its GGUF blocks of `fmt` (`raw`: uint8,
+    C-contiguous, the file's bytes, e.g. a view of its mapping), by the C++ repack: `pack` of the
+    blocks read as a `QuantizedWeight` (engine.weights.gguf_blocks), byte for byte, without a byte per
+    weight in between. With `row_order` (int64 [N]) output row i is the file's row row_order[i].
+    Raises `native.KernelBuildError` when the kernels cannot be built (callers fall back to `pack`)."""
+    buffer = raw.numpy() if isinstance(raw, torch.Tensor) else raw
+    order = None if row_order is None else row_order.to(torch.int64).contiguous()
+    data = native.load().repack_gguf(buffer, fmt.value, rows, cols, order)
+    n = rows if order is None else len(order)
+    return PackedWeight((n, cols), data, (PackedSegment(fmt, n, 0),))
+
+
+def _pack_run(run: list[QuantizedWeight]) -> PackedWeight:
+    merged = run[0] if len(run) == 1 else QuantizedWeight.cat(run)
+    return PackedWeight(merged.shape, _pack_segment(merged), (PackedSegment(merged.format, merged.shape[0], 0),))
 
 
 def _pack_segment(weight: QuantizedWeight) -> torch.Tensor:

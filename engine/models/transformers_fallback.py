@@ -37,6 +37,7 @@ from engine.models.family import ModelFamily
 from engine.weight_loader import load_into
 from kernels.attention import AttentionBackend, AttentionMetadata, torch_paged_attention
 from kernels.layers import RotaryEmbedding
+from kernels.packing import PackedWeight
 from kernels.quant import QuantizedWeight
 
 if TYPE_CHECKING:
@@ -185,7 +186,7 @@ class TransformersCausalLM(nn.Module):
 
     def load_weights(
         self,
-        tensors: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
+        tensors: Iterable[tuple[str, torch.Tensor | QuantizedWeight | PackedWeight]],
         quantization: str = "none",
         int8_activations: bool = False,
     ) -> None:
@@ -217,8 +218,8 @@ class TransformersCausalLM(nn.Module):
             raise ConfigError(f"{self.config.architecture}: transformers does not recompute the buffers {unset}")
 
 
-def _float(name: str, value: torch.Tensor | QuantizedWeight, architecture: str) -> torch.Tensor:
-    if isinstance(value, QuantizedWeight):
+def _float(name: str, value: torch.Tensor | QuantizedWeight | PackedWeight, architecture: str) -> torch.Tensor:
+    if isinstance(value, (QuantizedWeight, PackedWeight)):
         raise ConfigError(f"{name}: {architecture} runs on transformers' modeling code, which takes float weights only")
     return value
 

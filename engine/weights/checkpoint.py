@@ -17,7 +17,7 @@ from engine.config import ConfigError, ModelConfig
 from engine.weights.gguf_reader import open_gguf_file
 from engine.weights.safetensors_reader import CONFIG_FILE, open_safetensors_dir
 from engine.weights.source import TensorSource
-from kernels.quant import QuantizedWeight
+from kernels.packing import PackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +44,14 @@ class Checkpoint:
 
     def tensors(
         self, progress: bool = True, keep_quantized: bool = False
-    ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    ) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
         """Yield `(HF parameter name, tensor)` for every parameter, one at a time, on CPU.
 
         Names are those of transformers' `state_dict()`; `lm_head.weight` is absent when
         `config.tie_word_embeddings`. Safetensors tensors keep their stored dtype; GGUF tensors
-        are dequantized to float32, except that with `keep_quantized` GGUF's Q8_0 / Q4_0 / Q4_1
-        matrices come packed as `QuantizedWeight`. Each yielded tensor is owned by the caller and is not kept
-        by the reader. `progress` shows a tqdm bar ("Loading weights") on stderr.
+        are dequantized to float32, except that with `keep_quantized` GGUF's matrices of the block
+        types the matmul reads come repacked into its panels, as `PackedWeight`s. Each yielded tensor
+        is owned by the caller and is not kept by the reader. `progress` shows a tqdm bar ("Loading weights") on stderr.
         """
         # only GGUF files hold packed blocks; other formats always yield floats
         pairs = self._source.read(keep_quantized=keep_quantized)

@@ -1,4 +1,5 @@
-"""A GGUF tensor's raw blocks -> `kernels.quant.QuantizedWeight`, for the block types kept packed.
+"""A GGUF tensor's raw blocks -> `kernels.quant.QuantizedWeight`, for the block types kept packed,
+or straight to the matmul's panels (`to_packed`: the C++ repack, this reading packed without it).
 
 Sizes come from gguf-py (`GGML_QUANT_SIZES`, `QK_K`) and the K-quants' 6-bit scales are unpacked by
 its `Q4_K.get_scale_min`; the bit layouts of the codes are those of gguf.quants' dequantizers
@@ -16,6 +17,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType
 from gguf.quants import Q4_K
 
+from kernels import native
+from kernels.packing import PackedWeight, pack, pack_gguf_blocks
 from kernels.quant import QuantFormat, QuantizedWeight
 
 Blocks = np.ndarray  # uint8 [rows, blocks per row, bytes per block]
@@ -28,6 +31,20 @@ def to_quantized(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int,
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // block_size, type_size)
     return _READERS[qtype](blocks)
+
+
+def to_packed(
+    raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int], row_order: torch.Tensor | None = None
+) -> PackedWeight:
+    """The panels of the weight `to_quantized` reads (rows reordered by `row_order`, int64, when
+    given): by the C++ repack from the blocks as they are (a view of the file's mapping does), or
+    without the kernels `pack` of `to_quantized` (the same bytes, 10x slower)."""
+    rows, cols = shape
+    if native.is_available():
+        blocks = np.ascontiguousarray(raw, dtype=np.uint8)
+        return pack_gguf_blocks(blocks, QuantFormat[qtype.name], rows, cols, row_order)
+    weight = to_quantized(raw, qtype, shape)
+    return pack(weight if row_order is None else weight.index_rows(row_order))
 
 
 def _fields(blocks: Blocks, *sizes: int) -> list[np.ndarray]:

@@ -1,6 +1,7 @@
 """Reads a llama.cpp `.gguf` file: config from its metadata (through the family that
 `general.architecture` names, `engine.models.registry`), tensors dequantized to float32 or, on
-request, Q8_0 / Q4_0 / Q4_1 tensors kept packed as `kernels.quant.QuantizedWeight`.
+request, the matrices of a block type the matmul reads kept packed, repacked into its panels
+(`kernels.packing.PackedWeight`).
 
 GGUF lists dimensions innermost first, so a `[in, out]` GGUF shape is an `(out, in)` torch
 tensor. For the Llama family (`ModelFamily.gguf_rope_permuted`), llama.cpp's converter permutes
@@ -28,7 +29,7 @@ from engine.models.config_readers import GGUFMetadata
 from engine.models.registry import family_of, gguf_architecture
 from engine.weights import gguf_blocks
 from engine.weights.names import Shape, check_tensors, gguf_to_hf_names
-from kernels.quant import QuantizedWeight
+from kernels.packing import PackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class GGUFTensorRef:
 @dataclass(frozen=True, slots=True)
 class GGUFSource:
     """Yields tensors one at a time from the memory-mapped file: float32, or with `keep_quantized`
-    the 2-D ones of a `_PACKED` block type as `QuantizedWeight`s."""
+    the 2-D ones of a `_PACKED` block type as single-segment `PackedWeight`s."""
 
     reader: GGUFReader
     refs: tuple[GGUFTensorRef, ...]
@@ -110,10 +111,10 @@ class GGUFSource:
     def num_bytes(self) -> int:
         return sum(int(ref.tensor.n_bytes) for ref in self.refs)
 
-    def read(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    def read(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
         for ref in self.refs:
             packed = ref.tensor.tensor_type in _PACKED and len(ref.tensor.shape) == 2
-            yield ref.hf_name, _to_quantized(ref) if keep_quantized and packed else _to_torch(ref)
+            yield ref.hf_name, _to_packed(ref) if keep_quantized and packed else _to_torch(ref)
 
 
 def open_gguf_file(path: Path) -> tuple[ModelConfig, GGUFSource]:
@@ -210,11 +211,9 @@ def _unpermute_rope(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
     return tensor.reshape(num_heads, half, 2, *rest).transpose(1, 2).reshape(tensor.shape)
 
 
-def _to_quantized(ref: GGUFTensorRef) -> QuantizedWeight:
-    """The tensor's blocks unpacked into a `QuantizedWeight` (engine.weights.gguf_blocks)."""
+def _to_packed(ref: GGUFTensorRef) -> PackedWeight:
+    """The tensor's blocks repacked into the matmul's panels (engine.weights.gguf_blocks.to_packed),
+    rows un-permuted on the way (the permutation moves whole rows, so blocks move intact)."""
     rows, cols = (int(dim) for dim in reversed(ref.tensor.shape))
-    weight = gguf_blocks.to_quantized(ref.tensor.data, ref.tensor.tensor_type, (rows, cols))
-    if ref.unpermute_heads is not None:  # the permutation moves whole rows, so blocks move intact
-        order = _unpermute_rope(torch.arange(rows), ref.unpermute_heads)
-        weight = weight.index_rows(order)
-    return weight
+    order = None if ref.unpermute_heads is None else _unpermute_rope(torch.arange(rows), ref.unpermute_heads)
+    return gguf_blocks.to_packed(ref.tensor.data, ref.tensor.tensor_type, (rows, cols), order)

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from kernels.quant import QuantizedWeight
+from kernels.packing import PackedWeight
 
 
 class TensorSource(Protocol):
@@ -17,7 +17,7 @@ class TensorSource(Protocol):
     (owned by the caller, never a view into a file mapping), so a consumer that copies each
     tensor to its destination and drops it never holds the whole model twice. `read()` may
     be called more than once; each call starts over. With `keep_quantized`, a format that stores
-    packed blocks (GGUF) yields those matrices as `QuantizedWeight`s; the others ignore it.
+    packed blocks (GGUF) yields those matrices as `PackedWeight`s; the others ignore it.
     """
 
     @property
@@ -30,6 +30,6 @@ class TensorSource(Protocol):
         """The bytes its tensors take in the files, as stored (packed blocks at their size)."""
         ...
 
-    def read(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    def read(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
         """Yield every parameter, in file order."""
         ...

@@ -329,6 +329,36 @@ class DecoderLayer {
   tandem::DecoderLayerWeights w_{};
 };
 
+// GGUF blocks of one tensor (any C-contiguous buffer of `rows` rows of `cols` inputs, format code
+// `format`) -> its packed panels, uint8 (repack.cpp); with `row_order` (int64 [N]) output row i is row_order[i].
+torch::Tensor repack_gguf(const py::buffer& raw, int64_t format, int64_t rows, int64_t cols,
+                          const std::optional<torch::Tensor>& row_order) {
+  TORCH_CHECK(format >= 0 && format < tandem::kNumFormats, "unknown format ", format);
+  const auto f = static_cast<tandem::QuantFormat>(format);
+  TORCH_CHECK(rows >= 0 && cols > 0 && cols % (tandem::kBlock * tandem::group_blocks(f)) == 0, "cols = ", cols,
+              " is not a multiple of the format's blocks");
+  const py::buffer_info info = raw.request();
+  const int64_t row_bytes = tandem::gguf_row_bytes(f, cols);
+  TORCH_CHECK(info.itemsize * info.size == rows * row_bytes, "raw holds ", info.itemsize * info.size,
+              " bytes, not ", rows, " rows of ", row_bytes);
+  TORCH_CHECK(PyBuffer_IsContiguous(info.view(), 'C'), "raw must be C-contiguous");
+  int64_t n = rows;
+  const int64_t* order = nullptr;
+  if (row_order.has_value()) {
+    const auto& o = *row_order;
+    TORCH_CHECK(o.scalar_type() == torch::kInt64 && o.dim() == 1 && o.is_contiguous(), "row_order must be int64 [N]");
+    n = o.numel();
+    order = o.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) TORCH_CHECK(order[i] >= 0 && order[i] < rows, "row_order out of range");
+  }
+  auto out = torch::empty({(n + tandem::kPanel - 1) / tandem::kPanel * tandem::panel_bytes(f, cols)}, torch::kUInt8);
+  {
+    py::gil_scoped_release release;
+    tandem::repack_gguf(static_cast<const uint8_t*>(info.ptr), f, n, cols, order, out.data_ptr<uint8_t>());
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -352,6 +382,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_store", &rope_and_store, "rotary embedding on q, k in place; k, v written to the paged cache",
         NoGil());
   m.def("isa", &tandem::isa_name, "the instruction set the kernels were compiled for");
+  m.def("repack_gguf", &repack_gguf, "one tensor's GGUF blocks -> its packed panels (uint8), rows in row_order",
+        py::arg("raw"), py::arg("format"), py::arg("rows"), py::arg("cols"), py::arg("row_order") = py::none());
   py::class_<DecoderLayer>(m, "DecoderLayer", "one dense decoder layer over packed weights, in one call")
       .def(py::init<torch::Tensor, torch::Tensor, OptionalNorm, OptionalNorm, OptionalNorm, OptionalNorm, double,
                     std::vector<LinearSpec>, int64_t, int64_t, int64_t, int64_t, double, int64_t,

@@ -151,4 +151,12 @@ struct DecoderStep {
 void decoder_layer(const DecoderLayerWeights& w, const DecoderStep& step, const float* x, float* residual,
                    bool is_first, int64_t t, float* out);
 
+// ---- GGUF blocks -> panels at load (repack.cpp) -----------------------------------------------
+
+// Bytes of one row of GGUF blocks of format f over k inputs (llama.cpp's block sizes).
+int64_t gguf_row_bytes(QuantFormat f, int64_t k);
+// out [ceil(n / 16) * panel_bytes(f, k)] = the panels of n rows whose GGUF blocks are rows of
+// gguf_row_bytes(f, k) bytes at raw: output row i is raw's row order[i] (order null: row i).
+void repack_gguf(const uint8_t* raw, QuantFormat f, int64_t n, int64_t k, const int64_t* order, uint8_t* out);
+
 }  // namespace tandem
