@@ -4,6 +4,8 @@ and greedy runs over them of Tandem's engine and of HF transformers' fp32 dequan
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -53,14 +55,32 @@ def engine_greedy(
     return [outputs[f"r{i}"] for i in range(len(prompts))]
 
 
+@contextmanager
+def _fast_gguf_reader() -> Iterator[None]:
+    """transformers reads the file's header with gguf's GGUFReader (13-20 s for a 150k vocabulary); the
+    same fields come from Tandem's FastGGUFReader in under a second (tests/unit/engine/test_gguf_types.py
+    holds them equal), so the oracle's values are unchanged."""
+    import gguf
+
+    from engine.weights.gguf_reader import FastGGUFReader
+
+    library = gguf.GGUFReader
+    gguf.GGUFReader = FastGGUFReader  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = library  # type: ignore[misc]
+
+
 def load_hf_gguf(path: Path) -> PreTrainedModel:
     """HF transformers' fp32 model of a GGUF file, its weights dequantized by transformers' own GGUF loader
     (independent of Tandem's). `from_pretrained(gguf_file=)` would need accelerate, so the model is built
     from the file's config, without the random init its weights would only overwrite, and loaded here."""
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32)
+    with _fast_gguf_reader():
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        with no_init_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32)
     missing, unexpected = model.load_state_dict(tensors["tensors"], strict=False)
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if unexpected or set(missing) - tied:
