@@ -113,9 +113,10 @@ def _check_ports(workers: tuple[WorkerConfig, ...], gateway: GatewayConfig) -> N
 
 def serve(args: argparse.Namespace) -> int:
     stack = stack_configs(args)
-    if stack.decodes and (problem := checkpoint_problem(args.model_path)) is not None:
+    model_path = stack.gateway.model_path  # the flag, or the bundled model when it is not given
+    if stack.decodes and (problem := checkpoint_problem(model_path)) is not None:
         # one line before any child starts, rather than a traceback from each of them
-        logger.error("cannot serve %s: %s", args.model_path, problem)
+        logger.error("cannot serve %s: %s", model_path, problem)
         return 2
     children = [child_spec(config, args.log_level, child_name(stack, config)) for config in stack.children]
     gateway = stack.gateway

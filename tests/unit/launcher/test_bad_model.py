@@ -48,3 +48,13 @@ def test_an_architecture_with_no_family(tiny_gguf: Path, tmp_path: Path) -> None
 
 def test_a_missing_path(tmp_path: Path) -> None:
     _one_line_error(_serve(tmp_path / "nowhere.gguf"), "does not exist locally")
+
+
+def test_the_bundled_default_passes_the_check() -> None:
+    """With no --model-path, the check opens the bundled model the stack serves, and finds it servable."""
+    from launcher.flags import build_parser
+    from launcher.serve import checkpoint_problem, stack_configs
+
+    stack = stack_configs(build_parser().parse_args(["serve"]))
+    assert stack.gateway.model_path.endswith(".gguf")
+    assert checkpoint_problem(stack.gateway.model_path) is None
