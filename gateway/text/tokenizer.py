@@ -245,7 +245,9 @@ def _from_pretrained(directory: str, gguf_file: str | None) -> PreTrainedTokeniz
     if cached is not None and os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
         logger.info("loading tokenizer of %s from its converted copy %s", source, cached)
         try:
-            return AutoTokenizer.from_pretrained(cached, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(cached, local_files_only=True)
+            tokenizer.name_or_path = directory  # messages name where the model is, as a fresh conversion does
+            return tokenizer
         except (OSError, ValueError, KeyError, TypeError) as exc:
             logger.warning("ignoring the unreadable converted tokenizer %s: %s", cached, exc)
     logger.info("loading tokenizer from %s", source)
