@@ -11,6 +11,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+from engine.engine import Engine
+from engine.page_allocator import pages_needed
+from engine.request import Request, SamplingParams
+
 
 def load_hf_smollm2(gguf_path: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).to_dict()
@@ -46,3 +50,25 @@ def hf_greedy(model: PreTrainedModel, prompt_ids: list[int], num_tokens: int) ->
 @torch.inference_mode()
 def hf_last_logits(model: PreTrainedModel, token_ids: list[int]) -> torch.Tensor:
     return model(input_ids=torch.tensor([token_ids])).logits[0, -1].float()
+
+
+def assert_logits_match_hf(engine: Engine, hf: PreTrainedModel, lengths: tuple[int, ...], page_size: int,
+                           num_decode_steps: int) -> None:
+    """Random prompts of `lengths` prefill in one batch through `engine.runner`, then decode together
+    `num_decode_steps` times: each row's logits must equal HF's full-sequence forward at that position."""
+    generator = torch.Generator().manual_seed(0)
+    requests = [Request(f"r{n}", torch.randint(3, 256, (n,), generator=generator).tolist(), SamplingParams())
+                for n in lengths]
+    for req in requests:
+        req.page_ids = engine.allocator.allocate(pages_needed(req.prompt_len, page_size))
+    logits = engine.runner.forward_logits(requests, is_decode=False)
+    for _ in range(num_decode_steps):
+        for row, req in enumerate(requests):
+            expected = hf_last_logits(hf, req.prompt_ids + req.output_ids)
+            torch.testing.assert_close(logits[row], expected, rtol=1e-4, atol=1e-4)
+        for row, req in enumerate(requests):
+            req.num_computed = req.seq_len
+            req.output_ids.append(int(logits[row].argmax()))
+            if pages_needed(req.seq_len, page_size) > len(req.page_ids):
+                req.page_ids += engine.allocator.allocate(1)
+        logits = engine.runner.forward_logits(requests, is_decode=True)

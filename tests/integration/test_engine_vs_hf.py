@@ -13,7 +13,7 @@ from engine.page_allocator import pages_needed
 from engine.request import Request, SamplingParams
 from engine.weights import open_checkpoint
 from gateway.text.tokenizer import load_tokenizer
-from tests.hf_oracle import hf_greedy, hf_last_logits, load_hf_dir, load_hf_smollm2
+from tests.hf_oracle import assert_logits_match_hf, hf_greedy, load_hf_dir, load_hf_smollm2
 from tests.tiny_models import save_tiny_llama, save_tiny_qwen2
 
 PROMPTS = [
@@ -56,23 +56,7 @@ def _assert_logits_match(model_dir: Path) -> None:
     every step's logits must equal HF's full-sequence forward at the same position."""
     engine = Engine(open_checkpoint(str(model_dir)), EngineConfig(dtype="float32", page_size=4, max_total_tokens=256),
                     progress=False)
-    hf = load_hf_dir(model_dir, torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    requests = [Request(f"r{n}", torch.randint(3, 256, (n,), generator=generator).tolist(), SamplingParams())
-                for n in (5, 11, 2)]
-    for req in requests:
-        req.page_ids = engine.allocator.allocate(pages_needed(req.prompt_len, 4))
-    logits = engine.runner.forward_logits(requests, is_decode=False)
-    for step in range(5):
-        for row, req in enumerate(requests):
-            expected = hf_last_logits(hf, req.prompt_ids + req.output_ids)
-            torch.testing.assert_close(logits[row], expected, rtol=1e-4, atol=1e-4)
-        for row, req in enumerate(requests):
-            req.num_computed = req.seq_len
-            req.output_ids.append(int(logits[row].argmax()))
-            if pages_needed(req.seq_len, 4) > len(req.page_ids):
-                req.page_ids += engine.allocator.allocate(1)
-        logits = engine.runner.forward_logits(requests, is_decode=True)
+    assert_logits_match_hf(engine, load_hf_dir(model_dir, torch.float32), (5, 11, 2), page_size=4, num_decode_steps=5)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

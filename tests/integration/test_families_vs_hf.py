@@ -12,10 +12,9 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.page_allocator import pages_needed
 from engine.request import Request, SamplingParams
 from engine.weights import open_checkpoint
-from tests.hf_oracle import hf_greedy, hf_last_logits, load_hf_dir
+from tests.hf_oracle import assert_logits_match_hf, hf_greedy, load_hf_dir
 from tests.tiny_models import (
     TINY_WINDOW,
     save_tiny_gemma3,
@@ -52,23 +51,7 @@ def test_prefill_and_decode_logits_match_hf(family_dir: Path) -> None:
     """Three prompts of different lengths (one longer than the window) prefill in one batch, then decode
     six steps together: each row's logits equal HF's full forward at that position."""
     engine, hf = _engine(family_dir), load_hf_dir(family_dir, torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    lengths = (5, 2 * TINY_WINDOW + 3, 2)
-    requests = [Request(f"r{n}", torch.randint(3, 256, (n,), generator=generator).tolist(), SamplingParams())
-                for n in lengths]
-    for req in requests:
-        req.page_ids = engine.allocator.allocate(pages_needed(req.prompt_len, PAGE))
-    logits = engine.runner.forward_logits(requests, is_decode=False)
-    for _ in range(6):
-        for row, req in enumerate(requests):
-            expected = hf_last_logits(hf, req.prompt_ids + req.output_ids)
-            torch.testing.assert_close(logits[row], expected, rtol=1e-4, atol=1e-4)
-        for row, req in enumerate(requests):
-            req.num_computed = req.seq_len
-            req.output_ids.append(int(logits[row].argmax()))
-            if pages_needed(req.seq_len, PAGE) > len(req.page_ids):
-                req.page_ids += engine.allocator.allocate(1)
-        logits = engine.runner.forward_logits(requests, is_decode=True)
+    assert_logits_match_hf(engine, hf, (5, 2 * TINY_WINDOW + 3, 2), PAGE, num_decode_steps=6)
 
 
 def test_greedy_tokens_match_hf_past_the_window(family_dir: Path) -> None:

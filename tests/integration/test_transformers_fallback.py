@@ -18,7 +18,6 @@ from safetensors import safe_open
 from engine.config import ConfigError, EngineConfig
 from engine.engine import Engine
 from engine.models.registry import family_of, implementation_of
-from engine.page_allocator import pages_needed
 from engine.request import Request, SamplingParams
 from engine.weights import open_checkpoint
 from engine.weights.names import expected_shapes
@@ -29,7 +28,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.records import SamplingOptions
 from server_runtime.context import EngineFacts
 from server_runtime.convert import model_info_to_proto
-from tests.hf_oracle import hf_greedy, hf_last_logits, load_hf_dir
+from tests.hf_oracle import assert_logits_match_hf, hf_greedy, load_hf_dir
 from tests.integration.inprocess_workers import running_workers
 from tests.tiny_models import TINY_WINDOW, save_tiny_granite, save_tiny_llama, save_tiny_olmo2, save_tiny_olmo3
 
@@ -64,24 +63,7 @@ def test_prefill_and_decode_logits_match_hf(model_dir: Path) -> None:
     steps together: each row's logits equal HF's full forward at that position."""
     engine, hf = _engine(model_dir), load_hf_dir(model_dir, torch.float32)
     assert type(engine.runner.model).__name__ == "TransformersCausalLM"
-    generator = torch.Generator().manual_seed(0)
-    lengths = (5, 2 * TINY_WINDOW + 3, 2)
-    requests = [
-        Request(f"r{n}", torch.randint(3, 256, (n,), generator=generator).tolist(), SamplingParams()) for n in lengths
-    ]
-    for req in requests:
-        req.page_ids = engine.allocator.allocate(pages_needed(req.prompt_len, PAGE))
-    logits = engine.runner.forward_logits(requests, is_decode=False)
-    for _ in range(6):
-        for row, req in enumerate(requests):
-            expected = hf_last_logits(hf, req.prompt_ids + req.output_ids)
-            torch.testing.assert_close(logits[row], expected, rtol=1e-4, atol=1e-4)
-        for row, req in enumerate(requests):
-            req.num_computed = req.seq_len
-            req.output_ids.append(int(logits[row].argmax()))
-            if pages_needed(req.seq_len, PAGE) > len(req.page_ids):
-                req.page_ids += engine.allocator.allocate(1)
-        logits = engine.runner.forward_logits(requests, is_decode=True)
+    assert_logits_match_hf(engine, hf, (5, 2 * TINY_WINDOW + 3, 2), PAGE, num_decode_steps=6)
 
 
 def test_greedy_tokens_match_hf(model_dir: Path) -> None:
