@@ -28,7 +28,7 @@ from engine.config import ConfigError, ModelConfig
 from engine.models.config_readers import GGUFMetadata
 from engine.models.registry import family_of, gguf_architecture
 from engine.weights import gguf_blocks
-from engine.weights.names import Shape, check_tensors, gguf_to_hf_names
+from engine.weights.names import Shape, check_tensors, expected_shapes, gguf_to_hf_names
 from kernels.packing import PackedWeight
 
 logger = logging.getLogger(__name__)
@@ -145,14 +145,15 @@ def open_gguf_file(path: Path) -> tuple[ModelConfig, GGUFSource]:
             "is not supported for GGUF; use the HF safetensors checkpoint"
         )
     config = family.config_from_gguf(meta)
-    names = gguf_to_hf_names(config, arch_name)
+    expected = expected_shapes(config)  # the model built on meta: once per open
+    names = gguf_to_hf_names(config, expected, arch_name)
     refs, shapes = [], {}
     for tensor in reader.tensors:
         hf_name = names.get(tensor.name, tensor.name)  # unmapped names fail the check
         shapes[hf_name] = tuple(int(dim) for dim in reversed(tensor.shape))
         heads = _unpermute_heads(hf_name, config) if family.gguf_rope_permuted else None
         refs.append(GGUFTensorRef(hf_name, tensor, heads))
-    check_tensors(shapes, config, str(path))
+    check_tensors(shapes, config, str(path), expected)
     types = Counter(tensor.tensor_type.name for tensor in reader.tensors)
     logger.debug("%s: tensor types %s", path.name, dict(types))
     return config, GGUFSource(reader, tuple(refs))

@@ -47,13 +47,17 @@ def shape_changes(served: ModelConfig, new: ModelConfig) -> list[str]:
     ]
 
 
-def check_tensors(found: Mapping[str, Shape], config: ModelConfig, where: str) -> None:
-    """Raise `ConfigError` unless `found` (HF name -> shape) is exactly what `config` needs.
+def check_tensors(
+    found: Mapping[str, Shape], config: ModelConfig, where: str, expected: Mapping[str, Shape] | None = None
+) -> None:
+    """Raise `ConfigError` unless `found` (HF name -> shape) is exactly what `config` needs
+    (`expected`: its `expected_shapes`, when the caller has them already).
 
     An unexpected tensor (an MLP bias, an MoE expert) means the checkpoint is not the
     architecture `config` describes, so it is an error rather than something to drop.
     """
-    check_shapes(found, expected_shapes(config), where, f"{config.architecture} with {config.num_layers} layers")
+    needed = expected_shapes(config) if expected is None else expected
+    check_shapes(found, needed, where, f"{config.architecture} with {config.num_layers} layers")
 
 
 def check_shapes(found: Mapping[str, Shape], expected: Mapping[str, Shape], where: str, model: str) -> None:
@@ -81,15 +85,16 @@ def is_ignored(name: str) -> bool:
     return bool(_IGNORED.search(name))
 
 
-def gguf_to_hf_names(config: ModelConfig, gguf_arch: str) -> dict[str, str]:
-    """llama.cpp tensor name -> HF name for every parameter `config` needs, from `gguf`'s name map for
-    architecture `gguf_arch` (a name the map lacks is left out, so such a file fails `check_tensors`)."""
+def gguf_to_hf_names(config: ModelConfig, expected: Mapping[str, Shape], gguf_arch: str) -> dict[str, str]:
+    """llama.cpp tensor name -> HF name for every parameter in `expected` (`config`'s `expected_shapes`),
+    from `gguf`'s name map for architecture `gguf_arch` (a name the map lacks is left out, so such a file
+    fails `check_tensors`)."""
     arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}.get(gguf_arch)
     if arch is None:
         raise ConfigError(f"the gguf package has no architecture {gguf_arch!r}")
     name_map = gguf.get_tensor_name_map(arch, config.num_layers)
     names: dict[str, str] = {}
-    for hf_name in expected_shapes(config):
+    for hf_name in expected:
         base, _, kind = hf_name.rpartition(".")
         gguf_base = name_map.get_name(base)
         if gguf_base is not None:
