@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 from gguf import GGUFReader
 
 from engine.config import ConfigError, ModelConfig
@@ -98,12 +99,43 @@ class GGUFMetadata:
             )
         return len(tokens.data)  # one entry per array element; avoids decoding every token
 
+    def end_of_generation_ids(self) -> tuple[int, ...]:
+        """Every token id that ends generation: the file's eos, eot and eom ids, then each control token
+        whose text is a known end of text or of turn. Qwen files name `<|im_end|>` as eos, yet their
+        models also end with `<|endoftext|>` (HF's generation config lists both; llama.cpp stops on both)."""
+        ids = [self.get(f"tokenizer.ggml.{kind}_token_id", None) for kind in ("eos", "eot", "eom")]
+        tokens = self.reader.get_field("tokenizer.ggml.tokens")
+        types = self.reader.get_field("tokenizer.ggml.token_type")
+        if tokens is not None and types is not None:
+            control = np.flatnonzero(np.concatenate([types.parts[i] for i in types.data]) == _CONTROL_TOKEN)
+            texts = {int(i): bytes(tokens.parts[tokens.data[i]]).decode(errors="replace") for i in control}
+            ids += [i for i, text in texts.items() if text in _END_TEXTS]
+        return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+_CONTROL_TOKEN = 3  # gguf.TokenType.CONTROL
+# The texts of the special tokens that end a text or a turn in the families' chat formats.
+_END_TEXTS = frozenset(
+    {
+        "<|endoftext|>",
+        "<|im_end|>",
+        "<|eot_id|>",
+        "<|eom_id|>",
+        "<|end_of_text|>",
+        "<|end|>",
+        "<end_of_turn>",
+        "<eos>",
+        "</s>",
+        "<EOT>",
+    }
+)
+
 
 def config_from_gguf(meta: GGUFMetadata, architecture: str, **overrides: Any) -> ModelConfig:
     """A `ModelConfig` from GGUF metadata: the common keys, then `overrides` (field -> value)."""
     hidden = int(meta.get(".embedding_length"))
     num_heads = int(meta.get(".attention.head_count"))
-    eos, bos = meta.get("tokenizer.ggml.eos_token_id", None), meta.get("tokenizer.ggml.bos_token_id", None)
+    bos = meta.get("tokenizer.ggml.bos_token_id", None)
     if len({meta.has_bias("attn_q"), meta.has_bias("attn_k"), meta.has_bias("attn_v")}) != 1:
         raise ConfigError(f"{meta.reader.data.filename}: q, k and v must all have a bias or none")
     fields: dict[str, Any] = dict(
@@ -122,7 +154,7 @@ def config_from_gguf(meta: GGUFMetadata, architecture: str, **overrides: Any) ->
         qkv_bias=meta.has_bias("attn_q"),
         o_proj_bias=meta.has_bias("attn_output"),
         bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=() if eos is None else (int(eos),),
+        eos_token_ids=meta.end_of_generation_ids(),
         rope_scaling=gguf_rope_scaling(meta),
     )
     return ModelConfig(**{**fields, **overrides})

@@ -82,6 +82,11 @@ def hf_tokens(model_path: Path, prompts: list[list[int]]) -> list[list[int]]:
     return tokens
 
 
+def test_gemma3_file_ends_generation_where_hf_does(checkpoint: Checkpoint) -> None:
+    # The file names <eos> (1) only; Gemma 3's generation config also ends on <end_of_turn> (106).
+    assert checkpoint.config.eos_token_ids == (1, 106)
+
+
 def test_gemma3_fp32_engine_equals_hf_fp32_on_every_prompt(
     checkpoint: Checkpoint, prompts: list[list[int]], hf_tokens: list[list[int]], tokenizer: Tokenizer
 ) -> None:

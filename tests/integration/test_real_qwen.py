@@ -82,6 +82,11 @@ def hf_tokens(model_path: Path, prompts: list[list[int]]) -> list[list[int]]:
     return tokens
 
 
+def test_the_file_ends_generation_where_hf_does(checkpoint: Checkpoint) -> None:
+    # The file names <|im_end|> as eos; Qwen2.5's generation config also ends on <|endoftext|>.
+    assert checkpoint.config.eos_token_ids == END_OF_TEXT[::-1]
+
+
 def test_fp32_engine_equals_hf_fp32_on_every_prompt(
     checkpoint: Checkpoint, prompts: list[list[int]], hf_tokens: list[list[int]], tokenizer: Tokenizer
 ) -> None:
