@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.config import ConfigError, ModelConfig
 from engine.models.layers import CausalLM
-from engine.models.registry import family_of
+from engine.models.registry import family_of, on_meta
 from engine.weights import Checkpoint
 from kernels.attention import AttentionBackend, create_attention_backend
 from kernels.layers import RotaryEmbedding
@@ -37,7 +37,7 @@ def materialize(build: Callable[[], ModuleT], dtype: torch.dtype, device: torch.
     """`build()` constructed on the meta device, cast to `dtype`, then given uninitialized storage
     on `device`; its weights must be loaded before use. Shared parameters come back unshared (see
     `load_causal_lm`)."""
-    with torch.device("meta"):
+    with on_meta():
         module = build()
     # cast while still on meta, so the device never holds the weights in two dtypes at once
     return module.to(dtype).to_empty(device=device)
@@ -104,4 +104,5 @@ def attention_backend(
         page_size=page_size,
         dtype=dtype,
         device=device,
+        sliding_window=config.features.sliding_window,
     )

@@ -128,7 +128,9 @@ class AttentionBackend(ABC):
     """Attends over each sequence's KV in the paged cache. The new tokens' K/V are written there
     first, with rotary, by `kernels.layers.RotaryEmbedding.apply_and_store`.
 
-    `dtype` and `device` are those of q and the KV pool (backends that allocate workspaces need them)."""
+    `dtype` and `device` are those of q and the KV pool (backends that allocate workspaces need them).
+    `sliding_window`: the window of the model's sliding-window layers (None: it has none), for backends
+    that plan a step per window (FlashInfer)."""
 
     def __init__(
         self,
@@ -139,8 +141,10 @@ class AttentionBackend(ABC):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        sliding_window: int | None = None,
     ) -> None:
         self.num_heads = num_heads
+        self.sliding_window = sliding_window
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.page_size = page_size
@@ -153,9 +157,13 @@ class AttentionBackend(ABC):
         on the host (pinned when the device is CUDA). The default does nothing."""
 
     @abstractmethod
-    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, window: int | None = None
+    ) -> torch.Tensor:
         """Causal attention of q [T, Hq, D] over the KV already in kv_cache [P, 2, S, Hkv, D];
-        [T, Hq, D] in q's dtype. `meta` is the planned step's metadata, on q's device."""
+        [T, Hq, D] in q's dtype. `meta` is the planned step's metadata, on q's device. With `window`
+        (a sliding-window layer's, the backend's `sliding_window`), a row at position p attends keys
+        p - window + 1 .. p only."""
 
     # CUDA-graph decode (engine/cuda_graph.py). A backend that can be captured reads nothing per step
     # from the host inside `attend`: its page table lives in fixed device buffers that a plan fills.
@@ -218,11 +226,21 @@ def create_attention_backend(
     page_size: int,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    sliding_window: int | None = None,
 ) -> AttentionBackend:
-    """The backend `name` (resolved for `device` as `resolve_attention_backend` says) for these shapes.
-    Raises ValueError for an unknown name, one that cannot run on `device`, or one not installed."""
+    """The backend `name` (resolved for `device` as `resolve_attention_backend` says) for these shapes
+    (and the model's `sliding_window`, where it has sliding-window layers). Raises ValueError for an
+    unknown name, one that cannot run on `device`, or one not installed."""
     cls = _BACKENDS.get(resolve_attention_backend(name, device, dtype))
-    return cls(num_heads, num_kv_heads, head_dim, page_size, dtype=dtype, device=as_device(device))
+    return cls(
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        dtype=dtype,
+        device=as_device(device),
+        sliding_window=sliding_window,
+    )
 
 
 def torch_paged_attention(
@@ -268,8 +286,10 @@ def torch_paged_attention(
 class TorchAttention(AttentionBackend):
     """Reference implementation on torch SDPA, one sequence at a time: the oracle for the others."""
 
-    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return torch_paged_attention(q, kv_cache, meta, self.page_size, self.scale)
+    def attend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, window: int | None = None
+    ) -> torch.Tensor:
+        return torch_paged_attention(q, kv_cache, meta, self.page_size, self.scale, window)
 
 
 @register_attention_backend("cpu")
@@ -288,8 +308,11 @@ class CpuPagedAttention(TorchAttention):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        sliding_window: int | None = None,
     ) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, page_size, dtype=dtype, device=device)
+        super().__init__(
+            num_heads, num_kv_heads, head_dim, page_size, dtype=dtype, device=device, sliding_window=sliding_window
+        )
         from kernels import native
 
         self._kernels = native.load()

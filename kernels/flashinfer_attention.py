@@ -10,6 +10,10 @@ every layer reusing that plan. A step whose every sequence has one new token is 
 decode wrapper, any other on the prefill wrapper with a causal mask (new tokens sit at the end of
 their sequence, so the mask is aligned to the bottom right, as `TorchAttention` computes it).
 
+A model with sliding-window layers (Mistral, Gemma 3, Qwen3 and Phi-3 where configured) gets a second
+pair of wrappers planned with FlashInfer's `window_left` = window - 1 (a key at most window - 1 positions
+left of its query, plus the query's own: HF's `sliding_window`), and `attend(..., window=W)` runs it.
+
 Every FlashInfer call's arguments are built by a plain function below (`*_wrapper_kwargs`,
 `*_plan_kwargs`), so CPU tests bind them against the installed API's signatures.
 """
@@ -124,8 +128,10 @@ def decode_plan_kwargs(
     head_dim: int,
     page_size: int,
     dtype: torch.dtype,
+    window: int | None = None,
 ) -> dict[str, Any]:
-    """Keyword arguments of the decode wrapper's `plan` for a step of one new token per sequence.
+    """Keyword arguments of the decode wrapper's `plan` for a step of one new token per sequence
+    (each query attending its last `window` positions only, with `window`).
     Every argument by keyword (FlashInfer deprecates positional ones after `page_size`), data types
     explicit (its default is float16). Raises ValueError on a malformed page table or a step with a
     sequence of more than one new token."""
@@ -145,8 +151,14 @@ def decode_plan_kwargs(
         "kv_data_type": dtype,
         "o_data_type": dtype,
         "sm_scale": 1.0 / math.sqrt(head_dim),
+        "window_left": window_left(window),
         "non_blocking": True,
     }
+
+
+def window_left(window: int | None) -> int:
+    """FlashInfer's `window_left` for HF's `sliding_window`: the keys left of the query it sees (-1: all)."""
+    return -1 if window is None else window - 1
 
 
 def prefill_plan_kwargs(
@@ -157,9 +169,11 @@ def prefill_plan_kwargs(
     head_dim: int,
     page_size: int,
     dtype: torch.dtype,
+    window: int | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments of the prefill wrapper's `plan`: causal (FlashInfer's default is not),
-    data types explicit. Raises ValueError on a malformed page table."""
+    data types explicit, over the last `window` positions only with `window`. Raises ValueError on a
+    malformed page table."""
     check_page_table(meta_host, page_size)
     return {
         "qo_indptr": meta_host.qo_indptr,
@@ -176,6 +190,7 @@ def prefill_plan_kwargs(
         "kv_data_type": dtype,
         "o_data_type": dtype,
         "sm_scale": 1.0 / math.sqrt(head_dim),
+        "window_left": window_left(window),
         "non_blocking": True,
     }
 
@@ -202,8 +217,11 @@ class FlashInferAttention(AttentionBackend):
         *,
         dtype: torch.dtype,
         device: torch.device | str,
+        sliding_window: int | None = None,
     ) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, page_size, dtype=dtype, device=device)
+        super().__init__(
+            num_heads, num_kv_heads, head_dim, page_size, dtype=dtype, device=device, sliding_window=sliding_window
+        )
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(
                 f"FlashInfer attention computes in bfloat16 or float16, not {dtype}; "
@@ -218,8 +236,17 @@ class FlashInferAttention(AttentionBackend):
             **decode_wrapper_kwargs(self._workspace, num_heads, num_kv_heads)
         )
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(**prefill_wrapper_kwargs(self._workspace))
+        self._windowed: tuple[_Wrapper, _Wrapper] | None = None  # (decode, prefill) for the sliding-window layers
+        if sliding_window is not None:
+            self._windowed = (
+                flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    **decode_wrapper_kwargs(self._workspace, num_heads, num_kv_heads)
+                ),
+                flashinfer.BatchPrefillWithPagedKVCacheWrapper(**prefill_wrapper_kwargs(self._workspace)),
+            )
         self._graph_wrappers: GraphDecodeWrappers | None = None  # prepare_cuda_graphs
         self._planned: _Wrapper | None = None  # the wrapper planned for the current step
+        self._planned_windowed: _Wrapper | None = None  # its sliding-window twin, for a model that has one
         self._planned_num_tokens = 0
         self._plan_done = torch.cuda.Event()
 
@@ -228,10 +255,13 @@ class FlashInferAttention(AttentionBackend):
     def plan(self, meta_host: AttentionMetadata) -> None:
         """Plan the step described by `meta_host` (host tensors, pinned); raises ValueError when the
         page table is malformed. Cannot run inside CUDA-graph capture."""
-        if is_decode_step(meta_host):
-            self._plan(self._decode, decode_plan_kwargs(meta_host, **self._shapes()), meta_host)
-        else:
-            self._plan(self._prefill, prefill_plan_kwargs(meta_host, **self._shapes()), meta_host)
+        is_decode = is_decode_step(meta_host)
+        plan_kwargs = decode_plan_kwargs if is_decode else prefill_plan_kwargs
+        if self._windowed is not None:
+            windowed = self._windowed[0 if is_decode else 1]
+            self._plan(windowed, plan_kwargs(meta_host, **self._shapes(), window=self.sliding_window), meta_host)
+            self._planned_windowed = windowed
+        self._plan(self._decode if is_decode else self._prefill, plan_kwargs(meta_host, **self._shapes()), meta_host)
 
     def prepare_cuda_graphs(self, batch_sizes: Sequence[int], max_num_pages: int) -> None:
         """One CUDA-graph decode wrapper per batch size (kernels/flashinfer_graph.py)."""
@@ -271,9 +301,12 @@ class FlashInferAttention(AttentionBackend):
         self._planned = wrapper
         self._planned_num_tokens = sum(meta_host.query_lens)
 
-    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, window: int | None = None
+    ) -> torch.Tensor:
         """q [T, Hq, D] and kv_cache [P, 2, S, Hkv, D] (any page stride) in the planned dtype on the
-        device. `meta` is not read: the plan holds the page table (q's token count is checked
+        device; with `window` (the backend's `sliding_window`), over each query's last `window`
+        positions. `meta` is not read: the plan holds the page table (q's token count is checked
         against it). Raises RuntimeError before any plan, ValueError on a mismatch with it."""
         if self._planned is None:
             raise RuntimeError("FlashInferAttention.attend before plan: call plan once per step first")
@@ -282,4 +315,8 @@ class FlashInferAttention(AttentionBackend):
                 f"attend got q {tuple(q.shape)} {q.dtype} and a {kv_cache.dtype} cache; the plan is "
                 f"for {self._planned_num_tokens} tokens in {self.dtype}"
             )
-        return self._planned.run(q, kv_cache)
+        if window is None:
+            return self._planned.run(q, kv_cache)
+        if window != self.sliding_window or self._planned_windowed is None:
+            raise ValueError(f"a window of {window}; this backend was built for {self.sliding_window}")
+        return self._planned_windowed.run(q, kv_cache)

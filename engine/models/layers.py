@@ -18,7 +18,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.weight_loader import MergedLinear, Value, load_into
-from kernels.attention import AttentionBackend, AttentionMetadata, CpuPagedAttention, torch_paged_attention
+from kernels.attention import AttentionBackend, AttentionMetadata, CpuPagedAttention
 from kernels.fused_layer import AttentionShape, LayerNorms, fused_decoder_layer
 from kernels.layers import RotaryEmbedding, add_rms_norm, gelu_tanh_and_mul, plain_rms_norm, silu_and_mul
 
@@ -98,10 +98,7 @@ class Attention(nn.Module):
             return self.o_proj(out.reshape(num_tokens, -1))
         if self.q_scale is not None:
             q = q * (self.q_scale * math.sqrt(self.head_dim))
-        if self.window is not None and max(meta.seq_lens) > self.window:
-            out = torch_paged_attention(q, kv_cache, meta, backend.page_size, backend.scale, self.window)
-        else:
-            out = backend.attend(q, kv_cache, meta)
+        out = backend.attend(q, kv_cache, meta, self.window)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 

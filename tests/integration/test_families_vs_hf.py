@@ -42,15 +42,17 @@ def family_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
 
 
-def _engine(model_dir: Path) -> Engine:
-    config = EngineConfig(dtype="float32", page_size=PAGE, max_total_tokens=512)
+def _engine(model_dir: Path, attention_backend: str = "auto") -> Engine:
+    config = EngineConfig(dtype="float32", page_size=PAGE, max_total_tokens=512, attention_backend=attention_backend)
     return Engine(open_checkpoint(str(model_dir)), config, progress=False)
 
 
-def test_prefill_and_decode_logits_match_hf(family_dir: Path) -> None:
+@pytest.mark.parametrize("attention_backend", ["auto", "torch"])
+def test_prefill_and_decode_logits_match_hf(family_dir: Path, attention_backend: str) -> None:
     """Three prompts of different lengths (one longer than the window) prefill in one batch, then decode
-    six steps together: each row's logits equal HF's full forward at that position."""
-    engine, hf = _engine(family_dir), load_hf_dir(family_dir, torch.float32)
+    six steps together: each row's logits equal HF's full forward at that position. `auto` is the C++
+    kernel (the fused layer); `torch` is the path a GPU backend takes, each layer's window passed to `attend`."""
+    engine, hf = _engine(family_dir, attention_backend), load_hf_dir(family_dir, torch.float32)
     assert_logits_match_hf(engine, hf, (5, 2 * TINY_WINDOW + 3, 2), PAGE, num_decode_steps=6)
 
 

@@ -103,6 +103,19 @@ def test_prefill_plan_binds_and_is_causal() -> None:
     assert bound["head_dim_qk"] == 128 and bound.get("head_dim_vo") is None
 
 
+def test_a_sliding_window_plan_sees_window_minus_one_keys_to_the_left() -> None:
+    """HF's sliding_window W: a query at p sees p - W + 1 .. p, which is FlashInfer's window_left W - 1;
+    a plan with no window sees every key (-1, FlashInfer's default)."""
+    decode_meta, prefill_meta = _meta([1, 1], [5, 40]), _meta([7, 20], [7, 36])
+    for plan, impl, build, meta in ((Decode.plan, Decode._plan_impl, fa.decode_plan_kwargs, decode_meta),
+                                    (Prefill.plan, Prefill.plan, fa.prefill_plan_kwargs, prefill_meta)):
+        windowed = _bind(impl, object(), **build(meta, **_shapes(), window=512)).arguments
+        assert windowed["window_left"] == 511
+        _bind(plan, object(), **build(meta, **_shapes(), window=512))
+        unbounded = _bind(impl, object(), **build(meta, **_shapes())).arguments
+        assert unbounded["window_left"] == -1 == inspect.signature(impl).parameters["window_left"].default
+
+
 @pytest.mark.parametrize("wrapper", [Decode, Prefill])
 def test_run_binds_with_q_and_the_strided_cache(wrapper: type) -> None:
     pool = torch.empty(8, 4, 2, PAGE_SIZE, 2, 64, device="meta")   # [P, layers, 2, S, Hkv, D]
