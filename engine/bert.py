@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ConfigError
+from engine.models.registry import on_meta
 
 ARCHITECTURE = "BertModel"
 _ACTIVATIONS = {
@@ -209,6 +210,6 @@ class BertModel(nn.Module):
 
 def expected_shapes(config: BertConfig) -> dict[str, tuple[int, ...]]:
     """HF parameter name -> shape for every parameter of `config` (no tensor is allocated)."""
-    with torch.device("meta"):
+    with on_meta():
         model = BertModel(config)
     return {name: tuple(param.shape) for name, param in model.named_parameters()}

@@ -6,9 +6,12 @@ it, and exposes `FAMILY`, a `ModelFamily`. Adding a dense family is one module p
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from engine.config import ConfigError, ModelConfig
 from engine.models.family import ModelFamily
@@ -90,6 +93,42 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
     if not archs:
         raise ConfigError(f"config.json names no architectures; supported: {', '.join(_MODULES)}")
     return family_of(str(archs[0])).config_from_hf(config)
+
+
+# torch.nn.init's in-place fills, which every module's reset_parameters calls. On meta tensors `normal_` goes
+# through torch's reference ops, whose first use imports torch._dynamo: seconds at each start, for values
+# that a meta tensor does not hold anyway.
+_INIT_FILLS = (
+    "normal_",
+    "uniform_",
+    "trunc_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "constant_",
+    "zeros_",
+    "ones_",
+    "orthogonal_",
+)
+
+
+@contextlib.contextmanager
+def on_meta() -> Iterator[None]:
+    """Modules built inside have their parameters on the meta device and skip their random init."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FILLS}
+    try:
+        for name in _INIT_FILLS:
+            setattr(torch.nn.init, name, _no_fill)
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, fill in saved.items():
+            setattr(torch.nn.init, name, fill)
+
+
+def _no_fill(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return tensor
 
 
 def build_model(config: ModelConfig) -> CausalLM:

@@ -12,10 +12,9 @@ import re
 from collections.abc import Mapping
 
 import gguf
-import torch
 
 from engine.config import ConfigError, ModelConfig
-from engine.models.registry import build_model
+from engine.models.registry import build_model, on_meta
 from engine.weight_loader import checkpoint_shapes
 
 LM_HEAD = "lm_head.weight"
@@ -29,7 +28,7 @@ Shape = tuple[int, ...]
 
 def expected_shapes(config: ModelConfig) -> dict[str, Shape]:
     """HF parameter name -> shape for every parameter of `config`, in state_dict order."""
-    with torch.device("meta"):
+    with on_meta():
         model = build_model(config)
     return checkpoint_shapes(model)
 
