@@ -27,10 +27,31 @@ CLIENT_MODULES = ["aiohttp", "numpy", "requests", "tqdm", "transformers", "pillo
                   "ipython", "pydantic"]
 # Offline, CPU-only, and nothing the server does not need: no web UI (its prebuilt copy is a
 # download), no HTTPS, no tests or examples; a static binary so that it can be cached on its own.
+# The instruction sets are named from /proc/cpuinfo, never left to GGML_NATIVE: on the Xeons these machines
+# may have, GGML_NATIVE=ON picks llama.cpp's AMX path, and that build crashes in these VMs. AMX stays off.
+GGML_ISA_OPTIONS = (("avx", "GGML_AVX"), ("avx2", "GGML_AVX2"), ("fma", "GGML_FMA"), ("f16c", "GGML_F16C"),
+                    ("bmi2", "GGML_BMI2"), ("avx_vnni", "GGML_AVX_VNNI"), ("avx512f", "GGML_AVX512"),
+                    ("avx512vbmi", "GGML_AVX512_VBMI"), ("avx512_vnni", "GGML_AVX512_VNNI"),
+                    ("avx512_bf16", "GGML_AVX512_BF16"))
 LLAMA_CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_OPENSSL=OFF",
                      "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DGGML_NATIVE=ON"]
+                     "-DLLAMA_BUILD_EXAMPLES=OFF"]
 HEARTBEAT_S = 30.0
+
+
+def cpu_flags() -> set[str]:
+    """The instruction-set flags /proc/cpuinfo lists for the first core (empty where it is missing)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return set()
+    line = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def llama_isa_flags(flags: set[str]) -> list[str]:
+    """llama.cpp's CMake options for a CPU with `flags`: each instruction set it has, on; AMX and native, off."""
+    options = ["-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+    return options + [f"-D{option}={'ON' if flag in flags else 'OFF'}" for flag, option in GGML_ISA_OPTIONS]
 
 
 def say(message: str) -> None:
@@ -71,7 +92,9 @@ def last_line(path: Path) -> str:
 
 def ensure_llama_server(cache_dir: Path, version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int = 2) -> Path:
     """The cached llama-server binary for llama-cpp-python `version`, building it when missing."""
-    binary = cache_dir / "bin" / f"llama-server-{version}"
+    isa = llama_isa_flags(cpu_flags())
+    enabled = [option.split("=")[0].removeprefix("-DGGML_").lower() for option in isa[4:] if option.endswith("=ON")]
+    binary = cache_dir / "bin" / f"llama-server-{version}-{'-'.join(enabled) or 'generic'}"
     if binary.is_file():
         say(f"llama-server: cached {binary}")
         return binary
@@ -80,11 +103,11 @@ def ensure_llama_server(cache_dir: Path, version: str = LLAMA_CPP_PYTHON_VERSION
     logs = cache_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     nice = ["nice", "-n", "19"]
-    say(f"llama-server: building from {source / 'vendor' / 'llama.cpp'} (-j{jobs}, nice 19; "
+    say(f"llama-server: building from {source / 'vendor' / 'llama.cpp'} for {', '.join(enabled)} (-j{jobs}, nice 19; "
         f"several minutes on two cores; log {logs / 'llama-build.log'})")
     start = time.monotonic()
     run_logged([*nice, "cmake", "-S", str(source / "vendor" / "llama.cpp"), "-B", str(build_dir),
-                *LLAMA_CMAKE_FLAGS], logs / "llama-configure.log", "cmake configure")
+                *LLAMA_CMAKE_FLAGS, *isa], logs / "llama-configure.log", "cmake configure")
     run_logged([*nice, "cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(jobs)],
                logs / "llama-build.log", "cmake build")
     binary.parent.mkdir(parents=True, exist_ok=True)

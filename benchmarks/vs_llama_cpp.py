@@ -3,6 +3,7 @@
     python benchmarks/vs_llama_cpp.py                          # builds the peer once, then runs both
     python benchmarks/vs_llama_cpp.py --serve-args="--disable-prefix-cache --torch-threads 2"
     python benchmarks/vs_llama_cpp.py --tandem-url http://127.0.0.1:30000
+    python benchmarks/vs_llama_cpp.py --model-path ~/.cache/tandem/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 
 The client is SGLang's `python -m sglang.bench_serving` (OpenAI completions, `--backend vllm`):
 random token-id prompts of --input-len tokens, --output-len tokens each with ignore_eos, at
@@ -70,6 +71,11 @@ def bundled_gguf() -> Path:
     if spec is None or spec.origin is None:
         raise SystemExit(f"{MODEL_PACKAGE} is not installed: run `make install` first")
     return Path(spec.origin).parent / MODEL_FILE
+
+
+def model_name(gguf: Path) -> str:
+    """The name both servers serve `gguf` under: the bundled model's own, else the file's stem."""
+    return MODEL_NAME if gguf.name == MODEL_FILE else gguf.stem
 
 
 def served_model(server: Server) -> str:
@@ -200,6 +206,8 @@ def git_revision() -> str:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", type=Path, help="the GGUF file both servers run (default: the bundled "
+                        f"{MODEL_FILE}); `make models` and `make models-bench` fetch the Qwen and Gemma files")
     parser.add_argument("--tandem-url", help="a running Tandem gateway (default: start `tandem serve`)")
     parser.add_argument("--serve-args", default="", help="extra flags for `tandem serve`, one string")
     parser.add_argument("--peer-url", help="a running llama-server (default: build once and start one)")
@@ -223,14 +231,14 @@ def start_server(name: str, args: argparse.Namespace, binary: Path | None, gguf:
     if name == TANDEM:
         if args.tandem_url:
             return Server(TANDEM, args.tandem_url.rstrip("/"))
-        return start_tandem(shlex.split(args.serve_args), run_dir)
+        return start_tandem(["--model-path", str(gguf), *shlex.split(args.serve_args)], run_dir)
     if args.peer_url:
         return Server(PEER, args.peer_url.rstrip("/"))
-    return start_llama_server(binary, gguf, MODEL_NAME, workload.max_concurrency, shlex.split(args.peer_args),
-                              run_dir)
+    return start_llama_server(binary, gguf, model_name(gguf), workload.max_concurrency,
+                              shlex.split(args.peer_args), run_dir)
 
 
-def print_report(args: argparse.Namespace, workload: Workload, results: dict[str, list[RunResult]],
+def print_report(args: argparse.Namespace, gguf: Path, workload: Workload, results: dict[str, list[RunResult]],
                  failures: dict[str, str], busy: dict[str, float], run_dir: Path) -> None:
     """The set-up of the run, the table, and whatever failed."""
     omp = os.environ.get("OMP_WAIT_POLICY")
@@ -238,6 +246,7 @@ def print_report(args: argparse.Namespace, workload: Workload, results: dict[str
     print(f"Workload: random token ids, {workload.input_len} input / {workload.output_len} output tokens "
           f"(ignore_eos), " + ", ".join(f"{n} prompts at {c} stream{'s' * (c > 1)}" for c, n in workload.runs)
           + "; client: sglang.bench_serving --backend vllm (/v1/completions, streamed).")
+    print(f"Model: {model_name(gguf)} ({gguf})")
     print(f"Tandem {git_revision()} serve args: {args.serve_args or '(none)'}"
           + (f" (at {args.tandem_url})" if args.tandem_url else ""))
     print(f"llama.cpp: llama-server from llama-cpp-python {args.llama_cpp_python_version}, -t 2 "
@@ -262,12 +271,14 @@ def main() -> int:
     args = parse_args()
     workload = Workload(args.input_len, args.output_len, ((1, args.prompts_at_1), (16, args.prompts_at_16)))
     names = [args.only] if args.only else [TANDEM, PEER]
-    gguf = bundled_gguf()
+    gguf = args.model_path.expanduser() if args.model_path else bundled_gguf()
+    if not gguf.is_file():
+        raise SystemExit(f"{gguf} is not a file: give a GGUF path to --model-path (`make models-bench` fetches Qwen)")
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=args.cache_dir))
     try:
         client_python = ensure_client_python(args.cache_dir)
-        tokenizer_dir = ensure_tokenizer(args.cache_dir, gguf, MODEL_NAME)
+        tokenizer_dir = ensure_tokenizer(args.cache_dir, gguf, model_name(gguf))
         binary = None
         if PEER in names and not args.peer_url:
             binary = ensure_llama_server(args.cache_dir, args.llama_cpp_python_version, args.build_jobs)
@@ -290,7 +301,7 @@ def main() -> int:
             failures[name] = str(error)
             say(f"{name}: FAILED: {error}")
 
-    print_report(args, workload, results, failures, busy, run_dir)
+    print_report(args, gguf, workload, results, failures, busy, run_dir)
     is_incomplete = any(not run.is_complete for runs in results.values() for run in runs)
     return 1 if failures or is_incomplete else 0
 
