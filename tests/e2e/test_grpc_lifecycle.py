@@ -45,6 +45,17 @@ def _rpcs_answered(stack: Stack) -> dict[str, float]:
     return counts
 
 
+def _prefill_has_work(stack: Stack, call: grpc.Future) -> bool:
+    """Whether the prefill worker runs or queues a request; `call` ending first fails with its outcome."""
+    load = stack.load()["prefill"]
+    if load.num_running + load.num_waiting > 0:
+        return True
+    if call.done():
+        outcome = call.exception() or f"a completion: {call.result().choices[0].text!r}"
+        raise AssertionError(f"the call ended before the prefill worker was seen with it: {outcome}")
+    return False
+
+
 def test_bad_requests_are_invalid_argument_naming_the_field(api) -> None:
     hot = call_error(api.ChatComplete, chat_request("hi", temperature=5.0), timeout=30)
     assert hot.code() is grpc.StatusCode.INVALID_ARGUMENT and bad_fields(hot) == ["temperature"]
@@ -114,11 +125,7 @@ def test_a_dropped_connection_and_a_cancelled_unary_call_free_their_pages_too(ap
         completion_pb2.CompletionRequest(model=MODEL, prompt=["a river and a mountain " * 180], max_tokens=4),
         timeout=120,
     )
-    wait_for(
-        lambda: stack.load()["prefill"].num_running + stack.load()["prefill"].num_waiting > 0,
-        30,
-        "the prompt prefilling",
-    )
+    wait_for(lambda: _prefill_has_work(stack, prefilling), 30, "the prompt prefilling")
     assert prefilling.cancel()
     stack.assert_no_pages_held(within_s=10)
     loads = stack.load()
