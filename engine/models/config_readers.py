@@ -192,11 +192,10 @@ def hf_uniform_window(config: Mapping[str, Any]) -> dict[str, Any]:
     return {} if window is None else dict(sliding_window=int(window))
 
 
-def num_labels(config: Mapping[str, Any]) -> int:
-    """HF writes `id2label` (one entry per output); `num_labels` alone in older files; HF's default is 2."""
-    labels = config.get("id2label")
-    return len(labels) if labels else int(config.get("num_labels", 2))
-
-
-def is_classifier(config: Mapping[str, Any]) -> bool:
-    return str(config["architectures"][0]).endswith("ForSequenceClassification")
+def head_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The `ModelConfig` fields of the model's head: a `*ForSequenceClassification` has a score head of
+    `num_labels` outputs and never ties it to the embeddings; a causal LM ties where the config says."""
+    if not str(config["architectures"][0]).endswith("ForSequenceClassification"):
+        return {"tie_word_embeddings": bool(config.get("tie_word_embeddings", False)), "num_labels": 0}
+    labels = config.get("id2label")  # one entry per output; `num_labels` alone in older files; HF's default is 2
+    return {"tie_word_embeddings": False, "num_labels": len(labels) if labels else int(config.get("num_labels", 2))}

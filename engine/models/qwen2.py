@@ -11,22 +11,19 @@ from engine.models.config_readers import (
     GGUFMetadata,
     config_from_gguf,
     config_from_hf,
+    head_fields,
     hf_typed_window,
-    is_classifier,
-    num_labels,
 )
 from engine.models.family import ModelFamily
 from engine.models.layers import CausalLM
 
 
 def _from_hf(config: Mapping[str, Any]) -> ModelConfig:
-    classifier = is_classifier(config)
     return config_from_hf(
         config,
         qkv_bias=True,
         o_proj_bias=False,
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)) and not classifier,
-        num_labels=num_labels(config) if classifier else 0,
+        **head_fields(config),
         features=LayerFeatures(**hf_typed_window(config)),
     )
 
