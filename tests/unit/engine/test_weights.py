@@ -79,11 +79,13 @@ def test_smollm2_tensors_equal_transformers_gguf_load(smollm2: Checkpoint,
 
 def test_smollm2_config_equals_transformers(smollm2: Checkpoint, smollm2_hf_config: dict) -> None:
     config = smollm2.config
-    assert config == config_from_hf(smollm2_hf_config)
+    # The file's own eos (<|im_end|>) first, then <|endoftext|>, which ends a text as llama.cpp reads the
+    # vocabulary; transformers' config names the first only.
+    assert config == dataclasses.replace(config_from_hf(smollm2_hf_config), eos_token_ids=(2, 0))
     assert (config.architecture, config.hidden_size, config.num_layers, config.num_heads,
             config.num_kv_heads, config.head_dim) == ("LlamaForCausalLM", 576, 30, 9, 3, 64)
     assert (config.intermediate_size, config.vocab_size, config.rope_theta) == (1536, 49152, 1e5)
-    assert (config.bos_token_id, config.eos_token_ids, config.tie_word_embeddings) == (1, (2,), True)
+    assert (config.bos_token_id, config.eos_token_ids, config.tie_word_embeddings) == (1, (2, 0), True)
     assert config.max_position_embeddings == 8192
     assert smollm2.format == "gguf" and smollm2.num_tensors == 272
 
