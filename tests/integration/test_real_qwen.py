@@ -1,8 +1,9 @@
 """Tandem's engine on the real Qwen2.5-Coder-0.5B-Instruct Q4_K_M file against HF transformers' fp32
 dequantized reference: 16 chat prompts, 32 greedy tokens each. In fp32 with dequantized weights the
-tokens are the same for every prompt; with the CPU defaults `tandem serve` picks for a GGUF file (packed
-blocks where a kernel exists, a bfloat16 KV pool) for all but at most one, each compared up to the end of
-its answer. Both runs print how many prompts match."""
+tokens are the same for every prompt; with the file's blocks kept packed over a float32 KV pool, for all
+but at most one over all 32 tokens; with the CPU defaults `tandem serve` picks for a GGUF file (packed
+blocks, a bfloat16 KV pool), for all but at most one up to the end of each answer. Each run prints how
+many prompts match."""
 
 from __future__ import annotations
 
@@ -94,6 +95,18 @@ def test_fp32_engine_equals_hf_fp32_on_every_prompt(
     ours = engine_greedy(checkpoint, config, prompts, NUM_TOKENS)
     assert count_identical(f"fp32, {NUM_TOKENS} tokens", PROMPTS, ours, hf_tokens, tokenizer) == len(PROMPTS)
     assert "Paris" in tokenizer.decode(ours[0])
+
+
+def test_packed_weights_match_hf_fp32_on_15_of_16_prompts_for_32_tokens(
+    model_path: Path, checkpoint: Checkpoint, prompts: list[list[int]], hf_tokens: list[list[int]], tokenizer: Tokenizer
+) -> None:
+    """The Q4_K/Q5_0/Q6_K/Q8_0 blocks kept packed (the CPU default) over a float32 KV pool: every token of
+    every answer, end of text or not, against the fp32 dequantized reference."""
+    args = build_parser().parse_args(["decode", "--model-path", str(model_path), "--kv-cache-dtype", "float32"])
+    config = engine_config(args, "decode", is_embedding=False)
+    assert (config.quantization, config.kv_cache_dtype) == ("gguf", "float32")
+    ours = engine_greedy(checkpoint, config, prompts, NUM_TOKENS)
+    assert count_identical(f"packed, fp32 KV, {NUM_TOKENS} tokens", PROMPTS, ours, hf_tokens, tokenizer) >= 15
 
 
 def test_default_cpu_engine_matches_hf_fp32_on_15_of_16_prompts(
