@@ -19,9 +19,10 @@ from peer_setup import say
 ROOT = Path(__file__).resolve().parents[1]
 TANDEM = "Tandem"
 PEER = "llama.cpp"
-# Tokens of KV per llama-server slot: a 256-token prompt and 128 output tokens, with room to spare
-# for prompts that tokenize longer than the client's count.
-SLOT_TOKENS = 512
+# Tokens of KV per llama-server slot: a 256-token prompt and 128 output tokens, with room for prompts that
+# tokenize longer than the client's count. bench_serving sends random ids as text; on Qwen's vocabulary one
+# of its 256-id prompts comes back as 1990 tokens (Tandem's context is the model's own, 32768).
+SLOT_TOKENS = 2560
 
 
 @dataclass(slots=True)

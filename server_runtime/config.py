@@ -22,7 +22,7 @@ class WorkerConfig:
     engine: EngineConfig
     transport: TransportConfig  # its transfer_timeout_s: prefill's longest KV write before the request fails
     torch_threads: int
-    reservation_ttl_s: float = 30.0  # decode: pages held for a prefill that never comes
+    reservation_ttl_s: float = 300.0  # decode: pages held for a prefill that never comes (long queues wait)
     write_grace_s: float = 30.0  # decode: unused reservation pages rest this long before reuse
     is_embedding: bool = False  # prefill: serve Embed from an embedding model; no engine, KV or decode
     metrics_port: int = 0  # HTTP port serving Prometheus text; 0: no metrics endpoint
