@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader
+from gguf import GGUFReader, TokenType
 
 from engine.config import ConfigError, ModelConfig
 
@@ -107,13 +107,12 @@ class GGUFMetadata:
         tokens = self.reader.get_field("tokenizer.ggml.tokens")
         types = self.reader.get_field("tokenizer.ggml.token_type")
         if tokens is not None and types is not None:
-            control = np.flatnonzero(np.concatenate([types.parts[i] for i in types.data]) == _CONTROL_TOKEN)
+            control = np.flatnonzero(np.concatenate([types.parts[i] for i in types.data]) == TokenType.CONTROL)
             texts = {int(i): bytes(tokens.parts[tokens.data[i]]).decode(errors="replace") for i in control}
             ids += [i for i, text in texts.items() if text in _END_TEXTS]
         return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
-_CONTROL_TOKEN = 3  # gguf.TokenType.CONTROL
 # The texts of the special tokens that end a text or a turn in the families' chat formats.
 _END_TEXTS = frozenset(
     {
