@@ -255,6 +255,17 @@ def save_tiny_granite(path: str | Path, seed: int = 0) -> Path:
     return _save(GraniteForCausalLM(config), path, seed, None, torch.float32)
 
 
+def save_tiny_gpt_oss(path: str | Path, seed: int = 0) -> Path:
+    """Write a random 2-layer GPT-OSS (4 experts, 2 a token): its attention layers pass attention sinks
+    (`s_aux`), which Tandem's backends cannot apply, so the transformers fallback refuses it."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(**_COMMON, tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
+                          sliding_window=TINY_WINDOW, layer_types=["sliding_attention", "full_attention"],
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return _save(GptOssForCausalLM(config), path, seed, None, torch.float32)
+
+
 def save_tiny_olmo3(path: str | Path, seed: int = 0) -> Path:
     """Write a random 2-layer OLMo 3 whose layer 0 slides over the last TINY_WINDOW positions (a
     transformers-fallback architecture with a window)."""

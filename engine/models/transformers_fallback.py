@@ -80,6 +80,12 @@ class TandemStep:
     meta: AttentionMetadata
 
 
+@dataclass(frozen=True, slots=True)
+class _ArgumentProbe:
+    """Stands in for `TandemStep` in the one-token forward `load_weights` ends with: each attention call
+    checks the arguments its layer passes and computes nothing."""
+
+
 def tandem_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -95,12 +101,14 @@ def tandem_attention(
     rotated, for the step's new tokens; returns ([1, T, Hq, D], None). Writes key and value into layer
     `module.layer_idx` of the step's pool, then attends causally over each sequence's pages, with HF's
     `scaling` and, on a sliding-window layer, the last `sliding_window` positions only."""
-    step: TandemStep | None = kwargs.get(_STEP)
+    step: TandemStep | _ArgumentProbe | None = kwargs.get(_STEP)
     if step is None:
         raise RuntimeError("the tandem attention runs inside TransformersCausalLM.forward only")
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"{type(module).__name__} passes {name!r}, which Tandem's attention cannot apply")
+    if isinstance(step, _ArgumentProbe):
+        return torch.zeros_like(query.transpose(1, 2)), None
     meta, backend = step.meta, step.backend
     layer_idx = cast(int, module.layer_idx)
     cache = step.kv_pool[:, layer_idx]
@@ -112,10 +120,12 @@ def tandem_attention(
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     if scaling is not None and not math.isclose(scaling, backend.scale):
         q = q * (scaling / backend.scale)  # the backends scale by head_dim ** -0.5; another scale is folded into q
-    if sliding_window is not None and max(meta.seq_lens) > sliding_window:
-        out = torch_paged_attention(q, cache, meta, backend.page_size, backend.scale, sliding_window)
-    else:
+    if sliding_window is None or max(meta.seq_lens) <= sliding_window:
         out = backend.attend(q, cache, meta)
+    elif sliding_window == backend.sliding_window:  # the window the backend planned for (FlashInfer's)
+        out = backend.attend(q, cache, meta, sliding_window)
+    else:
+        out = torch_paged_attention(q, cache, meta, backend.page_size, backend.scale, sliding_window)
     return out.unsqueeze(0), None
 
 
@@ -200,6 +210,18 @@ class TransformersCausalLM(nn.Module):
             )
         self._recompute_buffers()
         load_into(self, ((name, _float(name, value, self.config.architecture)) for name, value in tensors), "none")
+        self._check_attention_arguments()
+
+    def _check_attention_arguments(self) -> None:
+        """One token through the HF decoder with `_ArgumentProbe` for a step, so that a layer passing an
+        argument the backends cannot apply (attention sinks, logit soft-capping) is refused at start-up
+        with a ConfigError, not at the first request."""
+        token = torch.zeros(1, 1, dtype=torch.long, device=next(self.parameters()).device)
+        try:
+            with torch.no_grad():
+                self._hf.base_model(input_ids=token, position_ids=token, use_cache=False, **{_STEP: _ArgumentProbe()})
+        except NotImplementedError as exc:
+            raise ConfigError(f"{self.config.architecture} cannot run on Tandem's paged attention: {exc}") from exc
 
     def _recompute_buffers(self) -> None:
         """Each computed buffer afresh, in the dtype transformers made it in, by the HF model's own
@@ -275,6 +297,9 @@ def _from_hf(config: Mapping[str, Any]) -> TransformersModelConfig:
         "%s has no Tandem family file: transformers' modeling code runs it over the paged KV pool", architecture
     )
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    if "sliding_attention" in (getattr(hf_config, "layer_types", None) or ()):
+        # the window HF's sliding layers pass to the attention function, for the backend to plan with
+        fields["features"] = dataclasses.replace(base.features, sliding_window=int(hf_config.sliding_window))
     return TransformersModelConfig(**{**fields, "tie_word_embeddings": tied}, hf_config_json=json.dumps(dict(config)))
 
 

@@ -30,7 +30,8 @@ from server_runtime.context import EngineFacts
 from server_runtime.convert import model_info_to_proto
 from tests.hf_oracle import assert_logits_match_hf, hf_greedy, load_hf_dir
 from tests.integration.inprocess_workers import running_workers
-from tests.tiny_models import TINY_WINDOW, save_tiny_granite, save_tiny_llama, save_tiny_olmo2, save_tiny_olmo3
+from tests.tiny_models import (TINY_WINDOW, save_tiny_gpt_oss, save_tiny_granite, save_tiny_llama, save_tiny_olmo2,
+                               save_tiny_olmo3)
 
 MODELS: dict[str, Callable[[Path], Path]] = {
     "olmo2": save_tiny_olmo2,
@@ -151,6 +152,15 @@ def test_unknown_architecture_and_quantized_engine_are_config_errors(tmp_path: P
     config_path.write_text(json.dumps({**config, "architectures": ["MambaForCausalLM"], "model_type": "mamba"}))
     with pytest.raises(ConfigError, match="MambaForCausalLM does not take transformers' attention functions"):
         open_checkpoint(str(directory))
+
+
+def test_an_attention_argument_the_backends_cannot_apply_is_refused_at_start_up(tmp_path: Path) -> None:
+    """GPT-OSS's layers pass attention sinks (`s_aux`), which no backend applies: the engine refuses the
+    checkpoint while it loads, naming the layer and the argument, not at the first request's step."""
+    directory = save_tiny_gpt_oss(tmp_path / "gpt_oss")
+    with pytest.raises(ConfigError, match="^GptOssForCausalLM cannot run on Tandem's paged attention: "
+                                          "GptOssAttention passes 's_aux'"):
+        _engine(directory)
 
 
 def test_prefill_worker_pages_carry_on_in_a_decode_worker(tmp_path: Path) -> None:
