@@ -4,8 +4,13 @@
 them on first use. The build targets the compiling machine's instruction set (`-march=native`,
 or `TANDEM_KERNEL_ARCH`, e.g. `x86-64-v3` for images that run elsewhere): AVX-512 with VNNI,
 AVX2 or scalar paths are chosen at compile time (`kernels/csrc/common.h`; `load().isa()` says
-which). The build lands in `TANDEM_KERNEL_CACHE` (default: `<python prefix>/share/tandem-kernels`),
-named by a hash of the sources and flags, so an edit or another architecture builds anew.
+which). The build lands in `TANDEM_KERNEL_CACHE` (default: `$XDG_CACHE_HOME/tandem/kernels`, that is
+`~/.cache/tandem/kernels`; `<python prefix>/share/tandem-kernels` where the home is not writable), named by
+a hash of the sources, the flags, torch's and Python's versions and, for `-march=native`, the CPU's
+flags, so an edit, another architecture or another torch builds anew, and every checkout and virtual
+environment on one machine shares one build. A build that is there is imported directly, without
+torch's build step (which needs ninja and reads the sources' times), so an image can ship the build
+alone and no compiler.
 
 The sources: `qmatmul.cpp` (quantized matmul), `attention.cpp` (paged attention), `layers.cpp`
 (norm, SiLU, rotary), `decoder.cpp` (a whole dense decoder layer in one call), `repack.cpp`
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import sys
@@ -46,35 +52,75 @@ def _flags() -> list[str]:
     return ["-O3", f"-march={arch}", "-fno-math-errno", "-std=c++17", "-fopenmp"]
 
 
-def _cpu_has(*flags: str) -> bool:
+def _cpu_flags() -> list[str]:
     try:
         with open("/proc/cpuinfo") as f:
             line = next((line for line in f if line.startswith("flags")), "")
     except OSError:
-        return True  # not Linux: trust the configured architecture
-    return all(flag in line.split() for flag in flags)
+        return []
+    return line.partition(":")[2].split()
 
 
-def _build_dir(name: str) -> Path:
-    root = os.environ.get("TANDEM_KERNEL_CACHE") or os.path.join(sys.prefix, "share", "tandem-kernels")
-    path = Path(root) / name
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+def _cpu_has(*flags: str) -> bool:
+    have = _cpu_flags()
+    return not have or all(flag in have for flag in flags)  # not Linux: trust the configured architecture
+
+
+def _cache_root() -> Path:
+    configured = os.environ.get("TANDEM_KERNEL_CACHE")
+    if configured:
+        return Path(configured)
+    try:
+        home_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tandem" / "kernels"
+        home_cache.mkdir(parents=True, exist_ok=True)
+    except (OSError, RuntimeError):  # no home, or none writable (a system user): the environment's own directory
+        return Path(sys.prefix) / "share" / "tandem-kernels"
+    return home_cache
+
+
+def _build_name(flags: list[str]) -> str:
+    import torch
+
+    content = b"".join((_CSRC / name).read_bytes() for name in _SOURCES + _HEADERS)
+    target = [*flags, f"torch={torch.__version__}", f"python={sys.version_info[0]}.{sys.version_info[1]}"]
+    if "-march=native" in flags:  # one cache may serve machines with other CPUs (a shared home)
+        target += sorted(_cpu_flags())
+    return "tandem_cpu_" + hashlib.sha256(content + " ".join(target).encode()).hexdigest()[:12]
+
+
+def _import_built(name: str, path: Path) -> ModuleType | None:
+    """The build at `path`, imported as a Python extension; None when it does not load (a build that
+    another process is still writing, say)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as exc:
+        logger.warning("cannot import the kernel build %s (%s); building it again", path, exc)
+        return None
+    return module
 
 
 @functools.cache
 def load() -> ModuleType:
     """The compiled module (building it first if needed). Raises KernelBuildError."""
-    from torch.utils import cpp_extension
+    import torch  # noqa: F401  (the build links libtorch, which must be loaded first)
 
     flags = _flags()
-    content = b"".join((_CSRC / name).read_bytes() for name in _SOURCES + _HEADERS)
-    digest = hashlib.sha256(content + " ".join(flags).encode()).hexdigest()[:12]
-    name = f"tandem_cpu_{digest}"
-    build_dir = _build_dir(name)
-    is_built = any(build_dir.glob(f"{name}*.so"))
-    if not is_built:
-        logger.info("compiling Tandem's CPU kernels into %s (once per machine, about a minute)", build_dir)
+    name = _build_name(flags)
+    build_dir = _cache_root() / name
+    built = build_dir / f"{name}.so"
+    if built.is_file() and (module := _import_built(name, built)) is not None:
+        return module
+    from torch.utils import cpp_extension
+
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KernelBuildError(f"cannot create the kernel build directory {build_dir} ({exc})") from exc
+    logger.info("compiling Tandem's CPU kernels into %s (once per machine, about a minute)", build_dir)
     started = time.perf_counter()
     try:
         module = cpp_extension.load(
@@ -87,8 +133,7 @@ def load() -> ModuleType:
         )
     except Exception as exc:  # compiler missing, headers missing, link errors: all mean "no kernels"
         raise KernelBuildError(f"cannot build Tandem's CPU kernels ({type(exc).__name__}: {exc})") from exc
-    if not is_built:
-        logger.info("CPU kernels compiled in %.0f s", time.perf_counter() - started)
+    logger.info("CPU kernels compiled in %.0f s", time.perf_counter() - started)
     return module
 
 

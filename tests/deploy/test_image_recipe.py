@@ -56,8 +56,8 @@ def test_cuda_worker_swaps_the_mooncake_build_and_adds_flashinfer_both_pinned():
 
 
 def _accelerator_checks() -> dict[str, str]:
-    """The worker-venv stage's `if [ "$ACCELERATOR" = X ]; then ...; fi` commands, by X, line continuations joined."""
-    stage = _stage("worker-venv")
+    """The worker stage's `if [ "$ACCELERATOR" = X ]; then ...; fi` commands, by X, line continuations joined."""
+    stage = _stage("worker")
     branches = re.findall(r'if \[ "\$ACCELERATOR" = (\w+) \]; then (.*?); fi', stage, re.DOTALL)
     return {name: re.sub(r"\\\n\s*", "", command) for name, command in branches}
 
@@ -204,6 +204,23 @@ def test_final_images_are_non_root_with_a_health_check(target):
     assert re.search(r"^HEALTHCHECK .*\n?.*tandem.*healthcheck", stage, re.MULTILINE)
     assert 'ENTRYPOINT ["tandem"]' in stage
     assert "COPY --from=" in stage and "/models" in stage
+
+
+def test_an_edit_of_tandem_rebuilds_only_the_last_layer_of_each_image():
+    """The 1.5 GB environments and the model come from stages that never read the source, the kernel build
+    reads only the kernels' build script and C++ sources, and each image installs Tandem's wheel last."""
+    for stage in ("requirements", "gateway-deps", "worker-deps", "model-wheel", "gateway-env", "worker-env"):
+        copies = re.findall(r"^COPY (.*)$", _stage(stage), re.MULTILINE)
+        assert all(c.startswith(("docker/", "--from=requirements", "--from=model-wheel")) or c.startswith(
+            "docker/python_deps.py pyproject.toml") for c in copies), (stage, copies)
+    kernel_copies = re.findall(r"^COPY (.*)$", _stage("kernel-build"), re.MULTILINE)
+    assert kernel_copies == ["kernels/__init__.py kernels/native.py /opt/tandem/build/kernels/",
+                             "kernels/csrc/ /opt/tandem/build/kernels/csrc/"]
+    for target in ("gateway", "worker"):
+        steps = re.findall(r"^(COPY|RUN|FROM|ENV|ARG|LABEL|USER) ?(.*)$", _stage(target), re.MULTILINE)
+        source_at = steps.index(("COPY", "--from=source /dist/ /opt/tandem/dist/"))
+        assert [kind for kind, _ in steps[source_at + 1 :]] == ["RUN", "USER"], target
+        assert not any("--from=source" in args for _, args in steps[:source_at]), target
 
 
 def test_base_image_is_a_build_argument_with_a_cpu_default():

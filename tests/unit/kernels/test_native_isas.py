@@ -80,3 +80,22 @@ def test_every_instruction_set_path_computes_what_this_one_does(arch: str, isa: 
             assert torch.equal(theirs[name], value), name
         elif name != "isa":
             torch.testing.assert_close(theirs[name], value, atol=2e-6, rtol=2e-5, msg=name)
+
+
+def test_a_build_in_the_cache_loads_with_no_compiler_and_no_ninja(tmp_path: Path) -> None:
+    """What the worker image does: it ships the compiled module alone, without sources' build files, a
+    compiler or ninja on PATH, and the kernels load from it."""
+    import shutil
+
+    name = native._build_name(native._flags())
+    native.load()
+    cache = tmp_path / "cache"
+    (cache / name).mkdir(parents=True)
+    shutil.copy2(native._cache_root() / name / f"{name}.so", cache / name)
+    code = "from kernels import native; print(native.load().isa())"
+    env = {**os.environ, "TANDEM_KERNEL_CACHE": str(cache), "PATH": str(tmp_path / "empty")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == native.load().isa()
+    assert sorted(path.name for path in (cache / name).iterdir()) == [f"{name}.so"]   # nothing was built
