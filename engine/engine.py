@@ -213,6 +213,11 @@ class Engine:
     def num_quarantined_pages(self) -> int:
         return self._reservations.num_quarantined_pages
 
+    @property
+    def num_reservations(self) -> int:
+        """Reservations whose prompt KV has not been admitted yet (a prefill is on its way for each)."""
+        return len(self._reservations)
+
     def stats(self) -> EngineStats:
         """The queues and the page pool now, as a value other threads may read."""
         return EngineStats(

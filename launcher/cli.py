@@ -11,7 +11,7 @@ import sys
 from engine.config import ConfigError
 from gateway.config import GatewayConfig
 from launcher.configs import gateway_config, worker_config
-from launcher.defaults import default_torch_threads
+from launcher.defaults import default_max_torch_threads, default_torch_threads
 from launcher.flags import build_parser
 from launcher.handoff import HANDOFF_FLAG, parse_handoff_args, receive_config
 from launcher.healthcheck import run_healthcheck
@@ -82,6 +82,7 @@ def _worker(args: argparse.Namespace) -> int:
         credentials=credentials,
         kv_grant_secret=None if is_embedding else kv_grant_secret_from_args(args, credentials),
         torch_threads=args.torch_threads or default_torch_threads(args.command),
+        max_torch_threads=0 if args.torch_threads else default_max_torch_threads(args.command),
     )
     return _serve_worker(config)
 

@@ -103,6 +103,7 @@ def worker_config(
     credentials: InternalCredentials,
     kv_grant_secret: str | None,
     torch_threads: int,
+    max_torch_threads: int = 0,
     engine: EngineConfig | None = None,
 ) -> WorkerConfig:
     """The `role` worker's config from `tandem prefill|decode`'s or `tandem serve`'s flags, listening
@@ -124,6 +125,7 @@ def worker_config(
                 transfer_timeout_s=args.transfer_timeout,
             ),
             torch_threads=torch_threads,
+            max_torch_threads=max_torch_threads,
             reservation_ttl_s=args.reservation_ttl,
             write_grace_s=args.kv_write_grace,
             is_embedding=is_embedding,

@@ -75,16 +75,24 @@ def default_dtype() -> str:
     return "bfloat16" if cpu_has_bf16() else "float32"
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def default_torch_threads(role: str, num_prefill: int = 1, num_decode: int = 1) -> int:
     """Torch threads for a `role` ("prefill" or "decode") worker among `num_prefill` prefill and
-    `num_decode` decode workers on this machine's cores, as measured on 2 cores (docs/performance.md,
-    "Threads"): a decode worker gets its even share of the cores, since it steps every few
-    milliseconds at small batches, where a second thread cost more in barriers than it saved while
-    it shared the cores with the gateway and the prefill worker (1-stream TPOT 10-12 ms instead of
-    6-7); the prefill workers share all the cores, since prefill comes in bursts and a burst on
-    every core shortens the time to first token (1 stream: 0.7x; 16 streams: 0.75x, and 1.1x the
-    tokens/s), while the decode thread takes its turn on one of them."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    `num_decode` decode workers on this machine's cores (docs/performance.md, "Threads"): the prefill
+    workers share all the cores, since prefill comes in bursts and a burst on every core shortens the
+    time to first token, while a decode step takes its turn on one of them; a decode worker starts on
+    its even share of the cores and, up to `default_max_torch_threads`, follows the load from there."""
+    cores = _cores()
     if role == "decode":
         return max(1, cores // (num_prefill + num_decode))
     return max(1, cores // max(1, num_prefill))
+
+
+def default_max_torch_threads(role: str, num_prefill: int = 1, num_decode: int = 1) -> int:
+    """The most threads a decode worker's steps try (server_runtime/threads.py picks per step from measured
+    step times): the cores the decode workers share, as a decode step with the prefill workers idle has
+    them to itself. 0 (no tuning) for a prefill worker."""
+    return max(1, _cores() // max(1, num_decode)) if role == "decode" else 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from engine.config import ConfigError
 from gateway.config import GatewayConfig
 from launcher.configs import engine_config, gateway_config, worker_config
-from launcher.defaults import default_torch_threads
+from launcher.defaults import default_max_torch_threads, default_torch_threads
 from launcher.handoff import HANDOFF_FLAG, child_environment, to_json
 from launcher.internal_plane import serve_credentials
 from launcher.supervisor import ChildSpec, Supervisor
@@ -72,6 +72,7 @@ def stack_configs(args: argparse.Namespace) -> StackConfigs:
                 credentials=credentials,
                 kv_grant_secret=grant_secret,
                 torch_threads=args.torch_threads or default_torch_threads(role, num_prefill, num_decode),
+                max_torch_threads=0 if args.torch_threads else default_max_torch_threads(role, num_prefill, num_decode),
                 engine=engine,
             )
             for i in range(count)

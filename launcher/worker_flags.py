@@ -184,8 +184,10 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
         "--torch-threads",
         type=int,
         default=None,
-        help="torch threads per worker process (default: a prefill worker the cores the prefill workers "
-        "share, a decode worker its even share of the cores among all workers; docs/performance.md)",
+        help="torch threads per worker process, fixed (default: a prefill worker the cores the prefill workers "
+        "share; a decode worker starts on its even share of the cores among all workers and picks each step's "
+        "threads between that and the cores the decode workers share from measured step times; "
+        "docs/performance.md)",
     )
     p.add_argument("--kv-transport", default=field_default(TransportConfig, "backend"), choices=["mooncake", "local"])
     p.add_argument("--kv-host", default=None, help="address peers use to reach this worker's KV transport")

@@ -22,6 +22,9 @@ class WorkerConfig:
     engine: EngineConfig
     transport: TransportConfig  # its transfer_timeout_s: prefill's longest KV write before the request fails
     torch_threads: int
+    # decode: above torch_threads, the engine loop picks each step's threads between the two from measured
+    # step times (server_runtime/threads.py); 0 or torch_threads: always torch_threads
+    max_torch_threads: int = 0
     reservation_ttl_s: float = 300.0  # decode: pages held for a prefill that never comes (long queues wait)
     write_grace_s: float = 30.0  # decode: unused reservation pages rest this long before reuse
     is_embedding: bool = False  # prefill: serve Embed from an embedding model; no engine, KV or decode
@@ -42,6 +45,8 @@ class WorkerConfig:
             raise ValueError(f"metrics_port must be 0 (off) or a port other than port, got {self.metrics_port}")
         if self.torch_threads < 1:
             raise ValueError("torch_threads must be >= 1")
+        if self.max_torch_threads < 0:
+            raise ValueError("max_torch_threads must be >= 0")
         if self.grammar_compile_timeout_s <= 0:
             raise ValueError("grammar_compile_timeout_s must be positive")
         if self.drain_timeout_s < 0:

@@ -30,6 +30,7 @@ from engine.grammar_spec import GrammarSpec
 from engine.request import FinishReason, Request, SamplingParams, StepOutput
 from kv_transfer import KVTransferTimeout, KVTransport, RemotePages, TransferStats, check_timeout
 from server_runtime.metrics import WorkerMetrics
+from server_runtime.threads import ThreadTuner
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +127,15 @@ class EngineLoop:
     """The engine thread and the process's `BlockingWork` (`work`), owned together: `start()`
     starts the thread, `stop()` ends both. Only the engine thread touches `engine` once started."""
 
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, metrics: WorkerMetrics | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        loop: asyncio.AbstractEventLoop,
+        metrics: WorkerMetrics | None = None,
+        threads: ThreadTuner | None = None,
+    ) -> None:
         self.engine = engine
+        self.threads = threads  # None: the steps keep the thread count the process set
         self.metrics = metrics or WorkerMetrics("unknown")  # steps and pool state: written on the engine thread
         self.work = BlockingWork(loop)
         self._loop = loop
@@ -285,6 +293,8 @@ class EngineLoop:
             self._loop.call_soon_threadsafe(_set_result, future, result)
 
     def _step(self) -> None:
+        if self.threads is not None:
+            self.threads.before_step(kv_on_its_way=self.engine.num_reservations > 0)
         started = time.perf_counter()
         try:
             outputs = self.engine.step()
@@ -300,9 +310,11 @@ class EngineLoop:
                 )
             return
         self.num_steps += 1
-        self.metrics.observe_step(
-            time.perf_counter() - started, len(outputs), sum(o.token_id is not None for o in outputs)
-        )
+        seconds = time.perf_counter() - started
+        if self.threads is not None:
+            self.threads.after_step(seconds, len(outputs))
+            self.metrics.torch_threads.set(self.threads.threads)
+        self.metrics.observe_step(seconds, len(outputs), sum(o.token_id is not None for o in outputs))
         for output in outputs:
             self._deliver(output)
 

@@ -54,6 +54,11 @@ class WorkerMetrics:
             ["state"],
             registry=r,
         )
+        self.torch_threads = Gauge(
+            "tandem_worker_torch_threads",
+            "Torch threads the engine's steps run on (a decode worker's follow the load)",
+            registry=r,
+        )
         self.kv_pages_capacity = Gauge("tandem_worker_kv_pages_capacity", "KV pages in the pool", registry=r)
         self.prompt_tokens = Counter("tandem_worker_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.cached_prompt_tokens = Counter(

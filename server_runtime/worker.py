@@ -32,6 +32,7 @@ from server_runtime.context import EngineFacts, WorkerContext
 from server_runtime.embedding import EmbeddingContext, start_embedding
 from server_runtime.engine_loop import EngineLoop, use_device
 from server_runtime.metrics import WorkerMetrics, serve_metrics
+from server_runtime.threads import ThreadTuner
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -181,9 +182,23 @@ def start_engine_worker(config: WorkerConfig, metrics: WorkerMetrics) -> WorkerC
     except BaseException:
         transport.close()
         raise
-    loop = EngineLoop(engine, asyncio.get_running_loop(), metrics)
+    metrics.torch_threads.set(config.torch_threads)
+    loop = EngineLoop(engine, asyncio.get_running_loop(), metrics, thread_tuner(config))
     loop.start()
     return WorkerContext(config, loop, transport, facts, tandem.version(), weights_id)
+
+
+def thread_tuner(config: WorkerConfig) -> ThreadTuner | None:
+    """A decode worker on CPU with `max_torch_threads` above `torch_threads` picks between the two per step
+    (server_runtime/threads.py); any other worker keeps `torch_threads`."""
+    if config.role != "decode" or config.engine.device != "cpu" or config.max_torch_threads <= config.torch_threads:
+        return None
+    logger.info(
+        "decode steps run on %d or %d torch threads, whichever their measured times favour",
+        config.torch_threads,
+        config.max_torch_threads,
+    )
+    return ThreadTuner(config.torch_threads, config.max_torch_threads)
 
 
 def start_embedding_worker(config: WorkerConfig, metrics: WorkerMetrics) -> EmbeddingContext:

@@ -37,6 +37,9 @@ def test_the_gateway_finds_both_workers_and_all_three_share_one_token(tmp_path: 
     assert (stack.prefill.engine.enable_prefix_cache, stack.decode.engine.enable_prefix_cache) == (True, False)
     assert (stack.prefill.torch_threads, stack.decode.torch_threads) == (
         default_torch_threads("prefill"), default_torch_threads("decode"))
+    assert (stack.prefill.max_torch_threads, stack.decode.max_torch_threads) == (0, default_torch_threads("prefill"))
+    fixed = _stack("--torch-threads", "3")   # a count given is kept: no tuning
+    assert [(c.torch_threads, c.max_torch_threads) for c in fixed.children[:2]] == [(3, 0), (3, 0)]
 
 
 def test_an_embedding_stack_has_no_decode_and_no_grant_secret() -> None:
