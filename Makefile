@@ -45,12 +45,14 @@ models-bench: $(STAMP)
 	$(PY) -m scripts.fetch_models --bench
 
 # ruff (lint, then format as a check) on every package, then mypy on those pyproject.toml names; both
-# clean. `ruff format` and `ruff check --fix` mend most of what this reports.
+# clean. `ruff format` and `ruff check --fix` mend most of what this reports. mypy's cache is the machine's,
+# as the kernels' are: it checks each file's hash, so every checkout shares it (70 s cold, 2 s warm).
 PACKAGES := engine kernels kv_transfer server_runtime prefill_server decode_server gateway launcher protos/tandem
+MYPY_CACHE_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/tandem/mypy
 lint: install
 	$(VENV)/bin/ruff check $(PACKAGES)
 	$(VENV)/bin/ruff format --check $(PACKAGES)
-	$(VENV)/bin/mypy
+	MYPY_CACHE_DIR=$(MYPY_CACHE_DIR) $(VENV)/bin/mypy
 
 # Every fault-injection scenario (tests/chaos): `make test` runs overload, preemption and worker
 # crashes; this adds the frozen worker, the killed gateway, the drain and non-finite logits.

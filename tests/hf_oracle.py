@@ -5,10 +5,14 @@ Weights come from transformers' own GGUF loader (`load_gguf_checkpoint`), indepe
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers.initialization import no_init_weights
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from engine.engine import Engine
@@ -16,19 +20,63 @@ from engine.page_allocator import pages_needed
 from engine.request import Request, SamplingParams
 
 
+@contextmanager
+def cached_tensor_name_maps() -> Iterator[None]:
+    """transformers' GGUF loader asks gguf's `get_tensor_name_map(arch, n_blocks)` anew for every module of
+    the model (about 400 times for SmolLM2, 25 ms each, 13 s in all); the map is a pure function of its
+    arguments and the loader only reads it, so one map per arguments gives the same names."""
+    import gguf
+
+    library = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.cache(library)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = library
+
+
+@contextmanager
+def fast_gguf_reader() -> Iterator[None]:
+    """transformers reads a file's header with gguf's GGUFReader (13-20 s for a 150k vocabulary); the
+    same fields come from Tandem's FastGGUFReader in under a second (tests/unit/engine/test_gguf_types.py
+    holds them equal), so the oracle's values are unchanged. Tensor name maps are cached meanwhile
+    (`cached_tensor_name_maps`)."""
+    import gguf
+
+    from engine.weights.gguf_reader import FastGGUFReader
+
+    library = gguf.GGUFReader
+    gguf.GGUFReader = FastGGUFReader  # type: ignore[misc]
+    try:
+        with cached_tensor_name_maps():
+            yield
+    finally:
+        gguf.GGUFReader = library  # type: ignore[misc]
+
+
 def load_hf_smollm2(gguf_path: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).to_dict()
-    config["architectures"] = ["LlamaForCausalLM"]
-    model = LlamaForCausalLM(LlamaConfig.from_dict(config))   # real init: rotary buffers must exist
-    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model,
-                                   torch_dtype=torch.float32)["tensors"]
+    """HF's model of the bundled GGUF in `dtype`; the fp32 one is loaded once per process and shared (callers
+    only read it: greedy decoding and logits)."""
+    model = _load_hf_smollm2_fp32(gguf_path)
+    return model if dtype == torch.float32 else _load_hf_smollm2_fp32.__wrapped__(gguf_path).to(dtype).eval()
+
+
+@functools.cache
+def _load_hf_smollm2_fp32(gguf_path: Path) -> PreTrainedModel:
+    with fast_gguf_reader():
+        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).to_dict()
+        config["architectures"] = ["LlamaForCausalLM"]
+        with no_init_weights():   # every weight is loaded below; the rotary buffers are computed at build all the same
+            model = LlamaForCausalLM(LlamaConfig.from_dict(config))
+        tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model,
+                                       torch_dtype=torch.float32)["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise RuntimeError(f"HF oracle load mismatch: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
     if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
         raise RuntimeError("HF oracle: lm_head is not tied to the embeddings")
-    return model.to(dtype).eval()
+    return model.eval()
 
 
 def load_hf_dir(path: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:

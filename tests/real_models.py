@@ -18,6 +18,7 @@ from engine.engine import Engine
 from engine.request import Request, SamplingParams
 from engine.weights import Checkpoint
 from gateway.text.tokenizer import Tokenizer
+from tests.hf_oracle import fast_gguf_reader
 from scripts.fetch_models import MODELS, cache_dir, is_verified
 
 QWEN_0_5B = "qwen2.5-coder-0.5b-instruct"
@@ -55,28 +56,11 @@ def engine_greedy(
     return [outputs[f"r{i}"] for i in range(len(prompts))]
 
 
-@contextmanager
-def _fast_gguf_reader() -> Iterator[None]:
-    """transformers reads the file's header with gguf's GGUFReader (13-20 s for a 150k vocabulary); the
-    same fields come from Tandem's FastGGUFReader in under a second (tests/unit/engine/test_gguf_types.py
-    holds them equal), so the oracle's values are unchanged."""
-    import gguf
-
-    from engine.weights.gguf_reader import FastGGUFReader
-
-    library = gguf.GGUFReader
-    gguf.GGUFReader = FastGGUFReader  # type: ignore[misc]
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = library  # type: ignore[misc]
-
-
 def load_hf_gguf(path: Path) -> PreTrainedModel:
     """HF transformers' fp32 model of a GGUF file, its weights dequantized by transformers' own GGUF loader
     (independent of Tandem's). `from_pretrained(gguf_file=)` would need accelerate, so the model is built
     from the file's config, without the random init its weights would only overwrite, and loaded here."""
-    with _fast_gguf_reader():
+    with fast_gguf_reader():
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         with no_init_weights():
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

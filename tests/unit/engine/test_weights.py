@@ -17,6 +17,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from engine.config import ConfigError
 from engine.models.registry import config_from_hf
 from engine.weights import Checkpoint, open_checkpoint
+from tests.hf_oracle import cached_tensor_name_maps
 from tests.tiny_models import save_tiny_gguf, save_tiny_llama, save_tiny_qwen2
 
 torch.set_flush_denormal(True)
@@ -69,8 +70,9 @@ def test_smollm2_tensors_equal_transformers_gguf_load(smollm2: Checkpoint,
     # function it calls to name, dequantize and un-permute the tensors.
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig.from_dict(smollm2_hf_config))
-    loaded = load_gguf_checkpoint(str(_smollm2_dir() / SMOLLM2_FILE), return_tensors=True,
-                                  model_to_load=model, torch_dtype=torch.float32)["tensors"]
+    with cached_tensor_name_maps():
+        loaded = load_gguf_checkpoint(str(_smollm2_dir() / SMOLLM2_FILE), return_tensors=True,
+                                      model_to_load=model, torch_dtype=torch.float32)["tensors"]
     assert "lm_head.weight" not in loaded  # tied: transformers shares the embedding
     reference = dict(loaded, **{"lm_head.weight": loaded["model.embed_tokens.weight"]})
     assert set(reference) == set(model.state_dict())
