@@ -4,8 +4,6 @@ and greedy runs over them of Tandem's engine and of HF transformers' fp32 dequan
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
