@@ -78,14 +78,21 @@ def test_serve_gives_the_grant_secret_to_the_workers_and_not_the_gateway(stack: 
     assert not any(secret in arg for _, argv in children.values() for arg in argv)
 
 
-_VICTIM = {"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 160,
+_VICTIM = {"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 96,
            "messages": [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]}
+_UNATTACKED: dict[str, str] = {}   # the victim's greedy text with no attack, by gateway URL: computed once
 
 
 def _victim_text(stack: Stack) -> str:
     reply = httpx.post(f"{stack.url}/v1/chat/completions", json=_VICTIM, timeout=600)
     reply.raise_for_status()
     return reply.json()["choices"][0]["message"]["content"]
+
+
+def _unattacked_text(stack: Stack) -> str:
+    if stack.url not in _UNATTACKED:
+        _UNATTACKED[stack.url] = _victim_text(stack)
+    return _UNATTACKED[stack.url]
 
 
 def _forged_prefill(prefill: prefill_pb2_grpc.PrefillServiceStub, rid: str, target: common_pb2.KvTarget,
@@ -103,7 +110,7 @@ def test_forged_prefills_write_nothing_and_the_victim_output_is_unchanged(stack:
     """Even a caller holding the token (a compromised service) cannot name pages: a made-up grant, or its
     own genuine grant aimed at other pages, is refused while a greedy chat runs; the chat's text is
     byte-identical to a run with no attack."""
-    expected = _victim_text(stack)
+    expected = _unattacked_text(stack)
     with grpc.insecure_channel(f"127.0.0.1:{stack.prefill_port}") as p_channel, \
             grpc.insecure_channel(f"127.0.0.1:{stack.decode_port}") as d_channel:
         prefill, decode = prefill_pb2_grpc.PrefillServiceStub(p_channel), decode_pb2_grpc.DecodeServiceStub(d_channel)
@@ -160,7 +167,7 @@ def test_a_token_holder_cannot_mint_a_grant_for_the_victims_pages(stack: Stack, 
     keyed as a grant key derived from the token would be, over every page of the pool while a greedy chat
     runs. The workers' grant secret is not the token, so every write is refused, the prefill worker logs
     each refusal, and the chat's text is byte-identical to a run with no attack."""
-    expected = _victim_text(stack)
+    expected = _unattacked_text(stack)
     log_start = stack.log_path.stat().st_size
     with grpc.insecure_channel(f"127.0.0.1:{stack.prefill_port}") as p_channel, \
             grpc.insecure_channel(f"127.0.0.1:{stack.decode_port}") as d_channel:
