@@ -52,18 +52,19 @@ def _flags() -> list[str]:
     return ["-O3", f"-march={arch}", "-fno-math-errno", "-std=c++17", "-fopenmp"]
 
 
-def _cpu_flags() -> list[str]:
+def _cpu_flags() -> list[str] | None:
+    """The x86 flags /proc/cpuinfo lists (none on other CPUs); None where there is no /proc (not Linux)."""
     try:
         with open("/proc/cpuinfo") as f:
             line = next((line for line in f if line.startswith("flags")), "")
     except OSError:
-        return []
+        return None
     return line.partition(":")[2].split()
 
 
 def _cpu_has(*flags: str) -> bool:
     have = _cpu_flags()
-    return not have or all(flag in have for flag in flags)  # not Linux: trust the configured architecture
+    return have is None or all(flag in have for flag in flags)  # not Linux: trust the configured architecture
 
 
 def _cache_root() -> Path:
@@ -84,7 +85,7 @@ def _build_name(flags: list[str]) -> str:
     content = b"".join((_CSRC / name).read_bytes() for name in _SOURCES + _HEADERS)
     target = [*flags, f"torch={torch.__version__}", f"python={sys.version_info[0]}.{sys.version_info[1]}"]
     if "-march=native" in flags:  # one cache may serve machines with other CPUs (a shared home)
-        target += sorted(_cpu_flags())
+        target += sorted(_cpu_flags() or ())
     return "tandem_cpu_" + hashlib.sha256(content + " ".join(target).encode()).hexdigest()[:12]
 
 

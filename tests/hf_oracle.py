@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.initialization import no_init_weights
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -54,29 +54,31 @@ def fast_gguf_reader() -> Iterator[None]:
         gguf.GGUFReader = library  # type: ignore[misc]
 
 
-def load_hf_smollm2(gguf_path: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """HF's model of the bundled GGUF in `dtype`; the fp32 one is loaded once per process and shared (callers
-    only read it: greedy decoding and logits)."""
-    model = _load_hf_smollm2_fp32(gguf_path)
-    return model if dtype == torch.float32 else _load_hf_smollm2_fp32.__wrapped__(gguf_path).to(dtype).eval()
+def load_hf_gguf(path: Path) -> PreTrainedModel:
+    """HF transformers' fp32 model of a GGUF file, its weights dequantized by transformers' own GGUF loader
+    (independent of Tandem's). `from_pretrained(gguf_file=)` would need accelerate, so the model is built
+    from the file's config, without the random init its weights would only overwrite (the rotary buffers
+    are computed at build all the same), and loaded here."""
+    with fast_gguf_reader():
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        with no_init_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(tensors["tensors"], strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"HF reference load mismatch: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    return model.eval()
 
 
 @functools.cache
-def _load_hf_smollm2_fp32(gguf_path: Path) -> PreTrainedModel:
-    with fast_gguf_reader():
-        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).to_dict()
-        config["architectures"] = ["LlamaForCausalLM"]
-        with no_init_weights():   # every weight is loaded below; the rotary buffers are computed at build all the same
-            model = LlamaForCausalLM(LlamaConfig.from_dict(config))
-        tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model,
-                                       torch_dtype=torch.float32)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:
-        raise RuntimeError(f"HF oracle load mismatch: missing {missing}, unexpected {unexpected}")
-    model.tie_weights()
+def load_hf_smollm2(gguf_path: Path) -> PreTrainedModel:
+    """HF's fp32 model of the bundled GGUF, loaded once per process and shared (its callers only read it)."""
+    model = load_hf_gguf(gguf_path)
     if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
         raise RuntimeError("HF oracle: lm_head is not tied to the embeddings")
-    return model.eval()
+    return model
 
 
 def load_hf_dir(path: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:

@@ -7,16 +7,13 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
-from transformers.initialization import no_init_weights
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+from transformers import PreTrainedModel
 
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import Request, SamplingParams
 from engine.weights import Checkpoint
 from gateway.text.tokenizer import Tokenizer
-from tests.hf_oracle import fast_gguf_reader
 from scripts.fetch_models import MODELS, cache_dir, is_verified
 
 QWEN_0_5B = "qwen2.5-coder-0.5b-instruct"
@@ -52,23 +49,6 @@ def engine_greedy(
     if engine.allocator.num_free != engine.allocator.num_pages:
         raise AssertionError("the engine still holds KV pages after every request finished")
     return [outputs[f"r{i}"] for i in range(len(prompts))]
-
-
-def load_hf_gguf(path: Path) -> PreTrainedModel:
-    """HF transformers' fp32 model of a GGUF file, its weights dequantized by transformers' own GGUF loader
-    (independent of Tandem's). `from_pretrained(gguf_file=)` would need accelerate, so the model is built
-    from the file's config, without the random init its weights would only overwrite, and loaded here."""
-    with fast_gguf_reader():
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-        with no_init_weights():
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(tensors["tensors"], strict=False)
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    if unexpected or set(missing) - tied:
-        raise RuntimeError(f"HF reference load mismatch: missing {missing}, unexpected {unexpected}")
-    model.tie_weights()
-    return model.eval()
 
 
 @torch.inference_mode()

@@ -11,7 +11,6 @@ import grpc
 import httpx
 import openai
 import pytest
-import torch
 
 from gateway.text.tokenizer import load_tokenizer
 from tests.e2e.stack import WORKER_METADATA, Stack
@@ -20,6 +19,7 @@ from tests.hf_oracle import hf_greedy, load_hf_smollm2
 pytestmark = pytest.mark.slow
 
 from tests.e2e.conftest import CONTEXT_LEN, MODEL
+
 TOPICS = ["the sea", "a cat", "mountains", "coffee", "the moon", "trains", "rain", "a library",
           "bread", "winter", "a garden", "the desert", "music", "a bridge", "stars", "autumn"]
 
@@ -51,7 +51,7 @@ def test_unset_temperature_takes_the_bundled_models_greedy_default(client: opena
 
 def test_greedy_outputs_through_the_gateway_equal_hf(stack: Stack, smollm2_path: Path) -> None:
     tokenizer = load_tokenizer(str(smollm2_path))
-    hf = load_hf_smollm2(smollm2_path, torch.float32)
+    hf = load_hf_smollm2(smollm2_path)
     for prompt in ["The capital of France is", "def fibonacci(n):", "Once upon a time"]:
         body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}}
         response = httpx.post(f"{stack.url}/generate", json=body, timeout=120).json()

@@ -45,7 +45,7 @@ def test_smollm2_fp32_greedy_matches_hf_token_for_token(smollm2_path: Path) -> N
     # all five prompts prefill in one batch and decode together: batching must not change tokens
     ours = _generate(engine, prompts, SamplingParams(temperature=0, max_new_tokens=NUM_TOKENS, ignore_eos=True))
     assert engine.allocator.num_free == engine.allocator.num_pages
-    hf = load_hf_smollm2(smollm2_path, torch.float32)
+    hf = load_hf_smollm2(smollm2_path)
     for prompt, ids, tokens in zip(PROMPTS, prompts, ours):
         assert tokens == hf_greedy(hf, ids, NUM_TOKENS), prompt
     assert "Paris" in tokenizer.decode(ours[0])

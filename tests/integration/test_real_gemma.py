@@ -18,12 +18,12 @@ from gateway.text.tokenizer import Tokenizer, load_tokenizer
 from launcher.configs import engine_config
 from launcher.flags import build_parser
 from tests.e2e.stack import Stack, start_stack
+from tests.hf_oracle import load_hf_gguf
 from tests.real_models import (
     GEMMA_270M,
     count_identical,
     engine_greedy,
     hf_greedy_batch,
-    load_hf_gguf,
     real_model_path,
     up_to_end_of_text,
 )

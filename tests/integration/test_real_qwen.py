@@ -17,12 +17,12 @@ from engine.weights import Checkpoint, open_checkpoint
 from gateway.text.tokenizer import Tokenizer, load_tokenizer
 from launcher.configs import engine_config
 from launcher.flags import build_parser
+from tests.hf_oracle import load_hf_gguf
 from tests.real_models import (
     QWEN_0_5B,
     count_identical,
     engine_greedy,
     hf_greedy_batch,
-    load_hf_gguf,
     real_model_path,
     up_to_end_of_text,
 )

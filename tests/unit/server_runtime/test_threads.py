@@ -20,10 +20,9 @@ from server_runtime.threads import ThreadTuner
 class Steps:
     """Runs steps through a tuner with step times from `seconds(threads, rows)`; records the counts set."""
 
-    def __init__(self, tuner: ThreadTuner) -> None:
-        self.tuner = tuner
+    def __init__(self, low: int, high: int, **settings: int) -> None:
         self.set_calls: list[int] = []
-        tuner._set_threads = self.set_calls.append
+        self.tuner = ThreadTuner(low, high, set_threads=self.set_calls.append, **settings)
         self.ran_on: list[int] = []
 
     def run(self, count: int, rows: int, seconds) -> None:
@@ -34,7 +33,7 @@ class Steps:
 
 
 def test_more_threads_win_when_their_steps_are_faster_and_the_choice_holds() -> None:
-    steps = Steps(ThreadTuner(1, 2, hold_steps=8, probe_steps=3))
+    steps = Steps(1, 2, hold_steps=8, probe_steps=3)
     steps.run(40, 1, lambda threads, rows: 0.050 if threads == 1 else 0.030)
     assert steps.ran_on[:8] == [1] * 8 and steps.ran_on[8:11] == [2] * 3   # held, then probed
     assert steps.tuner.chosen() == 2 and steps.tuner.switches == 1
@@ -44,7 +43,7 @@ def test_more_threads_win_when_their_steps_are_faster_and_the_choice_holds() -> 
 
 
 def test_a_losing_probe_doubles_the_hold() -> None:
-    steps = Steps(ThreadTuner(1, 2, hold_steps=8, probe_steps=3, max_hold_steps=32))
+    steps = Steps(1, 2, hold_steps=8, probe_steps=3, max_hold_steps=32)
     steps.run(200, 4, lambda threads, rows: 0.020 if threads == 1 else 0.024)
     assert steps.tuner.chosen() == 1 and steps.tuner.switches == 0
     probes = [i for i, (a, b) in enumerate(zip(steps.ran_on, steps.ran_on[1:])) if a == 1 and b == 2]
@@ -54,7 +53,7 @@ def test_a_losing_probe_doubles_the_hold() -> None:
 
 
 def test_a_probe_across_a_batch_change_gives_no_verdict_and_the_next_waits_longer() -> None:
-    steps = Steps(ThreadTuner(1, 2, hold_steps=8, probe_steps=3))
+    steps = Steps(1, 2, hold_steps=8, probe_steps=3)
     steps.run(8, 1, lambda threads, rows: 0.050)
     steps.run(3, 2, lambda threads, rows: 0.001)   # the probe on 2 threads sees another batch: not compared
     assert steps.tuner.chosen() == 1 and steps.tuner.threads == 1 and steps.tuner.hold_steps() == 16
@@ -63,9 +62,8 @@ def test_a_probe_across_a_batch_change_gives_no_verdict_and_the_next_waits_longe
 def test_steps_with_kv_on_its_way_keep_their_own_choice() -> None:
     """With a prefill under way (a reservation waits for its KV), the other core is busy and one thread wins;
     without, two do; each situation learns its own and keeps it while the other runs."""
-    tuner = ThreadTuner(1, 2, hold_steps=8, probe_steps=3)
     applied: list[int] = []
-    tuner._set_threads = applied.append
+    tuner = ThreadTuner(1, 2, hold_steps=8, probe_steps=3, set_threads=applied.append)
     times = {(False, 1): 0.050, (False, 2): 0.030, (True, 1): 0.060, (True, 2): 0.110}
     for step in range(400):
         waiting = (step // 50) % 2 == 1   # 50 steps alone, 50 with a prefill under way, ...
@@ -79,7 +77,7 @@ def test_a_held_count_that_slows_down_is_probed_at_once() -> None:
     """Two threads won while the machine was quiet; a burst of other work makes them slow, and the next
     window of slow steps (not the next hold) starts a probe, which one thread wins."""
     busy = False
-    steps = Steps(ThreadTuner(1, 2, hold_steps=8, probe_steps=3, max_hold_steps=1024))
+    steps = Steps(1, 2, hold_steps=8, probe_steps=3, max_hold_steps=1024)
     quiet = {1: 0.050, 2: 0.030}
     loaded = {1: 0.055, 2: 0.120}
     steps.run(11, 1, lambda threads, rows: (loaded if busy else quiet)[threads])
