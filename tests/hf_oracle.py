@@ -1,13 +1,19 @@
 """HF transformers as the test oracle: SmolLM2 from its GGUF, greedy decoding, full-sequence logits.
 
-Weights come from transformers' own GGUF loader (`load_gguf_checkpoint`), independent of ours.
+Weights come from transformers' own GGUF loader (`load_gguf_checkpoint`), independent of ours. Greedy
+tokens of a GGUF file are kept once per machine (`greedy_reference`): the oracle's own output, recomputed
+whenever the file, the prompts, the oracle's code or the versions of torch, transformers or gguf change.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -18,6 +24,9 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from engine.engine import Engine
 from engine.page_allocator import pages_needed
 from engine.request import Request, SamplingParams
+from scripts.fetch_models import cache_dir
+
+_ORACLE_SOURCES = (Path(__file__), Path(__file__).with_name("real_models.py"))
 
 
 @contextmanager
@@ -122,3 +131,35 @@ def assert_logits_match_hf(engine: Engine, hf: PreTrainedModel, lengths: tuple[i
             if pages_needed(req.seq_len, page_size) > len(req.page_ids):
                 req.page_ids += engine.allocator.allocate(1)
         logits = engine.runner.forward_logits(requests, is_decode=True)
+
+
+@functools.cache
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def greedy_reference(path: Path, method: str, prompts: list[list[int]], num_tokens: int,
+                     compute: Callable[[], list[list[int]]]) -> list[list[int]]:
+    """The oracle's greedy tokens for `prompts` on the GGUF file at `path` by `method` (the function
+    `compute` calls): `compute()` the first time on a machine, then read back from `<model cache>/oracle/`
+    (HF's fp32 load and decode of a 0.5B model take about 50 s). The key holds the file's sha256, `method`,
+    the prompts, `num_tokens`, the text of this module and of tests/real_models.py, and the versions of
+    torch, transformers and gguf, so any change recomputes."""
+    versions = {name: metadata.version(name) for name in ("torch", "transformers", "gguf")}
+    code = hashlib.sha256(b"".join(source.read_bytes() for source in _ORACLE_SOURCES)).hexdigest()
+    key = json.dumps([_file_sha256(path), method, prompts, num_tokens, versions, code])
+    stored = cache_dir(os.environ) / "oracle" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+    if stored.is_file():
+        record = json.loads(stored.read_text())
+        if record["key"] == key:
+            return [list(map(int, tokens)) for tokens in record["tokens"]]
+    tokens = compute()
+    stored.parent.mkdir(parents=True, exist_ok=True)
+    partial = stored.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps({"key": key, "tokens": tokens}))
+    partial.replace(stored)
+    return tokens

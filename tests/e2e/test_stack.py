@@ -14,7 +14,7 @@ import pytest
 
 from gateway.text.tokenizer import load_tokenizer
 from tests.e2e.stack import WORKER_METADATA, Stack
-from tests.hf_oracle import hf_greedy, load_hf_smollm2
+from tests.hf_oracle import greedy_reference, hf_greedy, load_hf_smollm2
 
 pytestmark = pytest.mark.slow
 
@@ -51,11 +51,13 @@ def test_unset_temperature_takes_the_bundled_models_greedy_default(client: opena
 
 def test_greedy_outputs_through_the_gateway_equal_hf(stack: Stack, smollm2_path: Path) -> None:
     tokenizer = load_tokenizer(str(smollm2_path))
-    hf = load_hf_smollm2(smollm2_path)
-    for prompt in ["The capital of France is", "def fibonacci(n):", "Once upon a time"]:
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    ids = [tokenizer.encode(prompt) for prompt in prompts]
+    references = greedy_reference(smollm2_path, "hf_greedy", ids, 16,
+                                  lambda: [hf_greedy(load_hf_smollm2(smollm2_path), one, 16) for one in ids])
+    for prompt, expected in zip(prompts, references):
         body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}}
         response = httpx.post(f"{stack.url}/generate", json=body, timeout=120).json()
-        expected = hf_greedy(hf, tokenizer.encode(prompt), 16)
         assert response["output_ids"] == expected, prompt
         assert response["text"] == tokenizer.decode(expected)
         assert response["meta_info"]["finish_reason"] == {"type": "length", "length": 16}

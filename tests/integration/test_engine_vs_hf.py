@@ -13,7 +13,7 @@ from engine.page_allocator import pages_needed
 from engine.request import Request, SamplingParams
 from engine.weights import open_checkpoint
 from gateway.text.tokenizer import load_tokenizer
-from tests.hf_oracle import assert_logits_match_hf, hf_greedy, load_hf_dir, load_hf_smollm2
+from tests.hf_oracle import assert_logits_match_hf, greedy_reference, hf_greedy, load_hf_dir, load_hf_smollm2
 from tests.tiny_models import save_tiny_llama, save_tiny_qwen2
 
 PROMPTS = [
@@ -45,9 +45,10 @@ def test_smollm2_fp32_greedy_matches_hf_token_for_token(smollm2_path: Path) -> N
     # all five prompts prefill in one batch and decode together: batching must not change tokens
     ours = _generate(engine, prompts, SamplingParams(temperature=0, max_new_tokens=NUM_TOKENS, ignore_eos=True))
     assert engine.allocator.num_free == engine.allocator.num_pages
-    hf = load_hf_smollm2(smollm2_path)
-    for prompt, ids, tokens in zip(PROMPTS, prompts, ours):
-        assert tokens == hf_greedy(hf, ids, NUM_TOKENS), prompt
+    expected = greedy_reference(smollm2_path, "hf_greedy", prompts, NUM_TOKENS,
+                                lambda: [hf_greedy(load_hf_smollm2(smollm2_path), ids, NUM_TOKENS) for ids in prompts])
+    for prompt, tokens, reference in zip(PROMPTS, ours, expected):
+        assert tokens == reference, prompt
     assert "Paris" in tokenizer.decode(ours[0])
 
 

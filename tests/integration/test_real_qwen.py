@@ -17,7 +17,7 @@ from engine.weights import Checkpoint, open_checkpoint
 from gateway.text.tokenizer import Tokenizer, load_tokenizer
 from launcher.configs import engine_config
 from launcher.flags import build_parser
-from tests.hf_oracle import load_hf_gguf
+from tests.hf_oracle import greedy_reference, load_hf_gguf
 from tests.real_models import (
     QWEN_0_5B,
     count_identical,
@@ -75,12 +75,16 @@ def prompts(tokenizer: Tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_tokens(model_path: Path, prompts: list[list[int]]) -> list[list[int]]:
-    """The reference's greedy tokens; its 2.4 GB of fp32 weights are freed before any engine loads."""
-    model = load_hf_gguf(model_path)
-    tokens = hf_greedy_batch(model, prompts, NUM_TOKENS)
-    del model
-    gc.collect()
-    return tokens
+    """The reference's greedy tokens (kept once per machine); its 2.4 GB of fp32 weights are freed before any
+    engine loads."""
+    def compute() -> list[list[int]]:
+        model = load_hf_gguf(model_path)
+        tokens = hf_greedy_batch(model, prompts, NUM_TOKENS)
+        del model
+        gc.collect()
+        return tokens
+
+    return greedy_reference(model_path, "hf_greedy_batch", prompts, NUM_TOKENS, compute)
 
 
 def test_the_file_ends_generation_where_hf_does(checkpoint: Checkpoint) -> None:
