@@ -4,7 +4,8 @@ Two kinds of model are served:
 
 - a BERT encoder (`engine/bert.py`, HF `BertModel` directory): bidirectional attention over a
   right-padded batch; pooling from the directory's sentence-transformers files (mean for
-  all-MiniLM-L6-v2);
+  all-MiniLM-L6-v2); or a BERT cross-encoder (`BertForSequenceClassification`), whose "embedding"
+  is its [CLS] row's `num_labels` logits, fed a pair's token types;
 - a Llama/Qwen2 decoder (`engine/model.py` `CausalLM`, any checkpoint `open_checkpoint` reads):
   causal attention, pooling `last` unless a sentence-transformers `modules.json` says otherwise
   (gte-Qwen2 style). Its lm_head is loaded but unused;
@@ -29,6 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.bert import ARCHITECTURE as BERT_ARCHITECTURE
+from engine.bert import CLASSIFIER_ARCHITECTURE as BERT_CLASSIFIER_ARCHITECTURE
 from engine.bert import BertModel
 from engine.config import EngineConfig
 from engine.errors import ContextLengthExceededError, InvalidRequestError
@@ -54,6 +56,8 @@ class EmbeddingModelInfo:
     embedding_dim: int
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] = ()
+    is_classifier: bool = False  # the vectors are a sequence classifier's `embedding_dim` logits
+    num_token_types: int = 1  # segment ids an input may carry (2 for a BERT pair)
 
     def check_dimensions(self, dimensions: int | None) -> None:
         """Raise `InvalidRequestError` unless `dimensions` (None = full size) is a size this model serves."""
@@ -74,8 +78,11 @@ class EmbeddingModelInfo:
 
 
 class Encoder(Protocol):
-    def hidden_states(self, token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Last hidden states of every token, packed: [sum of lengths, hidden] (a classifier's: [.., num_labels])."""
+    def hidden_states(
+        self, token_lists: Sequence[Sequence[int]], token_type_lists: Sequence[Sequence[int]] | None = None
+    ) -> torch.Tensor:
+        """Last hidden states of every token, packed: [sum of lengths, hidden] (a classifier's: [.., num_labels]).
+        `token_type_lists`: each input's segment ids, as long as its tokens (None: all 0)."""
         ...
 
 
@@ -85,17 +92,23 @@ class PaddedBert:
     def __init__(self, model: BertModel) -> None:
         self.model = model
 
-    def hidden_states(self, token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
+    def hidden_states(
+        self, token_lists: Sequence[Sequence[int]], token_type_lists: Sequence[Sequence[int]] | None = None
+    ) -> torch.Tensor:
         longest = max(len(t) for t in token_lists)
-        padded = [list(tokens) + [0] * (longest - len(tokens)) for tokens in token_lists]
-        input_ids = torch.tensor(padded, dtype=torch.int64, device=self.device)
+        input_ids = self._padded(token_lists, longest)
+        token_type_ids = None if token_type_lists is None else self._padded(token_type_lists, longest)
         lens = torch.tensor([len(t) for t in token_lists], device=self.device)
         mask = torch.arange(longest, device=self.device).unsqueeze(0) < lens.unsqueeze(1)
-        return self.model(input_ids, mask)[mask]
+        return self.model(input_ids, mask, token_type_ids)[mask]
+
+    def _padded(self, lists: Sequence[Sequence[int]], longest: int) -> torch.Tensor:
+        padded = [list(values) + [0] * (longest - len(values)) for values in lists]
+        return torch.tensor(padded, dtype=torch.int64, device=self.device)
 
     @property
     def device(self) -> torch.device:
-        return self.model.embeddings.word_embeddings.weight.device
+        return self.model.word_embeddings.weight.device
 
 
 class ScratchDecoder:
@@ -117,7 +130,10 @@ class ScratchDecoder:
         self.rotary = rotary_embedding(mc, context_len, dtype, self.device)
         self.attention = attention_backend(engine_config.attention_backend, mc, _SCRATCH_PAGE_SIZE, dtype, self.device)
 
-    def hidden_states(self, token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
+    def hidden_states(
+        self, token_lists: Sequence[Sequence[int]], token_type_lists: Sequence[Sequence[int]] | None = None
+    ) -> torch.Tensor:
+        """`token_type_lists` is ignored: a decoder has no segments (`Embedder` allows only type 0 for it)."""
         mc, size = self.model.config, _SCRATCH_PAGE_SIZE
         num_pages = [pages_needed(len(tokens), size) for tokens in token_lists]
         first = accumulate(num_pages[:-1], initial=0)
@@ -144,18 +160,29 @@ class Embedder:
         self.max_batch_tokens = max_batch_tokens
 
     @torch.inference_mode()
-    def embed(self, token_lists: Sequence[Sequence[int]], dimensions: int | None = None) -> torch.Tensor:
+    def embed(
+        self,
+        token_lists: Sequence[Sequence[int]],
+        dimensions: int | None = None,
+        token_type_lists: Sequence[Sequence[int]] | None = None,
+    ) -> torch.Tensor:
         """[len(token_lists), dimensions or embedding_dim] float32, rows in input order.
 
+        `token_type_lists`: each input's segment ids (a BERT cross-encoder's pair: 0s then 1s), as
+        long as its tokens; None: every token is segment 0.
+
         Raises `InvalidRequestError` (no inputs, an empty input, a token outside the vocabulary, a
-        size the model does not serve) or `ContextLengthExceededError` before computing anything.
+        size the model does not serve, token types the model has not) or `ContextLengthExceededError`
+        before computing anything.
         """
         self.check(token_lists, dimensions)
+        self._check_token_types(token_lists, token_type_lists)
         order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))
         vectors = torch.empty(len(token_lists), self.info.embedding_dim, dtype=torch.float32)
         for rows in self._pieces(order, token_lists):
             batch = [token_lists[i] for i in rows]
-            hidden = self.encoder.hidden_states(batch)
+            types = None if token_type_lists is None else [token_type_lists[i] for i in rows]
+            hidden = self.encoder.hidden_states(batch, types)
             vectors[rows] = pool(hidden, [len(t) for t in batch], self.pooling).cpu()
         if dimensions is not None and dimensions != self.info.embedding_dim:
             vectors = truncate(vectors, dimensions, self.pooling.normalize)
@@ -176,6 +203,22 @@ class Embedder:
                 raise InvalidRequestError(f"input {i}: token id {bad} is outside [0, {self.info.vocab_size})")
         self.info.check_dimensions(dimensions)
 
+    def _check_token_types(
+        self, token_lists: Sequence[Sequence[int]], token_type_lists: Sequence[Sequence[int]] | None
+    ) -> None:
+        if token_type_lists is None:
+            return
+        if len(token_type_lists) != len(token_lists):
+            raise InvalidRequestError(f"{len(token_type_lists)} token type lists for {len(token_lists)} inputs")
+        for i, (tokens, types) in enumerate(zip(token_lists, token_type_lists)):
+            if len(types) != len(tokens):
+                raise InvalidRequestError(f"input {i}: {len(types)} token types for {len(tokens)} tokens")
+            bad = next((t for t in types if not 0 <= t < self.info.num_token_types), None)
+            if bad is not None:
+                raise InvalidRequestError(
+                    f"input {i}: token type {bad} is outside [0, {self.info.num_token_types}) for this model"
+                )
+
     def _pieces(self, order: list[int], token_lists: Sequence[Sequence[int]]) -> list[list[int]]:
         """Split `order` (ascending length) so each piece's padded size stays within max_batch_tokens."""
         pieces: list[list[int]] = [[]]
@@ -192,14 +235,17 @@ def load_embedder(model_path: str, config: EngineConfig, progress: bool = True) 
     `config.max_prefill_tokens` bounds one forward pass; `config.context_len` may shrink the model's.
     """
     dtype = torch_dtype(config.dtype)
-    is_classifier = False
+    num_token_types = 1
     if is_bert_dir(model_path):
         checkpoint = open_bert_checkpoint(model_path)
         bert = materialize(lambda: BertModel(checkpoint.config), dtype, config.device).eval()
         bert.load_weights(checkpoint.tensors(progress=progress))
         encoder: Encoder = PaddedBert(bert)
         bc = checkpoint.config
-        mc_max, vocab, hidden, arch = bc.max_position_embeddings, bc.vocab_size, bc.hidden_size, BERT_ARCHITECTURE
+        is_classifier, num_token_types = bc.num_labels > 0, bc.type_vocab_size
+        mc_max, vocab = bc.max_position_embeddings, bc.vocab_size
+        hidden = bc.num_labels or bc.hidden_size
+        arch = BERT_CLASSIFIER_ARCHITECTURE if is_classifier else BERT_ARCHITECTURE
         default_mode = PoolingMode.CLS
     else:
         decoder_checkpoint = open_checkpoint(model_path)
@@ -212,8 +258,8 @@ def load_embedder(model_path: str, config: EngineConfig, progress: bool = True) 
             model, min(config.context_len or mc_max, mc_max), config, dtype, apply_head=is_classifier
         )
         default_mode = PoolingMode.LAST
-    if is_classifier:  # the scores are the model's own output: the last token's, never normalized or cut
-        pooling, matryoshka = PoolingConfig(PoolingMode.LAST, normalize=False), None
+    if is_classifier:  # the scores are the model's own output: [CLS]'s or the last token's, never normalized or cut
+        pooling, matryoshka = PoolingConfig(default_mode, normalize=False), None
     else:
         pooling, matryoshka = read_pooling_config(model_path, default_mode), _matryoshka(model_path)
     info = EmbeddingModelInfo(
@@ -223,6 +269,8 @@ def load_embedder(model_path: str, config: EngineConfig, progress: bool = True) 
         embedding_dim=hidden,
         is_matryoshka=matryoshka is not None,
         matryoshka_dimensions=matryoshka or (),
+        is_classifier=is_classifier,
+        num_token_types=num_token_types,
     )
     return Embedder(encoder, pooling, info, config.max_prefill_tokens)
 

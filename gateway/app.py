@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.main import STARTUP_FAILURE
 
-from gateway.api import admin, embeddings, experts, metrics_routes, native, openai, vllm
+from gateway.api import admin, embeddings, experts, invocations, metrics_routes, native, openai, scoring, vllm
 from gateway.api.auth import AuthMiddleware, log_key_policy
 from gateway.api.body_limit import BodyLimitMiddleware, BodyTooLarge
 from gateway.api.metrics_routes import MetricsMiddleware
@@ -41,6 +41,8 @@ ROUTERS = (
     files_routes.router,
     batches_routes.router,
     embeddings.router,
+    scoring.router,
+    invocations.router,
     experts.router,
     metrics_routes.router,
 )

@@ -13,6 +13,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 from gateway.service.generation import GenerationService
+from gateway.service.pooling import PoolingWorkers
 from gateway.text.tokenizer import Tokenizer
 
 
@@ -45,6 +46,10 @@ class GatewayState:
                 param="model",
                 code="model_not_generative",
             )
+
+    def pooling_workers(self) -> PoolingWorkers:
+        """The embedding workers, for the pooling operations (embeddings, score, rerank)."""
+        return PoolingWorkers(self.pool, self.config.served_model_name, self.config.prefill_timeout_s)
 
     def require_tokenizer(self, param: str) -> Tokenizer:
         """The tokenizer, or a 400 naming `param` when the server runs without one."""

@@ -30,9 +30,14 @@ class EmbeddingServicer(prefill_pb2_grpc.PrefillServiceServicer):
     ) -> prefill_pb2.EmbedResponse:
         bind_request_id(request.request_id)
         token_lists = [list(item.token_ids) for item in request.inputs]
+        # Segments only when some input has them; an input without them is all segment 0.
+        has_types = any(item.token_type_ids for item in request.inputs)
+        token_type_lists = (
+            [list(item.token_type_ids) or [0] * len(item.token_ids) for item in request.inputs] if has_types else None
+        )
         dimensions = request.dimensions if request.HasField("dimensions") else None
         try:
-            result = await self.ctx.embed(token_lists, dimensions)
+            result = await self.ctx.embed(token_lists, dimensions, token_type_lists)
         except EngineError as exc:
             logger.warning("embed %s failed: %s", request.request_id, exc)
             await abort_with(context, exc)

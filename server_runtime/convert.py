@@ -159,6 +159,7 @@ def embedding_model_info_to_proto(
         embedding_dim=info.embedding_dim,
         is_matryoshka=info.is_matryoshka,
         matryoshka_dimensions=list(info.matryoshka_dimensions),
+        is_classifier=info.is_classifier,
     )
 
 

@@ -50,8 +50,14 @@ class EmbeddingContext:
     def description(self) -> str:
         return "no KV transport: embeddings only"
 
-    async def embed(self, token_lists: Sequence[Sequence[int]], dimensions: int | None) -> EmbedResult:
-        """Embed one batch on the embedder's lane; raises the embedder's `InvalidRequestError`s.
+    async def embed(
+        self,
+        token_lists: Sequence[Sequence[int]],
+        dimensions: int | None,
+        token_type_lists: Sequence[Sequence[int]] | None = None,
+    ) -> EmbedResult:
+        """Embed one batch on the embedder's lane (`token_type_lists`: each input's segments, None:
+        all 0); raises the embedder's `InvalidRequestError`s.
 
         A cancelled caller stops waiting, but a batch already running finishes on its thread.
         """
@@ -61,7 +67,7 @@ class EmbeddingContext:
         def run() -> torch.Tensor:
             nonlocal started
             started = time.perf_counter()
-            return self.embedder.embed(token_lists, dimensions)
+            return self.embedder.embed(token_lists, dimensions, token_type_lists)
 
         self._num_in_flight += 1
         try:

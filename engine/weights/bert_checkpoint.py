@@ -1,8 +1,10 @@
-"""`open_bert_checkpoint`: an HF `BertModel` safetensors directory, its names and shapes checked.
+"""`open_bert_checkpoint`: an HF `BertModel` or `BertForSequenceClassification` safetensors
+directory, its names and shapes checked.
 
-Tensor names are those of transformers' `BertModel.state_dict()` with no prefix (how
-sentence-transformers saves its encoder). The pooler head and the saved `position_ids` /
-`token_type_ids` buffers are not needed for sentence embeddings and are skipped.
+An encoder's tensor names are those of transformers' `BertModel.state_dict()` with no prefix (how
+sentence-transformers saves its encoder); its pooler head is not needed for sentence embeddings and
+is skipped. A classifier's keep their `bert.` prefix and the pooler, which its score reads. The saved
+`position_ids` / `token_type_ids` buffers are skipped in both.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from engine.weights.safetensors_reader import CONFIG_FILE, SafetensorsSource, re
 logger = logging.getLogger(__name__)
 
 _UNUSED = re.compile(r"^(pooler\.|embeddings\.(position_ids|token_type_ids)$)")
+_UNUSED_BY_CLASSIFIER = re.compile(r"^bert\.embeddings\.(position_ids|token_type_ids)$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +64,7 @@ def read_hf_config(directory: Path) -> dict[str, Any]:
 
 
 def is_bert_dir(path: str | Path) -> bool:
-    """True when `path` is a directory whose config.json names `BertModel`."""
+    """True when `path` is a directory whose config.json names `BertModel` or `BertForSequenceClassification`."""
     directory = Path(path)
     if not (directory / CONFIG_FILE).is_file():
         return False
@@ -80,13 +83,18 @@ def open_bert_checkpoint(path: str | Path) -> BertCheckpoint:
     directory = Path(path).expanduser().resolve()
     raw = read_hf_config(directory)
     if not is_bert_config(raw):
-        raise ConfigError(f"{directory / CONFIG_FILE}: architectures {raw.get('architectures')!r} is not BertModel")
+        raise ConfigError(
+            f"{directory / CONFIG_FILE}: architectures {raw.get('architectures')!r} is not BertModel "
+            "or BertForSequenceClassification"
+        )
     try:
         config = BertConfig.from_hf_config(raw)
     except (TypeError, ValueError) as exc:  # ConfigError is a ValueError
         raise ConfigError(f"{directory / CONFIG_FILE}: {exc}") from exc
-    shapes, source = read_tensor_table(directory, lambda name: bool(_UNUSED.match(name)))
-    check_shapes(shapes, expected_shapes(config), str(directory), f"BertModel with {config.num_layers} layers")
+    unused = _UNUSED_BY_CLASSIFIER if config.num_labels else _UNUSED
+    shapes, source = read_tensor_table(directory, lambda name: bool(unused.match(name)))
+    kind = f"BertForSequenceClassification ({config.num_labels} labels)" if config.num_labels else "BertModel"
+    check_shapes(shapes, expected_shapes(config), str(directory), f"{kind} with {config.num_layers} layers")
     logger.info(
         "opened BERT checkpoint %s: %d layers, hidden %d, %d tensors",
         directory,

@@ -1,11 +1,11 @@
-"""Embedding routes: OpenAI's /v1/embeddings and SGLang's native /encode and /classify.
+"""Embedding routes: OpenAI's /v1/embeddings, SGLang's native /encode and /classify, vLLM's /pooling.
 
 All need a stack started with --is-embedding: the gateway tokenizes (special tokens added, so
 BERT inputs get [CLS] ... [SEP]; token-id inputs are sent as given), checks every input against
-the model's context length, and sends the token lists to the embedding prefill workers' `Embed`
-in pieces of at most `INPUTS_PER_CALL`, concurrently and round-robin. A generation stack answers
-every route with 400. /classify is /encode, as in SGLang: a reward model's (sequence classifier's)
-vectors are its scores.
+the model's context length, and sends the token lists to the embedding prefill workers
+(`gateway/service/pooling.py`). A generation stack answers every route with 400. /classify is
+/encode, as in SGLang: a reward model's (sequence classifier's) vectors are its scores. /pooling is /v1/embeddings in vLLM's PoolingResponse shape: each input's raw
+pooled output (the vector, or a classifier's logits).
 
 `dimensions`: the full size is always accepted; a smaller one only when the model declares
 Matryoshka training (config.json `is_matryoshka` or `matryoshka_dimensions`); the worker then keeps
@@ -15,35 +15,24 @@ rather than return truncated vectors of poor quality.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import struct
 import time
 import uuid
-from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from gateway.api.json_route import JSONRoute
-from gateway.api.schemas import EmbeddingRequest, EncodeRequest
+from gateway.api.schemas import EmbeddingRequest, EncodeRequest, PoolingRequest
 from gateway.cluster.pool import ModelLimits
-from gateway.cluster.worker_records import Embeddings
 from gateway.errors import bad_request
+from gateway.service.pooling import check_inputs
 from gateway.service.sampling import check_token_ids
 from gateway.state import GatewayState, gateway_state
 from gateway.text.text_input import encode_texts, token_id_lists
 
 router = APIRouter(route_class=JSONRoute)
-
-MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
-INPUTS_PER_CALL = 32  # inputs per Embed RPC: keeps each reply far below gRPC's 4 MiB default
-
-
-@dataclass(frozen=True, slots=True)
-class Embedded:
-    vectors: list[list[float]]  # one per input, in input order
-    num_tokens: int
 
 
 @router.post("/v1/embeddings")
@@ -56,13 +45,39 @@ async def embeddings_answer(state: GatewayState, body: EmbeddingRequest) -> dict
     state.check_model(body.model)
     limits = embedding_limits(state, "/v1/embeddings")
     token_lists = await _openai_inputs(state, body.input, limits)
-    result = await embed(state, token_lists, check_dimensions(body.dimensions, limits), "input")
+    result = await state.pooling_workers().embed(token_lists, check_dimensions(body.dimensions, limits))
     data = [
         {"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
         for i, v in enumerate(result.vectors)
     ]
     usage = {"prompt_tokens": result.num_tokens, "total_tokens": result.num_tokens}
     return {"object": "list", "data": data, "model": body.model, "usage": usage}
+
+
+@router.post("/pooling")
+async def pooling(body: PoolingRequest, state: GatewayState = Depends(gateway_state)) -> JSONResponse:
+    return JSONResponse(await pooling_answer(state, body))
+
+
+async def pooling_answer(state: GatewayState, body: PoolingRequest) -> dict:
+    """vLLM's PoolingResponse: `{"index", "object": "pooling", "data"}` per input."""
+    if body.model is not None:
+        state.check_model(body.model)
+    limits = embedding_limits(state, "/pooling")
+    token_lists = await _openai_inputs(state, body.input, limits)
+    result = await state.pooling_workers().embed(token_lists, check_dimensions(body.dimensions, limits))
+    data = [
+        {"index": i, "object": "pooling", "data": _encoded(v, body.encoding_format)}
+        for i, v in enumerate(result.vectors)
+    ]
+    return {
+        "id": f"pool-{uuid.uuid4().hex}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": body.model or state.config.served_model_name,
+        "data": data,
+        "usage": {"prompt_tokens": result.num_tokens, "total_tokens": result.num_tokens, "completion_tokens": 0},
+    }
 
 
 @router.post("/encode")
@@ -93,9 +108,9 @@ async def encode_answer(state: GatewayState, body: EncodeRequest, route: str) ->
             check_token_ids(ids, limits, param)
     else:
         raise bad_request("exactly one of `text` and `input_ids` is required", "text")
-    _check_inputs(token_lists, limits, param)
+    check_inputs(token_lists, limits, param)
     rids = _rids(body.rid, len(token_lists), is_batch)
-    result = await embed(state, token_lists, check_dimensions(body.dimensions, limits), param)
+    result = await state.pooling_workers().embed(token_lists, check_dimensions(body.dimensions, limits))
     latency = time.perf_counter() - started
     outputs = [
         {
@@ -114,15 +129,7 @@ async def encode_answer(state: GatewayState, body: EncodeRequest, route: str) ->
 
 def embedding_limits(state: GatewayState, route: str) -> ModelLimits:
     """The served model's limits; 400 when it is a generation model."""
-    limits = state.pool.limits()
-    if not limits.is_embedding:
-        raise bad_request(
-            f"{route} needs an embedding model, but `{state.config.served_model_name}` is a generation "
-            "model; serve an embedding model with `tandem serve --is-embedding`",
-            "model",
-            "model_not_embedding",
-        )
-    return limits
+    return state.pooling_workers().limits(route)
 
 
 def check_dimensions(dimensions: int | None, limits: ModelLimits) -> int | None:
@@ -146,24 +153,6 @@ def check_dimensions(dimensions: int | None, limits: ModelLimits) -> int | None:
     return dimensions
 
 
-async def embed(state: GatewayState, token_lists: list[list[int]], dimensions: int | None, param: str) -> Embedded:
-    """Embed `token_lists` on the prefill workers, `INPUTS_PER_CALL` per call, all calls at once."""
-    request_id = uuid.uuid4().hex
-    pieces = [token_lists[i : i + INPUTS_PER_CALL] for i in range(0, len(token_lists), INPUTS_PER_CALL)]
-    replies = await asyncio.gather(
-        *(_embed_piece(state, f"{request_id}-{n}", piece, dimensions) for n, piece in enumerate(pieces))
-    )
-    vectors = [vector for reply in replies for vector in reply.vectors]
-    return Embedded(vectors, sum(reply.num_tokens for reply in replies))
-
-
-async def _embed_piece(
-    state: GatewayState, request_id: str, token_lists: list[list[int]], dimensions: int | None
-) -> Embeddings:
-    worker = state.pool.pick("prefill")
-    return await worker.client.embed(request_id, token_lists, dimensions, timeout_s=state.config.prefill_timeout_s)
-
-
 async def _openai_inputs(state: GatewayState, value: str | list, limits: ModelLimits) -> list[list[int]]:
     """OpenAI's four input forms -> one token list per input (texts get the model's special tokens)."""
     if isinstance(value, str):
@@ -174,26 +163,8 @@ async def _openai_inputs(state: GatewayState, value: str | list, limits: ModelLi
         token_lists = [list(value)] if value and isinstance(value[0], int) else [list(v) for v in value]
         for ids in token_lists:
             check_token_ids(ids, limits, "input")
-    _check_inputs(token_lists, limits, "input")
+    check_inputs(token_lists, limits, "input")
     return token_lists
-
-
-def _check_inputs(token_lists: list[list[int]], limits: ModelLimits, param: str) -> None:
-    if not token_lists:
-        raise bad_request(f"`{param}` must not be empty", param)
-    if len(token_lists) > MAX_INPUTS:
-        raise bad_request(f"`{param}` has {len(token_lists)} inputs; at most {MAX_INPUTS} are allowed", param)
-    for i, ids in enumerate(token_lists):
-        if not ids:
-            raise bad_request(f"`{param}` item {i} is empty", param)
-        if len(ids) > limits.context_len:
-            raise bad_request(
-                f"This model's maximum context length is {limits.context_len} tokens. However, you "
-                f"requested {len(ids)} tokens in the input for embedding generation. Please reduce "
-                "the length of the input.",
-                param,
-                "context_length_exceeded",
-            )
 
 
 def _rids(rid: str | list[str] | None, num_inputs: int, is_batch: bool) -> list[str]:

@@ -181,3 +181,46 @@ class EncodeRequest(BaseModel):
     rid: str | list[str] | None = None
     model: str | None = None
     dimensions: int | None = None
+
+
+class PoolingRequest(BaseModel):
+    """vLLM's /pooling body: /v1/embeddings' inputs; `model` may be left out (the served one)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class ScoreRequest(BaseModel):
+    """vLLM's /score body: `text_1` against `text_2`, each a text or a list (1 to 1, 1 to N, N to N)."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+    def firsts(self) -> list[str]:
+        return [self.text_1] if isinstance(self.text_1, str) else self.text_1
+
+    def seconds(self) -> list[str]:
+        return [self.text_2] if isinstance(self.text_2, str) else self.text_2
+
+
+class RerankDocumentText(BaseModel):
+    """A document given as an object (Cohere's and Jina's form)."""
+
+    text: str
+
+
+class RerankRequest(BaseModel):
+    """vLLM's /rerank body (Jina and Cohere style): `top_n` 0 keeps every document."""
+
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocumentText]
+    top_n: int = 0
+    return_documents: bool = True
+
+    def document_texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]

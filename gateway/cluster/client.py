@@ -187,13 +187,20 @@ class WorkerClient:
     # --- embeddings, load and admin ----------------------------------------------------------
 
     async def embed(
-        self, request_id: str, token_lists: list[list[int]], dimensions: int | None, timeout_s: float
+        self,
+        request_id: str,
+        token_lists: list[list[int]],
+        dimensions: int | None,
+        timeout_s: float,
+        token_type_lists: list[list[int]] | None = None,
     ) -> Embeddings:
-        """Embedding prefill worker: one vector per token list (`dimensions` None: the full size)."""
+        """Embedding prefill worker: one vector per token list (`dimensions` None: the full size;
+        `token_type_lists`: each list's segments, a BERT pair's; None: all 0)."""
+        types = token_type_lists or [[] for _ in token_lists]
         request = prefill_pb2.EmbedRequest(
             request_id=request_id,
             dimensions=dimensions,
-            inputs=[prefill_pb2.EmbedInput(token_ids=ids) for ids in token_lists],
+            inputs=[prefill_pb2.EmbedInput(token_ids=ids, token_type_ids=t) for ids, t in zip(token_lists, types)],
         )
         reply = await self._call(self._prefill.Embed(request, timeout=timeout_s))
         return Embeddings([list(e.values) for e in reply.embeddings], reply.num_tokens)

@@ -145,6 +145,7 @@ def model_info_from_proto(msg: common_pb2.GetModelInfoResponse) -> ModelInfo:
         weights_id=msg.weights_id,
         num_attention_heads=msg.num_attention_heads,
         implementation=msg.implementation,
+        is_classifier=msg.is_classifier,
     )
 
 

@@ -42,6 +42,7 @@ class ModelLimits:
     embedding_dim: int = 0
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] = ()
+    is_classifier: bool = False  # the "vectors" are a sequence classifier's `embedding_dim` logits
 
 
 class WorkerPool:
@@ -256,6 +257,7 @@ class WorkerPool:
             embedding_dim=first.embedding_dim,
             is_matryoshka=first.is_matryoshka,
             matryoshka_dimensions=tuple(first.matryoshka_dimensions),
+            is_classifier=first.is_classifier,
         )
 
 

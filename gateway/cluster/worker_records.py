@@ -122,6 +122,7 @@ class ModelInfo:
     weights_id: str
     num_attention_heads: int = 0
     implementation: str = ""  # "tandem" or "transformers": whose modeling code; "" when the worker does not say
+    is_classifier: bool = False  # embedding workers: the vectors are a sequence classifier's logits
 
 
 @dataclass(frozen=True, slots=True)

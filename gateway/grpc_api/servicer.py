@@ -24,8 +24,16 @@ from gateway.api.guard import unguarded
 from gateway.api.native import run_generate
 from gateway.api.openai import model_list
 from gateway.api.responses import ChatCompletion, Completion, GenerateResponse
-from gateway.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, EncodeRequest
+from gateway.api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    EncodeRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from gateway.api.schemas import GenerateRequest as GenerateBody
+from gateway.api.scoring import rerank_answer, score_answer
 from gateway.api.vllm import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from gateway.errors import APIError
 from gateway.grpc_api import requests
@@ -40,6 +48,7 @@ from tandem.api.v1 import (
     generate_pb2,
     inference_service_pb2,
     inference_service_pb2_grpc,
+    score_pb2,
 )
 
 T = TypeVar("T")
@@ -158,6 +167,20 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
             return response
 
         return await self._run(context, call_id, "rid", work)
+
+    async def Score(self, request: score_pb2.ScoreRequest, context: grpc.aio.ServicerContext) -> Message:
+        async def work() -> Message:
+            body = requests.record(ScoreRequest, to_values(request))
+            return fill(score_pb2.ScoreResponse(), await score_answer(self._state, body))
+
+        return await self._run(context, None, "", work)
+
+    async def Rerank(self, request: score_pb2.RerankRequest, context: grpc.aio.ServicerContext) -> Message:
+        async def work() -> Message:
+            body = requests.record(RerankRequest, to_values(request))
+            return fill(score_pb2.RerankResponse(), await rerank_answer(self._state, body))
+
+        return await self._run(context, None, "", work)
 
     async def Tokenize(
         self, request: inference_service_pb2.TokenizeRequest, context: grpc.aio.ServicerContext

@@ -1,1 +1,1 @@
-"""The generation logic the OpenAI, native and gRPC fronts share, below all of them."""
+"""The generation, pooling and scoring logic the HTTP and gRPC fronts share, below all of them."""

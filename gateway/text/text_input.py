@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import bad_request
@@ -44,6 +45,31 @@ async def encode_texts(
         return [tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in texts]
 
     return await _off_loop(encode_all, sum(len(t) for t in texts), param)
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedPairs:
+    """Token ids of each pair, and each token's segment where the tokenizer gives segments (else None)."""
+
+    token_lists: list[list[int]]
+    token_type_lists: list[list[int]] | None
+
+
+async def encode_pairs(
+    tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]], param: str, context_len: int | None
+) -> EncodedPairs:
+    """Each (text, text_pair) joined as the model's tokenizer joins a pair (see `encode_texts` for the
+    length check, on the two texts together)."""
+    for text, text_pair in pairs:
+        check_chars(tokenizer, len(text) + len(text_pair), param, context_len)
+
+    def encode_all() -> EncodedPairs:
+        encoded = [tokenizer.encode_pair(text, text_pair) for text, text_pair in pairs]
+        types = [t for _, t in encoded]
+        has_types = all(t is not None for t in types)
+        return EncodedPairs([ids for ids, _ in encoded], [t or [] for t in types] if has_types else None)
+
+    return await _off_loop(encode_all, sum(len(a) + len(b) for a, b in pairs), param)
 
 
 async def encode_chat(

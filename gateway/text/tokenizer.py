@@ -97,6 +97,18 @@ class Tokenizer:
         except TypeError:  # the Rust tokenizer takes only valid Unicode: a lone surrogate ends here
             raise TokenizerError(f"text is not valid Unicode: {unicode_problem(text)}") from None
 
+    def encode_pair(self, text: str, text_pair: str) -> tuple[list[int], list[int] | None]:
+        """A cross-encoder's input: the pair as the model's tokenizer joins it (BERT: `[CLS] a [SEP] b
+        [SEP]`), and each token's segment when the tokenizer gives them (BERT: 0s then 1s), else None."""
+        if not isinstance(text, str) or not isinstance(text_pair, str):
+            raise TokenizerError("texts to encode must be str")
+        try:
+            encoded = self._hf(text, text_pair)
+        except TypeError:
+            raise TokenizerError(f"text is not valid Unicode: {unicode_problem(text + text_pair)}") from None
+        types = encoded.get("token_type_ids")
+        return _as_id_list(encoded["input_ids"]), None if types is None else _as_id_list(types)
+
     @functools.cached_property
     def max_token_chars(self) -> int:
         """No token stands for more characters than this (its longest vocabulary string), so a text

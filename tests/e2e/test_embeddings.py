@@ -1,6 +1,7 @@
 """`tandem serve --is-embedding` (gateway + one embedding prefill worker, no decode) serving all-MiniLM-L6-v2:
 the OpenAI SDK's embeddings.create in every input form, SGLang's /encode as in seeds 002/003, the gRPC
-API's Embed equal to /v1/embeddings, and the generation stack refusing both routes."""
+API's Embed equal to /v1/embeddings, vLLM's /score, /rerank and /pooling as cosines and vectors of those
+embeddings, and the generation stack refusing every pooling route (while /invocations chats there)."""
 
 from __future__ import annotations
 
@@ -173,6 +174,27 @@ def test_grpc_embed_equals_the_http_route(embedding_stack, embed_client, model, 
     assert not info.is_generation
 
 
+def test_score_and_rerank_are_cosines_of_the_embeddings(embedding_stack, embed_client, model) -> None:
+    query, documents = "What is the capital of France?", TEXTS[:3]
+    vectors = _vectors(embed_client.embeddings.create(model=model, input=[query, *documents], encoding_format="float"))
+    expected = F.cosine_similarity(vectors[:1], vectors[1:]).double()
+    score = httpx.post(f"{embedding_stack.url}/v1/score", json={"model": model, "text_1": query, "text_2": documents},
+                       timeout=60).json()
+    assert [(d["index"], d["object"]) for d in score["data"]] == [(i, "score") for i in range(len(documents))]
+    assert torch.allclose(torch.tensor([d["score"] for d in score["data"]], dtype=torch.float64), expected, atol=1e-6)
+    pairwise = httpx.post(f"{embedding_stack.url}/score", json={"text_1": documents, "text_2": documents[::-1]},
+                          timeout=60).json()
+    assert pairwise["data"][1]["score"] == pytest.approx(1.0, abs=1e-6)   # the middle text against itself
+    rerank = httpx.post(f"{embedding_stack.url}/rerank", json={"query": query, "documents": documents, "top_n": 2},
+                        timeout=60).json()
+    assert [r["index"] for r in rerank["results"]] == [1, 2]      # the Paris sentence first
+    assert [r["relevance_score"] for r in rerank["results"]] == pytest.approx(
+        [score["data"][1]["score"], score["data"][2]["score"]], abs=1e-9)
+    pooling = httpx.post(f"{embedding_stack.url}/pooling", json={"input": documents}, timeout=60).json()
+    assert [d["object"] for d in pooling["data"]] == ["pooling"] * len(documents)
+    assert torch.equal(torch.tensor([d["data"] for d in pooling["data"]]), vectors[1:])
+
+
 def test_embedding_stack_is_healthy_without_a_decode_worker(embedding_stack) -> None:
     assert httpx.get(f"{embedding_stack.url}/health").status_code == 200
     with grpc.insecure_channel(f"127.0.0.1:{embedding_stack.prefill_port}") as channel:
@@ -189,6 +211,20 @@ def test_generation_stack_refuses_embeddings(stack: Stack) -> None:
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["type"] == "invalid_request_error" and "generation model" in error["message"]
+    for path, body in (("/score", {"text_1": "a", "text_2": ["b"]}), ("/v2/rerank", {"query": "a", "documents": ["b"]}),
+                       ("/invocations", {"query": "a", "documents": ["b"]})):
+        response = httpx.post(f"{stack.url}{path}", json=body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "model" and "cannot score" in error["message"], error
+    pooling = httpx.post(f"{stack.url}/pooling", json={"input": "hi"})
+    assert pooling.status_code == 400 and pooling.json()["error"]["code"] == "model_not_embedding"
+    chat = httpx.post(f"{stack.url}/invocations", timeout=120, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "model": "SmolLM2-135M-Instruct"})
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion", chat.text
+    completion = httpx.post(f"{stack.url}/invocations", timeout=120, json={"prompt": "The capital", "max_tokens": 2,
+                                                                            "model": "SmolLM2-135M-Instruct"})
+    assert completion.status_code == 200 and completion.json()["object"] == "text_completion", completion.text
     with grpc.insecure_channel(f"127.0.0.1:{stack.prefill_port}") as channel:
         with pytest.raises(grpc.RpcError) as caught:
             prefill_pb2_grpc.PrefillServiceStub(channel).Embed(

@@ -1,6 +1,7 @@
 """engine/bert.py and its checkpoint loader against the references: sentence-transformers' own vectors
 for all-MiniLM-L6-v2, and HF transformers' BertModel for hidden states and inputs longer than
-sentence-transformers keeps (it truncates at 256 tokens)."""
+sentence-transformers keeps (it truncates at 256 tokens); a BERT cross-encoder against HF's
+`BertForSequenceClassification` logits."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from transformers import AutoTokenizer
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from transformers import BertModel as HFBertModel
 
 from engine.bert import BertConfig, BertModel
 from engine.config import ConfigError, EngineConfig
 from engine.embedder import load_embedder
+from engine.errors import InvalidRequestError
 from engine.weights.bert_checkpoint import is_bert_dir, open_bert_checkpoint
+from tests.cross_encoders import save_tiny_bert_cross_encoder
 from tests.tiny_models import save_tiny_bert, save_tiny_qwen2
 
 TEXTS = ["Once upon a time", "The quick brown fox jumps over the lazy dog.", "",
@@ -128,3 +131,45 @@ def test_is_bert_dir(tmp_path: Path, minilm_path: Path) -> None:
     assert is_bert_dir(tmp_path)   # a config alone says BERT; opening it then fails on the weights
     with pytest.raises(ConfigError, match="no \\*.safetensors"):
         open_bert_checkpoint(tmp_path)
+
+
+PAIRS = [("What is the capital of France?", "The capital of France is Paris."),
+         ("What is the capital of France?", "Bananas are yellow."), ("hi", "naïve café, 東京 🙂 " * 20)]
+
+
+def test_bert_cross_encoder_logits_equal_hf_with_token_types(tmp_path: Path) -> None:
+    """`BertForSequenceClassification` (num_labels 1): the pair's [CLS] logit, HF fp32's to 1e-5, and the
+    pair's segments change it."""
+    directory = save_tiny_bert_cross_encoder(tmp_path / "cross")
+    embedder = load_embedder(str(directory), EngineConfig(dtype="float32"), progress=False)
+    info = embedder.info
+    assert (info.architecture, info.embedding_dim, info.is_classifier, info.num_token_types) == (
+        "BertForSequenceClassification", 1, True, 2)
+    assert not embedder.pooling.normalize
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    encoded = [tokenizer(a, b) for a, b in PAIRS]
+    hf = AutoModelForSequenceClassification.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = torch.cat([hf(**tokenizer(a, b, return_tensors="pt")).logits for a, b in PAIRS])
+    ids, types = [e["input_ids"] for e in encoded], [e["token_type_ids"] for e in encoded]
+    got = embedder.embed(ids, token_type_lists=types)
+    assert got.shape == (len(PAIRS), 1)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5), (got, expected)
+    assert not torch.allclose(embedder.embed(ids), expected, atol=1e-3)   # segment 0 everywhere: other logits
+    with pytest.raises(InvalidRequestError, match="token type 2"):
+        embedder.embed(ids[:1], token_type_lists=[[2] * len(ids[0])])
+    with pytest.raises(InvalidRequestError, match="token types for"):
+        embedder.embed(ids[:1], token_type_lists=[types[0][:-1]])
+
+
+def test_bert_cross_encoder_checkpoint_needs_its_head(tmp_path: Path) -> None:
+    directory = save_tiny_bert_cross_encoder(tmp_path / "cross")
+    checkpoint = open_bert_checkpoint(directory)
+    names = {name for name, _ in checkpoint.tensors(progress=False)}
+    assert {"bert.pooler.dense.weight", "classifier.weight", "classifier.bias"} <= names
+    assert "bert.embeddings.position_ids" not in names
+    tensors = load_file(directory / "model.safetensors")
+    del tensors["classifier.weight"]
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="classifier.weight"):
+        open_bert_checkpoint(directory)

@@ -1,5 +1,6 @@
 """engine/embedder.py: decoder models pooled at the last token (gte-Qwen2 style) against HF's last hidden
-state, input checks, Matryoshka `dimensions`, and batches split by max_batch_tokens."""
+state, a Qwen2 cross-encoder against HF's logits, input checks, Matryoshka `dimensions`, and batches split
+by max_batch_tokens."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModel
+from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
 from engine.config import EngineConfig
 from engine.embedder import EmbeddingModelInfo, load_embedder
 from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.pooling import PoolingMode
+from tests.cross_encoders import save_tiny_qwen2_cross_encoder
 from tests.tiny_models import save_tiny_llama, save_tiny_qwen2
 
 INPUTS = [[5, 17, 42, 99, 3], [7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [250, 0]]
@@ -85,3 +87,23 @@ def test_any_size_for_is_matryoshka_without_a_list() -> None:
     for bad in (0, -3, 65):
         with pytest.raises(InvalidRequestError, match="between 1 and 64"):
             info.check_dimensions(bad)
+
+
+def test_qwen2_cross_encoder_pairs_equal_hf(tmp_path: Path) -> None:
+    """`Qwen2ForSequenceClassification` with one label, fed pairs as its tokenizer joins them (no segments):
+    the last token's logit, HF fp32's to 1e-5."""
+    directory = save_tiny_qwen2_cross_encoder(tmp_path / "cross")
+    embedder = load_embedder(str(directory), EngineConfig(dtype="float32"), progress=False)
+    info = embedder.info
+    assert (info.architecture, info.embedding_dim, info.is_classifier, info.num_token_types) == (
+        "Qwen2ForSequenceClassification", 1, True, 1)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    pairs = [("What is the capital of France?", "The capital of France is Paris."),
+             ("What is the capital of France?", "a sigmoid node"), ("The output", "of a sigmoid node is bounded")]
+    hf = AutoModelForSequenceClassification.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = torch.cat([hf(**tokenizer(a, b, return_tensors="pt")).logits for a, b in pairs])
+    ids = [tokenizer(a, b)["input_ids"] for a, b in pairs]
+    assert torch.allclose(embedder.embed(ids), expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(InvalidRequestError, match="token type 1"):   # a decoder has no second segment
+        embedder.embed(ids[:1], token_type_lists=[[1] * len(ids[0])])
