@@ -4,8 +4,9 @@ All need a stack started with --is-embedding: the gateway tokenizes (special tok
 BERT inputs get [CLS] ... [SEP]; token-id inputs are sent as given), checks every input against
 the model's context length, and sends the token lists to the embedding prefill workers
 (`gateway/service/pooling.py`). A generation stack answers every route with 400. /classify is
-/encode, as in SGLang: a reward model's (sequence classifier's) vectors are its scores. /pooling is /v1/embeddings in vLLM's PoolingResponse shape: each input's raw
-pooled output (the vector, or a classifier's logits).
+/encode, as in SGLang: a reward model's (sequence classifier's) vectors are its scores. /pooling is
+/v1/embeddings in vLLM's PoolingResponse shape: each input's raw pooled output (the vector, or a
+classifier's logits).
 
 `dimensions`: the full size is always accepted; a smaller one only when the model declares
 Matryoshka training (config.json `is_matryoshka` or `matryoshka_dimensions`); the worker then keeps

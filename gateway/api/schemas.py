@@ -199,6 +199,7 @@ class ScoreRequest(BaseModel):
     model: str | None = None
     text_1: str | list[str]
     text_2: str | list[str]
+    use_activation: bool | None = None  # False: a cross-encoder's raw logits instead of their sigmoid
 
     def firsts(self) -> list[str]:
         return [self.text_1] if isinstance(self.text_1, str) else self.text_1
@@ -221,6 +222,7 @@ class RerankRequest(BaseModel):
     documents: list[str | RerankDocumentText]
     top_n: int = 0
     return_documents: bool = True
+    use_activation: bool | None = None  # as in ScoreRequest
 
     def document_texts(self) -> list[str]:
         return [d if isinstance(d, str) else d.text for d in self.documents]

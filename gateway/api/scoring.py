@@ -42,6 +42,7 @@ async def score_answer(state: GatewayState, body: ScoreRequest) -> dict[str, Any
         body.seconds(),
         "/score",
         ("text_1", "text_2"),
+        body.use_activation is not False,
     )
     return {
         "id": f"score-{uuid.uuid4().hex}",
@@ -65,6 +66,7 @@ async def rerank_answer(state: GatewayState, body: RerankRequest) -> dict[str, A
         texts,
         "/rerank",
         ("query", "documents"),
+        body.use_activation is not False,
     )
     results = []
     for index in ranking(scores.values, body.top_n):

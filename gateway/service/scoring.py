@@ -46,13 +46,7 @@ def score_kind(limits: ModelLimits, model_name: str, route: str) -> ScoreKind:
         return ScoreKind.EMBEDDING
     if limits.is_classifier and limits.embedding_dim == 1:
         return ScoreKind.CROSS_ENCODER
-    what = (
-        f"a classifier with {limits.embedding_dim} labels"
-        if limits.is_classifier
-        else "a generation model"
-        if not limits.is_embedding
-        else "not a scoring model"
-    )
+    what = f"a classifier with {limits.embedding_dim} labels" if limits.is_classifier else "a generation model"
     raise bad_request(
         f"{route}: the served model `{model_name}` cannot score: it is {what}. Scoring needs a cross-encoder "
         "(a sequence classifier with one label) or an embedding model, served with `tandem serve --is-embedding`",
@@ -82,9 +76,11 @@ async def score_texts(
     seconds: Sequence[str],
     route: str,
     params: tuple[str, str],
+    use_activation: bool = True,
 ) -> Scores:
     """The score of every (first, second) pair, `firsts` holding one text or one per second text.
-    `params` names the two fields in 400s."""
+    `params` names the two fields in 400s. `use_activation` False: a cross-encoder's raw logit
+    instead of its sigmoid (vLLM's field; an embedding model's cosine has no activation)."""
     check_pairing(firsts, seconds, *params)
     limits = workers.pool.limits()
     kind = score_kind(limits, workers.served_model_name, route)
@@ -93,7 +89,8 @@ async def score_texts(
         encoded = await encode_pairs(tokenizer, pairs, params[1], limits.context_len)
         check_inputs(encoded.token_lists, limits, params[1])
         result = await workers.embed(encoded.token_lists, None, encoded.token_type_lists)
-        return Scores([sigmoid(vector[0]) for vector in result.vectors], result.num_tokens)
+        activation = sigmoid if use_activation else float
+        return Scores([activation(vector[0]) for vector in result.vectors], result.num_tokens)
     first_ids = await encode_texts(tokenizer, list(firsts), params[0], limits.context_len)
     second_ids = await encode_texts(tokenizer, list(seconds), params[1], limits.context_len)
     check_inputs(first_ids, limits, params[0])

@@ -6,6 +6,7 @@ in vLLM's shapes, the gRPC API's Score and Rerank, and the 400s of bad bodies. E
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import grpc
@@ -76,6 +77,9 @@ def test_score_one_to_n_and_n_to_n_equal_hf_sigmoid(scoring_stack, model_dir, hf
     assert torch.allclose(torch.tensor([d["score"] for d in n_to_n["data"]]), expected, atol=1e-6, rtol=1e-5)
     single = _post(scoring_stack, "/score", {"text_1": [QUERY], "text_2": DOCUMENTS[0]}).json()
     assert [d["score"] for d in single["data"]] == [pytest.approx(answer["data"][0]["score"], abs=1e-6)]
+    raw = _post(scoring_stack, "/score", {"text_1": QUERY, "text_2": DOCUMENTS, "use_activation": False}).json()
+    expected = hf_logits([(QUERY, d) for d in DOCUMENTS])
+    assert torch.allclose(torch.tensor([d["score"] for d in raw["data"]]), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("path", ["/rerank", "/v1/rerank", "/v2/rerank"])
@@ -161,6 +165,7 @@ def test_grpc_score_and_rerank_equal_the_http_routes(scoring_stack) -> None:
     with inference_api(scoring_stack.grpc_target) as api:
         score = api.Score(score_pb2.ScoreRequest(model="tiny-reranker", text_1=[QUERY], text_2=DOCUMENTS), timeout=60)
         rerank = api.Rerank(score_pb2.RerankRequest(query=QUERY, documents=DOCUMENTS, top_n=3), timeout=60)
+        raw = api.Score(score_pb2.ScoreRequest(text_1=[QUERY], text_2=DOCUMENTS, use_activation=False), timeout=60)
         bare = api.Rerank(score_pb2.RerankRequest(query=QUERY, documents=DOCUMENTS, return_documents=False),
                           timeout=60)
         empty = call_error(api.Rerank, score_pb2.RerankRequest(query=QUERY), timeout=30)
@@ -171,6 +176,7 @@ def test_grpc_score_and_rerank_equal_the_http_routes(scoring_stack) -> None:
     assert [(d.index, d.object) for d in score.data] == [(d["index"], d["object"]) for d in http_score["data"]]
     assert [d.score for d in score.data] == pytest.approx([d["score"] for d in http_score["data"]], abs=1e-9)
     assert score.usage.prompt_tokens == http_score["usage"]["prompt_tokens"]
+    assert [1 / (1 + math.exp(-d.score)) for d in raw.data] == pytest.approx([d.score for d in score.data], abs=1e-6)
     assert [(r.index, r.document.text) for r in rerank.results] == [
         (r["index"], r["document"]["text"]) for r in http_rerank["results"]]
     assert [r.relevance_score for r in rerank.results] == pytest.approx(
