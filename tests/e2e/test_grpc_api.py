@@ -189,5 +189,5 @@ def test_reflection_lists_and_describes_the_service(stack: Stack) -> None:
         service = descriptor_pool.DescriptorPool(database).FindServiceByName("tandem.api.v1.InferenceService")
         assert [m.name for m in service.methods] == [
             "ChatComplete", "ChatCompleteStream", "Complete", "CompleteStream", "Generate", "GenerateStream",
-            "Embed", "Classify", "Tokenize", "Detokenize", "ListModels", "GetModelInfo", "Abort"]
+            "Embed", "Classify", "Score", "Rerank", "Tokenize", "Detokenize", "ListModels", "GetModelInfo", "Abort"]
         assert service.methods_by_name["ChatCompleteStream"].output_type.full_name == "tandem.api.v1.ChatCompletionChunk"
