@@ -15,7 +15,18 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.main import STARTUP_FAILURE
 
-from gateway.api import admin, embeddings, experts, invocations, metrics_routes, native, openai, scoring, vllm
+from gateway.api import (
+    admin,
+    anthropic,
+    embeddings,
+    experts,
+    invocations,
+    metrics_routes,
+    native,
+    openai,
+    scoring,
+    vllm,
+)
 from gateway.api.auth import AuthMiddleware, log_key_policy
 from gateway.api.body_limit import BodyLimitMiddleware, BodyTooLarge
 from gateway.api.metrics_routes import MetricsMiddleware
@@ -35,6 +46,7 @@ from gateway.text.tokenizer import load_tokenizer
 # Every router of the app, in the order they are mounted.
 ROUTERS = (
     openai.router,
+    anthropic.router,
     native.router,
     admin.router,
     vllm.router,

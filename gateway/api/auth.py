@@ -8,8 +8,11 @@ Three kinds of route:
   `--api-key` is set, else nothing;
 - every other route: the user key when `--api-key` is set (the admin key opens them too), else nothing.
 
-A request with more than one `Authorization` header is refused (400) before anything else, keys or
-not: which of two credentials a proxy or the app would honour is not something to leave to chance.
+The key comes as `Authorization: Bearer <key>` or, as Anthropic's clients send it, `x-api-key: <key>`.
+A request with more than one `Authorization` or `x-api-key` header, or with both carrying different
+keys, is refused (400) before anything else, keys or not: which of two credentials a proxy or the app
+would honour is not something to leave to chance. The Messages routes (/v1/messages...) answer these
+refusals in Anthropic's error shape.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import logging
 
 from fastapi.responses import JSONResponse
 
+from gateway.api.anthropic_errors import api_error_body, is_messages_path
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from tandem.internal_auth import is_loopback_host
@@ -55,19 +59,32 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         given = [value for name, value in scope["headers"] if name == b"authorization"]
-        if len(given) > 1:
+        api_keys = [value for name, value in scope["headers"] if name == b"x-api-key"]
+        if len(given) > 1 or len(api_keys) > 1:
+            header = "Authorization" if len(given) > 1 else "x-api-key"
             error = APIError(
                 400,
-                "More than one Authorization header was sent; send exactly one.",
-                param="Authorization",
+                f"More than one {header} header was sent; send exactly one.",
+                param=header,
                 code="duplicate_authorization_header",
             )
-            await JSONResponse(error.body(), status_code=400)(scope, receive, send)
+            await _refuse(error, scope, receive, send)
             return
+        if api_keys:
+            from_api_key = b"Bearer " + api_keys[0]
+            if given and given[0] != from_api_key:
+                error = APIError(
+                    400,
+                    "Authorization and x-api-key carry different keys; send one of them.",
+                    param="x-api-key",
+                    code="duplicate_authorization_header",
+                )
+                await _refuse(error, scope, receive, send)
+                return
+            given = [from_api_key]
         accepted = self._keys_for(scope["path"])
         if accepted and not matches_any(given[0] if given else b"", accepted):
-            error = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
-            await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+            await _refuse(APIError(401, "Incorrect API key provided.", code="invalid_api_key"), scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -76,6 +93,12 @@ class AuthMiddleware:
         if path in OPEN_PATHS:
             return ()
         return self._admin_route_keys if path in ADMIN_PATHS else self._user_route_keys
+
+
+async def _refuse(error: APIError, scope, receive, send) -> None:
+    """Answer `error` in the shape of the route's API: Anthropic's on the Messages routes, else OpenAI's."""
+    body = api_error_body(error) if is_messages_path(scope["path"]) else error.body()
+    await JSONResponse(body, status_code=error.status)(scope, receive, send)
 
 
 def bearer(key: str) -> bytes:

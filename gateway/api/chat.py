@@ -26,6 +26,13 @@ async def chat_completion(
 ) -> ChatCompletion | AsyncIterator[ChatCompletionChunk]:
     """A chat completion: the whole answer, or (`body.stream`) its chunks once the first token is
     there. `response_id` is the answer's `id` (a fresh "chatcmpl-..." when None)."""
+    prompt_ids, plan = await chat_prompt_ids(state, body)
+    return await complete_chat(state, body, guard, prompt_ids, plan, response_id)
+
+
+async def chat_prompt_ids(state: GatewayState, body: ChatCompletionRequest) -> tuple[list[int], ToolPlan]:
+    """The prompt's token ids (the messages through the chat template, tools included) and the tool
+    plan; 404 for another model, 400 naming a bad field."""
     state.check_model(body.model)
     state.require_generation()
     tokenizer = state.require_tokenizer("messages")
@@ -42,6 +49,19 @@ async def chat_completion(
         template_kwargs=template_kwargs,
         continue_final_message=body.continue_final_message,
     )
+    return prompt_ids, plan
+
+
+async def complete_chat(
+    state: GatewayState,
+    body: ChatCompletionRequest,
+    guard: Guard,
+    prompt_ids: list[int],
+    plan: ToolPlan,
+    response_id: str | None = None,
+) -> ChatCompletion | AsyncIterator[ChatCompletionChunk]:
+    """`chat_completion` from the prompt `chat_prompt_ids` gave for `body`."""
+    tokenizer = state.require_tokenizer("messages")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     num_top = body.top_logprobs or 0
