@@ -13,15 +13,16 @@ in both and are not permuted.
 from __future__ import annotations
 
 import logging
+import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField, ReaderTensor
 from gguf.quants import dequantize
 
 from engine.config import ConfigError, ModelConfig
@@ -39,9 +40,10 @@ _PACKED = gguf_blocks.PACKED_TYPES  # GGUF block types kept packed (Q8_0, Q4_x, 
 
 class FastGGUFReader(GGUFReader):
     """`gguf.GGUFReader` with the same fields and tensors, read faster: slices of a plain array over the
-    mapping instead of `np.memmap` ones (whose per-slice Python hook dominated), and a tight loop for
-    arrays of strings (a 150k-token vocabulary is 300k parts). Opening the Qwen2.5 0.5B file's header
-    took 20 s with the library's reader; the tensor data is the same memory mapping."""
+    mapping instead of `np.memmap` ones (whose per-slice Python hook dominated), and arrays' parts made
+    when read (a 150k-token vocabulary is 300k parts; the engine reads a few control tokens). Opening the
+    Qwen2.5 0.5B file's header took 20 s with the library's reader, 1.2 s with eager parts; the tensor data
+    is the same memory mapping."""
 
     _ITEMSIZES: dict[Any, int] = {}
 
@@ -61,7 +63,7 @@ class FastGGUFReader(GGUFReader):
         arr = self._plain()[offset : offset + size * count].view(dtype=dtype)[:count]
         return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
-    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[np.ndarray], list[int], list[Any]]:
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, Any, list[int], list[Any]]:
         if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
             return super()._get_field_parts(orig_offs, raw_type)  # type: ignore[no-any-return]
         item_type = GGUFValueType(int(self._get(orig_offs, np.uint32)[0]))
@@ -69,21 +71,73 @@ class FastGGUFReader(GGUFReader):
         if item_type != GGUFValueType.STRING and scalar is None:
             return super()._get_field_parts(orig_offs, raw_type)  # type: ignore[no-any-return]
         raw_itype, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
-        parts: list[np.ndarray] = [raw_itype, count]
         offs, n = orig_offs + 12, int(count[0])
         if scalar is not None:  # one element per part, as the library lays them out
             values = self._get(offs, scalar, n)
-            parts += (values[i : i + 1] for i in range(n))
+            parts = _ArrayParts([raw_itype, count], lambda i: values[i : i + 1], n)
             return 12 + int(values.nbytes), parts, list(range(2, 2 + n)), [GGUFValueType.ARRAY, item_type]
-        plain = self._plain()
-        indices: list[int] = []
+        # strings: a uint64 length, then the bytes; each one's start is found by walking the lengths
+        plain, starts = self._plain(), []
+        memory, from_bytes = plain.data, int.from_bytes  # byte order "I": the host's
         for _ in range(n):
-            size = plain[offs : offs + 8].view(np.uint64)
-            length = int(size[0])
-            parts += (size, plain[offs + 8 : offs + 8 + length])
-            indices.append(len(parts) - 1)
-            offs += 8 + length
-        return offs - orig_offs, parts, indices, [GGUFValueType.ARRAY, GGUFValueType.STRING]
+            starts.append(offs)
+            offs += 8 + from_bytes(memory[offs : offs + 8], sys.byteorder)
+
+        def string_part(i: int) -> np.ndarray:
+            start = starts[i // 2]
+            if i % 2 == 0:
+                return plain[start : start + 8].view(np.uint64)
+            return plain[start + 8 : start + 8 + int(plain[start : start + 8].view(np.uint64)[0])]
+
+        parts = _ArrayParts([raw_itype, count], string_part, 2 * n)
+        return offs - orig_offs, parts, list(range(3, 2 + 2 * n, 2)), [GGUFValueType.ARRAY, GGUFValueType.STRING]
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        """The library's loop, except that an array field keeps its parts lazy (`_ArrayParts`) instead of
+        copying them into a list: a 150k-token vocabulary is 300k parts that only a few lookups read."""
+        for _ in range(count):
+            orig_offs = offs
+            key_len, key = self._get_str(offs)
+            offs += int(key_len.nbytes + key.nbytes)
+            raw_kv_type = self._get(offs, np.uint32)
+            offs += int(raw_kv_type.nbytes)
+            head: list[np.ndarray] = [key_len, key, raw_kv_type]
+            size, field_parts, indices, types = self._get_field_parts(offs, raw_kv_type[0])
+            parts = field_parts.after(head) if isinstance(field_parts, _ArrayParts) else head + list(field_parts)
+            name = str(bytes(key), encoding="utf-8")
+            # ReaderField's parts are typed as a list; the library and the engine only index, slice and iterate them
+            field = ReaderField(orig_offs, name, parts, [i + len(head) for i in indices], types)  # type: ignore[arg-type]
+            self._push_field(field, skip_sum=True)
+            offs += size
+        return offs
+
+
+class _ArrayParts(Sequence[np.ndarray]):
+    """The parts of an array field, as the library lists them (`head` parts, then the elements' parts),
+    each element's part made when it is read."""
+
+    def __init__(self, head: list[np.ndarray], element_part: Callable[[int], np.ndarray], num_elements: int):
+        self._head, self._element_part, self._num_elements = head, element_part, num_elements
+
+    def after(self, prefix: list[np.ndarray]) -> _ArrayParts:
+        return _ArrayParts(prefix + self._head, self._element_part, self._num_elements)
+
+    def __len__(self) -> int:
+        return len(self._head) + self._num_elements
+
+    @overload
+    def __getitem__(self, index: int) -> np.ndarray: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[np.ndarray]: ...
+    def __getitem__(self, index: int | slice) -> np.ndarray | list[np.ndarray]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        head = len(self._head)
+        return self._head[index] if index < head else self._element_part(index - head)
 
 
 @dataclass(frozen=True, slots=True)
