@@ -30,6 +30,8 @@ from gateway.api import (
 from gateway.api.auth import AuthMiddleware, log_key_policy
 from gateway.api.body_limit import BodyLimitMiddleware, BodyTooLarge
 from gateway.api.metrics_routes import MetricsMiddleware
+from gateway.api.openai_responses import serving_responses
+from gateway.api.openai_responses_routes import router as responses_router
 from gateway.batch import batches_routes, files_routes
 from gateway.batch.runner import run_batches
 from gateway.batch.traffic import InteractiveTraffic, TrafficMiddleware
@@ -46,6 +48,7 @@ from gateway.text.tokenizer import load_tokenizer
 # Every router of the app, in the order they are mounted.
 ROUTERS = (
     openai.router,
+    responses_router,
     anthropic.router,
     native.router,
     admin.router,
@@ -87,6 +90,7 @@ def create_app(config: GatewayConfig, is_stopping: Callable[[], bool] = lambda: 
         async with (
             run_batches(app, config.data_dir, traffic, config.batch_concurrency, lambda: pool.is_ready, config.api_key),
             serving_grpc_api(app.state.gateway, config.drain_timeout_s, is_stopping),
+            serving_responses(app, config.data_dir),
         ):
             yield
         await pool.close()
