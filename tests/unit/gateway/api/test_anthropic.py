@@ -7,6 +7,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import anthropic
 import pytest
 from fastapi.testclient import TestClient
 
@@ -230,3 +231,16 @@ def test_the_key_is_taken_from_x_api_key_and_refusals_are_anthropic_shaped(keyed
     assert conflicting.status_code == 400 and conflicting.json()["error"]["type"] == "invalid_request_error"
     twice = keyed_app.post("/v1/messages", json=BASE, headers=[("x-api-key", "sekret"), ("x-api-key", "sekret")])
     assert twice.status_code == 400 and "x-api-key" in twice.json()["error"]["message"]
+
+
+def test_the_sdk_gets_an_authentication_error_for_a_wrong_key(keyed_app: TestClient) -> None:
+    wrong = anthropic.Anthropic(base_url=str(keyed_app.base_url), api_key="wrong", http_client=keyed_app,
+                                max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as refused:
+        wrong.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert refused.value.status_code == 401 and refused.value.body["error"]["type"] == "authentication_error"
+    right = anthropic.Anthropic(base_url=str(keyed_app.base_url), api_key="sekret", http_client=keyed_app,
+                                max_retries=0)
+    with pytest.raises(anthropic.InternalServerError) as unready:  # past the key: no worker is up yet
+        right.messages.count_tokens(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert unready.value.status_code == 503
