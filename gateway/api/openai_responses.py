@@ -4,7 +4,8 @@ directory's `ResponseStore`.
 
 A response is a chat completion: its input context (the earlier turn's context and output, then
 this turn's input) becomes the chat request `openai_responses_convert.chat_request` makes, run by
-`chat.chat_completion` like any chat; the answer or its chunks become the response or its events.
+`chat.py`'s `chat_prompt_ids` and `complete_chat` like any chat; the answer or its chunks become
+the response or its events.
 A response is stored (`store`, the default) once it has finished; a background one is stored
 queued at once and updated as it runs.
 """
@@ -12,12 +13,12 @@ queued at once and updated as it runs.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 from pydantic import BaseModel, TypeAdapter
 
-from gateway.api.chat import chat_completion
+from gateway.api.chat import chat_prompt_ids, complete_chat
 from gateway.api.guard import Guard, unguarded
 from gateway.api.openai_responses_convert import (
     base_response,
@@ -31,6 +32,7 @@ from gateway.api.openai_responses_convert import (
 from gateway.api.openai_responses_schemas import CreateResponseRequest, Item, ResponseError, ResponseObject
 from gateway.api.openai_responses_stream import response_events
 from gateway.api.responses import ChatCompletion
+from gateway.api.schemas import ChatCompletionRequest
 from gateway.errors import APIError, bad_request, public_message
 from gateway.service.responses_store import (
     UNFINISHED_STATUSES,
@@ -41,6 +43,7 @@ from gateway.service.responses_store import (
     StoredResponse,
 )
 from gateway.state import GatewayState
+from gateway.text.tool_calls import ToolPlan
 
 _ITEMS = TypeAdapter(list[Item])
 _RESTARTED = ResponseError(code="server_error", message="the gateway restarted before this response finished")
@@ -51,6 +54,7 @@ async def create_response(
 ) -> ResponseObject | AsyncIterator[BaseModel]:
     """The finished response, its events (`stream`), or (`background`) the queued response."""
     state.check_model(body.model)
+    state.require_generation()
     if body.background and not body.store:
         raise bad_request("background responses must be stored: store cannot be false", "store")
     if body.background and body.stream:
@@ -58,17 +62,18 @@ async def create_response(
     history = await _history(service.store, body.previous_response_id) if body.previous_response_id else []
     items = [*history, *input_items(body)]
     chat_body = chat_request(body, items, stream=body.stream)
+    with _renamed_errors():  # the prompt and tools are checked before anything is queued
+        prompt = await chat_prompt_ids(state, chat_body)
     response_id = new_id("resp")
     if body.background:
         queued = base_response(body, response_id, "queued")
         await service.store.run(service.store.put, record_of(queued, items))
-        service.background.start(response_id, _run_in_background(state, service.store, chat_body, queued, items))
+        work = _run_in_background(state, service.store, chat_body, prompt, queued, items)
+        service.background.start(response_id, work)
         return queued
     base = base_response(body, response_id, "in_progress")
-    try:
-        answer = await chat_completion(state, chat_body, guard)
-    except APIError as exc:
-        raise renamed(exc) from None
+    with _renamed_errors():
+        answer = await complete_chat(state, chat_body, guard, *prompt)
 
     async def save(response: ResponseObject) -> None:
         if body.store:
@@ -134,15 +139,22 @@ async def serving_responses(app, data_dir: str | Path) -> AsyncIterator[Response
 
 
 async def _run_in_background(
-    state: GatewayState, store: ResponseStore, chat_body, queued: ResponseObject, items: list[Item]
+    state: GatewayState,
+    store: ResponseStore,
+    chat_body: ChatCompletionRequest,
+    prompt: tuple[list[int], ToolPlan],
+    queued: ResponseObject,
+    items: list[Item],
 ) -> None:
+    """Run a queued response to its end; its row is updated only while unfinished (a cancel wins)."""
     await store.run(store.update_unfinished, record_of(queued.model_copy(update={"status": "in_progress"}), items))
     try:
-        answer = await chat_completion(state, chat_body, unguarded)
-        assert isinstance(answer, ChatCompletion)  # chat_body does not stream
+        answer = await complete_chat(state, chat_body, unguarded, *prompt)
+        if not isinstance(answer, ChatCompletion):
+            raise APIError(500, "a background response cannot stream", "server_error")
         response = _from_chat(queued, answer)
     except APIError as exc:
-        error = ResponseError(code=str(exc.code or exc.type), message=public_message(exc.message))
+        error = ResponseError(code=str(exc.code or exc.type), message=public_message(renamed(exc).message))
         response = queued.model_copy(update={"status": "failed", "error": error})
     await store.run(store.update_unfinished, record_of(response, items))
 
@@ -177,7 +189,15 @@ async def _stored(store: ResponseStore, response_id: str) -> StoredResponse:
 
 
 @contextlib.contextmanager
-def _not_found():
+def _renamed_errors() -> Iterator[None]:
+    try:
+        yield
+    except APIError as exc:
+        raise renamed(exc) from None
+
+
+@contextlib.contextmanager
+def _not_found() -> Iterator[None]:
     try:
         yield
     except ResponseNotFound as exc:

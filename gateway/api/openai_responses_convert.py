@@ -62,6 +62,8 @@ def _stored(item: Item) -> Item:
 
 def chat_request(body: CreateResponseRequest, items: list[Item], stream: bool) -> ChatCompletionRequest:
     """The chat completion that answers `body` after the input context `items` (oldest first)."""
+    if body.max_output_tokens is not None and body.max_output_tokens < 1:
+        raise bad_request(f"max_output_tokens must be at least 1, got {body.max_output_tokens}", "max_output_tokens")
     fields: dict[str, Any] = {
         "model": body.model,
         "messages": _messages(body.instructions, items),

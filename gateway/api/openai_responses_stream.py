@@ -147,10 +147,19 @@ async def response_events(
         )
         yield ResponseEvent(type="response.failed", sequence_number=next(seq), response=failed)
         return
+    finally:
+        await _close(chunks)
     response = finished(base, output, finish, usage or Usage.model_validate(_NO_USAGE))
     await save(response)
     kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
     yield ResponseEvent(type=kind, sequence_number=next(seq), response=response)
+
+
+async def _close(chunks: AsyncIterator[ChatCompletionChunk]) -> None:
+    """Close the chat stream now (a client that left stops its generation), not when collected."""
+    close = getattr(chunks, "aclose", None)
+    if close is not None:
+        await close()
 
 
 _NO_USAGE = {

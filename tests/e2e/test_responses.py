@@ -124,6 +124,15 @@ def test_a_forced_function_call_and_its_output_turn(client: openai.OpenAI) -> No
     assert [i.type for i in items] == ["message", "function_call", "function_call_output"]
 
 
+def test_a_json_schema_text_format_is_followed(client: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]}},
+              "required": ["color"], "additionalProperties": False}
+    response = client.responses.create(model=MODEL, input="Pick a color.", max_output_tokens=48,
+                                       text={"format": {"type": "json_schema", "name": "pick", "schema": schema}})
+    assert json.loads(response.output_text)["color"] in ("red", "green", "blue")
+    assert client.responses.retrieve(response.id).text.format.type == "json_schema"
+
+
 def test_max_output_tokens_leaves_the_response_incomplete(client: openai.OpenAI) -> None:
     response = client.responses.create(model=MODEL, input="Write a long story about the sea.", max_output_tokens=3)
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
@@ -151,7 +160,8 @@ def test_bad_input_is_a_400_naming_the_field(client: openai.OpenAI) -> None:
              ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
              ({"input": "Hi", "tool_choice": "required"}, "tool_choice"),
              ({"input": [], "instructions": "x"}, "input"),
-             ({"input": "Hi", "background": True, "store": False}, "store")]
+             ({"input": "Hi", "background": True, "store": False}, "store"),
+             ({"input": "Hi", "background": True, "tool_choice": "required"}, "tool_choice")]
     for fields, param in cases:
         with pytest.raises(openai.BadRequestError) as bad:
             client.responses.create(model=MODEL, **fields)

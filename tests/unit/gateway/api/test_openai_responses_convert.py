@@ -103,6 +103,12 @@ def test_text_formats() -> None:
     assert bad.value.param == "text.format.schema"
 
 
+def test_max_output_tokens_below_one_is_a_400() -> None:
+    with pytest.raises(APIError) as bad:
+        chat_request(_request(input="Hi", max_output_tokens=0), input_items(_request(input="Hi")), stream=False)
+    assert bad.value.param == "max_output_tokens"
+
+
 def test_the_chat_operations_params_are_renamed() -> None:
     assert renamed(bad_request("too many", "max_completion_tokens")).param == "max_output_tokens"
     assert renamed(bad_request("bad", "response_format")).param == "text.format"

@@ -122,3 +122,27 @@ def test_each_event_is_sent_with_its_type() -> None:
 
 async def _no_save(response: ResponseObject) -> None:
     return None
+
+
+def test_closing_the_events_closes_the_chat_stream_at_once() -> None:
+    """A client that leaves mid-stream: its chat stream (and so its generation) is closed then, not
+    when collected."""
+    closed: list[bool] = []
+
+    async def chunks():
+        try:
+            yield _chunk({"content": "a"})
+            yield _chunk({"content": "b"})
+        finally:
+            closed.append(True)
+
+    async def main() -> None:
+        events = response_events(BASE, chunks(), _no_save)
+        async for event in events:
+            if event.type == "response.output_text.delta":
+                break
+        assert closed == []
+        await events.aclose()
+
+    asyncio.run(main())
+    assert closed == [True]
