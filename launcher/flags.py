@@ -124,7 +124,7 @@ def _add_gateway_plane_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data-dir",
         default=None,
-        help="where /v1/files and /v1/batches keep their SQLite database and file contents; one "
+        help="where /v1/files, /v1/batches and /v1/responses keep their SQLite databases and file contents; one "
         "gateway per directory (default: $XDG_DATA_HOME/tandem, i.e. ~/.local/share/tandem)",
     )
     p.add_argument(
