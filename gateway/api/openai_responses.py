@@ -13,6 +13,7 @@ queued at once and updated as it runs.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -45,7 +46,9 @@ from gateway.service.responses_store import (
 from gateway.state import GatewayState
 from gateway.text.tool_calls import ToolPlan
 
+logger = logging.getLogger(__name__)
 _ITEMS = TypeAdapter(list[Item])
+_INTERNAL = ResponseError(code="server_error", message="internal server error")
 _RESTARTED = ResponseError(code="server_error", message="the gateway restarted before this response finished")
 
 
@@ -68,7 +71,7 @@ async def create_response(
     if body.background:
         queued = base_response(body, response_id, "queued")
         await service.store.run(service.store.put, record_of(queued, items))
-        work = _run_in_background(state, service.store, chat_body, prompt, queued, items)
+        work = _run_in_background(state, service.store, chat_body, prompt, queued)
         service.background.start(response_id, work)
         return queued
     base = base_response(body, response_id, "in_progress")
@@ -108,10 +111,7 @@ async def cancel(service: ResponsesService, response_id: str) -> ResponseObject:
         return response
     await service.background.cancel(response_id)
     cancelled = response.model_copy(update={"status": "cancelled"})
-    stored = await _stored(service.store, response_id)
-    if await service.store.run(
-        service.store.update_unfinished, record_of(cancelled, _ITEMS.validate_json(stored.input_items_json))
-    ):
+    if await _update_unfinished(service.store, cancelled):
         return cancelled
     return await retrieve(service, response_id)  # it finished before the cancel reached it
 
@@ -128,8 +128,7 @@ async def serving_responses(app, data_dir: str | Path) -> AsyncIterator[Response
     store = ResponseStore(data_dir)
     for stored in await store.run(store.unfinished):
         response = ResponseObject.model_validate_json(stored.response_json)
-        failed = response.model_copy(update={"status": "failed", "error": _RESTARTED})
-        await store.run(store.update_unfinished, record_of(failed, _ITEMS.validate_json(stored.input_items_json)))
+        await _update_unfinished(store, response.model_copy(update={"status": "failed", "error": _RESTARTED}))
     app.state.responses = ResponsesService(store, BackgroundResponses())
     try:
         yield app.state.responses
@@ -144,10 +143,9 @@ async def _run_in_background(
     chat_body: ChatCompletionRequest,
     prompt: tuple[list[int], ToolPlan],
     queued: ResponseObject,
-    items: list[Item],
 ) -> None:
     """Run a queued response to its end; its row is updated only while unfinished (a cancel wins)."""
-    await store.run(store.update_unfinished, record_of(queued.model_copy(update={"status": "in_progress"}), items))
+    await _update_unfinished(store, queued.model_copy(update={"status": "in_progress"}))
     try:
         answer = await complete_chat(state, chat_body, unguarded, *prompt)
         if not isinstance(answer, ChatCompletion):
@@ -156,7 +154,10 @@ async def _run_in_background(
     except APIError as exc:
         error = ResponseError(code=str(exc.code or exc.type), message=public_message(renamed(exc).message))
         response = queued.model_copy(update={"status": "failed", "error": error})
-    await store.run(store.update_unfinished, record_of(response, items))
+    except Exception:
+        logger.exception("background response %s failed", queued.id)
+        response = queued.model_copy(update={"status": "failed", "error": _INTERNAL})
+    await _update_unfinished(store, response)
 
 
 def _from_chat(base: ResponseObject, answer: ChatCompletion) -> ResponseObject:
@@ -202,6 +203,12 @@ def _not_found() -> Iterator[None]:
         yield
     except ResponseNotFound as exc:
         raise APIError(404, str(exc), "invalid_request_error", "response_id", "response_not_found") from None
+
+
+async def _update_unfinished(store: ResponseStore, response: ResponseObject) -> bool:
+    return await store.run(
+        store.update_unfinished, response.id, response.status, response.model_dump_json(by_alias=True)
+    )
 
 
 def record_of(response: ResponseObject, items: list[Item]) -> StoredResponse:

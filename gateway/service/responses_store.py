@@ -81,13 +81,14 @@ class ResponseStore:
                 (record.id, record.created_at, record.status, record.response_json, record.input_items_json),
             )
 
-    def update_unfinished(self, record: StoredResponse) -> bool:
-        """Replace the row only while it is unfinished (a cancel that came first wins); False if not."""
+    def update_unfinished(self, response_id: str, status: str, response_json: str) -> bool:
+        """Set the response's status and object only while it is unfinished (a cancel that came first
+        wins); False, and nothing changes, if it has finished or is gone."""
         marks = ", ".join("?" * len(UNFINISHED_STATUSES))
         with self._transaction() as db:
             updated = db.execute(
                 f"UPDATE responses SET status = ?, response = ? WHERE id = ? AND status IN ({marks})",
-                (record.status, record.response_json, record.id, *UNFINISHED_STATUSES),
+                (status, response_json, response_id, *UNFINISHED_STATUSES),
             ).rowcount
         return bool(updated)
 

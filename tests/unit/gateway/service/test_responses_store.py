@@ -33,10 +33,12 @@ def test_only_unfinished_rows_are_updated_and_listed(tmp_path: Path) -> None:
     store.put(_row("resp_q", "queued"))
     store.put(_row("resp_done", "completed"))
     assert [r.id for r in store.unfinished()] == ["resp_q"]
-    assert store.update_unfinished(_row("resp_q", "cancelled", '{"c": 1}'))
-    assert not store.update_unfinished(_row("resp_q", "completed"))  # the cancel came first and stays
-    assert not store.update_unfinished(_row("resp_done", "failed"))
-    assert store.get("resp_q").status == "cancelled" and store.get("resp_done").status == "completed"
+    assert store.update_unfinished("resp_q", "cancelled", '{"c": 1}')
+    assert not store.update_unfinished("resp_q", "completed", "{}")  # the cancel came first and stays
+    assert not store.update_unfinished("resp_done", "failed", "{}")
+    assert not store.update_unfinished("resp_gone", "failed", "{}")
+    assert store.get("resp_q") == StoredResponse("resp_q", 1, "cancelled", '{"c": 1}', "[]")
+    assert store.get("resp_done").status == "completed"
     assert store.unfinished() == []
     store.close()
 
