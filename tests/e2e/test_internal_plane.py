@@ -7,6 +7,7 @@ stays byte-identical."""
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import httpx
@@ -78,6 +79,9 @@ def test_serve_gives_the_grant_secret_to_the_workers_and_not_the_gateway(stack: 
     assert not any(secret in arg for _, argv in children.values() for arg in argv)
 
 
+# The attacks run paced, one forged write per ATTACK_PACE_S, over every page of the pool while the victim's chat
+# runs: hundreds of writes. Unpaced, about 12,000 of them took both cores and slowed the chat to 25-45 s.
+ATTACK_PACE_S = 0.005
 _VICTIM = {"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 96,
            "messages": [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]}
 _UNATTACKED: dict[str, str] = {}   # the victim's greedy text with no attack, by gateway URL: computed once
@@ -138,6 +142,7 @@ def test_forged_prefills_write_nothing_and_the_victim_output_is_unchanged(stack:
                 assert control.Abort(common_pb2.AbortRequest(request_id=f"attacker-{page}", kv_write_settled=True),
                                      metadata=WORKER_METADATA).found
                 page += 8
+                time.sleep(ATTACK_PACE_S)
         finally:
             victim.join()
         assert codes == {grpc.StatusCode.PERMISSION_DENIED}
@@ -192,6 +197,7 @@ def test_a_token_holder_cannot_mint_a_grant_for_the_victims_pages(stack: Stack, 
                 codes.add(_forged_prefill(prefill, f"minted-{page}", minted, 16 * 8))
                 num_forged += 1
                 page += 8
+                time.sleep(ATTACK_PACE_S)
         finally:
             victim.join()
     assert codes == {grpc.StatusCode.PERMISSION_DENIED}
@@ -201,6 +207,7 @@ def test_a_token_holder_cannot_mint_a_grant_for_the_victims_pages(stack: Stack, 
         lines = log.read().decode(errors="replace").splitlines()
     refusals = [line for line in lines if "refused a KV grant for minted-" in line]
     assert len(refusals) == num_forged
+    print(f"{num_forged} minted grants refused while the chat ran")
 
 
 def test_cancel_prefill_spends_the_grant_and_checks_it(stack: Stack) -> None:
