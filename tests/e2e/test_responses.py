@@ -108,6 +108,7 @@ def test_a_stream_sends_the_text_of_the_whole_response_in_order(client: openai.O
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == whole.output_text == final.output_text
+    assert final.usage.input_tokens == whole.usage.input_tokens and final.usage.output_tokens == whole.usage.output_tokens
     assert client.responses.retrieve(final.id).output_text == whole.output_text
 
 
@@ -116,6 +117,14 @@ def test_a_forced_function_call_and_its_output_turn(client: openai.OpenAI) -> No
                                      tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=64)
     [call] = [item for item in called.output if item.type == "function_call"]
     assert call.name == "get_weather" and isinstance(json.loads(call.arguments), dict)
+    with client.responses.stream(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER],
+                                 tool_choice={"type": "function", "name": "get_weather"},
+                                 max_output_tokens=64) as stream:
+        kinds = [event.type for event in stream]
+        streamed = stream.get_final_response()
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+    [streamed_call] = [item for item in streamed.output if item.type == "function_call"]
+    assert (streamed_call.name, json.loads(streamed_call.arguments)) == (call.name, json.loads(call.arguments))
     answered = client.responses.create(
         model=MODEL, previous_response_id=called.id, tools=[WEATHER], max_output_tokens=16,
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "sunny"}'}])
