@@ -12,7 +12,7 @@ event is an `error` event, then response.failed.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Literal
 
 from fastapi.responses import StreamingResponse
@@ -170,7 +170,7 @@ _NO_USAGE = {
 }
 
 
-def _text_opened(seq, item_id: str, index: int) -> list[BaseModel]:
+def _text_opened(seq: Iterator[int], item_id: str, index: int) -> list[BaseModel]:
     opened = text_message(item_id, "", None).model_copy(update={"content": [], "status": "in_progress"})
     return [
         OutputItemEvent(type="response.output_item.added", sequence_number=next(seq), output_index=index, item=opened),
@@ -185,7 +185,9 @@ def _text_opened(seq, item_id: str, index: int) -> list[BaseModel]:
     ]
 
 
-def _text_closed(seq, item_id: str, text: str, finish: str | None, output: list[Item]) -> list[BaseModel]:
+def _text_closed(
+    seq: Iterator[int], item_id: str, text: str, finish: str | None, output: list[Item]
+) -> list[BaseModel]:
     """The text message's closing events; the message joins `output`."""
     index, item = len(output), text_message(item_id, text, finish)
     output.append(item)
@@ -203,7 +205,7 @@ def _text_closed(seq, item_id: str, text: str, finish: str | None, output: list[
     ]
 
 
-def _function_call(seq, call_id: str, name: str, arguments: str, output: list[Item]) -> list[BaseModel]:
+def _function_call(seq: Iterator[int], call_id: str, name: str, arguments: str, output: list[Item]) -> list[BaseModel]:
     """One whole function call's events; the call joins `output`."""
     index, item_id = len(output), new_id("fc")
     item = function_call(item_id, call_id, name, arguments, "completed")
