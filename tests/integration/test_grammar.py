@@ -37,7 +37,7 @@ def _run(engine: Engine, rid: str, prompt: list[int], sampling: SamplingParams) 
 
 
 def _engine(checkpoint) -> Engine:
-    return Engine(checkpoint, EngineConfig(max_total_tokens=2048), progress=False)
+    return Engine(checkpoint, EngineConfig(max_total_tokens=2048, quantization="gguf"), progress=False)
 
 
 def test_json_schema_output_parses_and_matches_the_schema(setup) -> None:
