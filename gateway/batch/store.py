@@ -21,18 +21,14 @@ on SQLite or fsync and calls are applied in the order they were made.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import functools
 import itertools
 import json
 import sqlite3
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from pathlib import Path
-from typing import BinaryIO, TypeVar
+from typing import BinaryIO
 
 from gateway.batch.data_dir import DataDir
 from gateway.batch.lines import BatchError, InputLine, error_line
@@ -47,33 +43,23 @@ from gateway.batch.records import (
     batch_record,
     file_record,
 )
+from gateway.service.sqlite_store import SQLiteStore
 
-T = TypeVar("T")
 COMPLETION_WINDOW_S = {"24h": 24 * 3600}
 
 _UNFINISHED = tuple(s.value for s in BatchStatus if not s.is_finished)
 
 
-class BatchStore:
+class BatchStore(SQLiteStore):
     def __init__(self, data_dir: str | Path) -> None:
         self.data_dir = Path(data_dir)
         self._dir = DataDir(self.data_dir)
         self.files_dir = self._dir.files_dir
-        self._db = sqlite3.connect(self.data_dir / "tandem.db", isolation_level=None, check_same_thread=False)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(SCHEMA)
+        super().__init__(self.data_dir / "tandem.db", SCHEMA, "batch-store")
         self._dir.remove_orphans({r["id"] for r in self._db.execute("SELECT id FROM files")})
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="batch-store")
-
-    async def run(self, method: Callable[..., T], *args) -> T:
-        """Run `method(*args)` (a method of this store) on the store's thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(method, *args))
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
-        self._db.close()
+        super().close()
         self._dir.close()
 
     # files
@@ -245,16 +231,6 @@ class BatchStore:
         return self.get_batch(batch_id)
 
     # internals
-
-    @contextlib.contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
 
     def _page(
         self, table: str, after: str | None, limit: int, order: str, where: str | None, args: tuple

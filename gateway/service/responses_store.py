@@ -18,17 +18,14 @@ again, and marks them failed (`fail_unfinished`): their generations died with th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
-import sqlite3
-from collections.abc import Awaitable, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
-T = TypeVar("T")
+from gateway.service.sqlite_store import SQLiteStore
+
 logger = logging.getLogger(__name__)
 
 SCHEMA = """
@@ -57,21 +54,9 @@ class StoredResponse:
     input_items_json: str
 
 
-class ResponseStore:
+class ResponseStore(SQLiteStore):
     def __init__(self, data_dir: str | Path) -> None:
-        self._db = sqlite3.connect(Path(data_dir) / "responses.db", isolation_level=None, check_same_thread=False)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.executescript(SCHEMA)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="responses-store")
-
-    async def run(self, method: Callable[..., T], *args) -> T:
-        """Run `method(*args)` (a method of this store) on the store's thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(method, *args))
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
-        self._db.close()
+        super().__init__(Path(data_dir) / "responses.db", SCHEMA, "responses-store")
 
     def put(self, record: StoredResponse) -> None:
         """Insert the response, or replace the row of the same id (a background response's updates)."""
@@ -108,16 +93,6 @@ class ResponseStore:
         marks = ", ".join("?" * len(UNFINISHED_STATUSES))
         rows = self._db.execute(f"SELECT id FROM responses WHERE status IN ({marks})", UNFINISHED_STATUSES)
         return [self.get(r["id"]) for r in rows.fetchall()]
-
-    @contextlib.contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
 
 
 class BackgroundResponses:
