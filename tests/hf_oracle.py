@@ -8,6 +8,7 @@ whenever the file, the prompts, the oracle's code or the versions of torch, tran
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 import json
 import os
@@ -163,3 +164,19 @@ def greedy_reference(path: Path, method: str, prompts: list[list[int]], num_toke
     partial.write_text(json.dumps({"key": key, "tokens": tokens}))
     partial.replace(stored)
     return tokens
+
+
+def gguf_greedy_reference(path: Path, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    """HF's fp32 greedy tokens of the GGUF file at `path` for `prompts` (one left-padded batch,
+    `tests.real_models.hf_greedy_batch`), kept once per machine (`greedy_reference`); a computed model's
+    fp32 weights are freed before this returns."""
+    from tests.real_models import hf_greedy_batch
+
+    def compute() -> list[list[int]]:
+        model = load_hf_gguf(path)
+        tokens = hf_greedy_batch(model, prompts, num_tokens)
+        del model
+        gc.collect()
+        return tokens
+
+    return greedy_reference(path, "hf_greedy_batch", prompts, num_tokens, compute)

@@ -5,7 +5,6 @@ answering a completion and a native `/generate` request. A base model has no cha
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 
 import openai
@@ -18,12 +17,11 @@ from gateway.text.tokenizer import Tokenizer, load_tokenizer
 from launcher.configs import engine_config
 from launcher.flags import build_parser
 from tests.e2e.stack import Stack, start_stack
-from tests.hf_oracle import greedy_reference, load_hf_gguf
+from tests.hf_oracle import gguf_greedy_reference
 from tests.real_models import (
     GEMMA_270M,
     count_identical,
     engine_greedy,
-    hf_greedy_batch,
     real_model_path,
     up_to_end_of_text,
 )
@@ -75,14 +73,7 @@ def prompts(tokenizer: Tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_tokens(model_path: Path, prompts: list[list[int]]) -> list[list[int]]:
-    def compute() -> list[list[int]]:
-        model = load_hf_gguf(model_path)
-        tokens = hf_greedy_batch(model, prompts, NUM_TOKENS)
-        del model
-        gc.collect()
-        return tokens
-
-    return greedy_reference(model_path, "hf_greedy_batch", prompts, NUM_TOKENS, compute)
+    return gguf_greedy_reference(model_path, prompts, NUM_TOKENS)
 
 
 def test_gemma3_file_ends_generation_where_hf_does(checkpoint: Checkpoint) -> None:

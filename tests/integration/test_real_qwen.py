@@ -7,7 +7,6 @@ many prompts match."""
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 
 import pytest
@@ -17,12 +16,11 @@ from engine.weights import Checkpoint, open_checkpoint
 from gateway.text.tokenizer import Tokenizer, load_tokenizer
 from launcher.configs import engine_config
 from launcher.flags import build_parser
-from tests.hf_oracle import greedy_reference, load_hf_gguf
+from tests.hf_oracle import gguf_greedy_reference
 from tests.real_models import (
     QWEN_0_5B,
     count_identical,
     engine_greedy,
-    hf_greedy_batch,
     real_model_path,
     up_to_end_of_text,
 )
@@ -77,14 +75,7 @@ def prompts(tokenizer: Tokenizer) -> list[list[int]]:
 def hf_tokens(model_path: Path, prompts: list[list[int]]) -> list[list[int]]:
     """The reference's greedy tokens (kept once per machine); its 2.4 GB of fp32 weights are freed before any
     engine loads."""
-    def compute() -> list[list[int]]:
-        model = load_hf_gguf(model_path)
-        tokens = hf_greedy_batch(model, prompts, NUM_TOKENS)
-        del model
-        gc.collect()
-        return tokens
-
-    return greedy_reference(model_path, "hf_greedy_batch", prompts, NUM_TOKENS, compute)
+    return gguf_greedy_reference(model_path, prompts, NUM_TOKENS)
 
 
 def test_the_file_ends_generation_where_hf_does(checkpoint: Checkpoint) -> None:
