@@ -47,10 +47,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_handed_off(args: argparse.Namespace) -> int:
-    """A child of `tandem serve`: the config its parent built, read from stdin."""
+    """A child of `tandem serve`: the config its parent built, read from stdin once the child's code is
+    imported (the parent checks the model meanwhile, and stops the child if it cannot be served)."""
     configure_logging(args.log_level, args.command)
     if args.command == "gateway":
+        import gateway.app  # noqa: F401
+
         return _serve_gateway(receive_config(GatewayConfig))
+    import decode_server.servicer  # noqa: F401
+    import prefill_server.embedding_servicer  # noqa: F401
+    import prefill_server.servicer  # noqa: F401
+    import server_runtime.worker  # noqa: F401
+
     return _serve_worker(receive_config(WorkerConfig))
 
 

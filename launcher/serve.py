@@ -115,10 +115,6 @@ def _check_ports(workers: tuple[WorkerConfig, ...], gateway: GatewayConfig) -> N
 def serve(args: argparse.Namespace) -> int:
     stack = stack_configs(args)
     model_path = stack.gateway.model_path  # the flag, or the bundled model when it is not given
-    if stack.decodes and (problem := checkpoint_problem(model_path)) is not None:
-        # one line before any child starts, rather than a traceback from each of them
-        logger.error("cannot serve %s: %s", model_path, problem)
-        return 2
     children = [child_spec(config, args.log_level, child_name(stack, config)) for config in stack.children]
     gateway = stack.gateway
     url_host = "127.0.0.1" if gateway.host in ("0.0.0.0", "::") else gateway.host
@@ -128,6 +124,20 @@ def serve(args: argparse.Namespace) -> int:
         args.startup_timeout,
         stop_grace_s=args.drain_timeout + 10,
     )
+    if stack.decodes:
+        # The children import their code (seconds) while the model is checked here; a model that cannot be
+        # served is one line, and the children are stopped before they get their configs, rather than a
+        # traceback from each of them.
+        supervisor.spawn()
+        try:
+            problem = checkpoint_problem(model_path)
+        except BaseException:
+            supervisor.stop()
+            raise
+        if problem is not None:
+            supervisor.stop()
+            logger.error("cannot serve %s: %s", model_path, problem)
+            return 2
     prefills = ", ".join(_address(w) for w in stack.prefills)
     workers = (
         f"embedding prefill {prefills}, no decode). Ctrl-C stops them all."

@@ -60,11 +60,11 @@ class Supervisor:
         self.procs: dict[str, subprocess.Popen] = {}
         self._stopping = False
 
-    def run(self, ready_message: str) -> int:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
-        try:
-            for spec in self.specs:
+    def spawn(self) -> None:
+        """Start every child; each imports its code, then waits for its config on stdin (`run` sends it).
+        A child stopped before then has done nothing a user would see."""
+        for spec in self.specs:
+            if spec.name not in self.procs:
                 self.procs[spec.name] = subprocess.Popen(
                     [sys.executable, "-m", "launcher", *spec.args],
                     env=dict(spec.env),
@@ -72,6 +72,13 @@ class Supervisor:
                     start_new_session=True,
                     preexec_fn=_die_with_parent,
                 )
+
+    def run(self, ready_message: str) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        try:
+            self.spawn()
+            for spec in self.specs:
                 _hand_over(self.procs[spec.name], spec.config)
             if not self._wait_ready():
                 return 1
@@ -93,7 +100,7 @@ class Supervisor:
                         return True
             except (urllib.error.URLError, OSError):
                 pass
-            time.sleep(0.5)
+            time.sleep(0.2)  # a local request: polled often, so that "ready" follows the gateway's health at once
         if not self._stopping:
             logger.error("the stack was not ready within %.0f s", self.startup_timeout_s)
         return False

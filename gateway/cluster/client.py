@@ -32,13 +32,14 @@ from gateway.records import GeneratedToken, Role, SamplingOptions
 from tandem.internal_auth import InternalCredentials
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2_grpc
 
-# gRPC backs off reconnecting to a worker that went away by up to 120 s; cap it near the pool's poll
-# interval so that a restarted worker is ready again within seconds. Keepalive pings every 10 s close a
+# gRPC backs off reconnecting to a worker that went away by up to 120 s; cap it at half a second, so that
+# a worker that starts or restarts is seen by the pool's next probes (every 0.2 s while the pool cannot serve,
+# gateway/cluster/pool.py). Keepalive pings every 10 s close a
 # connection whose worker stopped answering (a wedged or frozen process, a dead host) within 15 s,
 # failing the calls on it, even between calls; the workers accept pings that often (server_runtime/worker.py).
 CHANNEL_OPTIONS = (
-    ("grpc.initial_reconnect_backoff_ms", 500),
-    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 500),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),

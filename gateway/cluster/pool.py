@@ -23,6 +23,9 @@ from tandem.internal_auth import InternalCredentials
 logger = logging.getLogger(__name__)
 
 _POLL_INTERVAL_S = 1.0
+# While the pool cannot serve (start-up, or every worker of a role down), probes run this often, so that
+# the first worker to be ready is seen within a fraction of a second instead of within a poll interval.
+_UNREADY_POLL_INTERVAL_S = 0.2
 # A worker whose address left DNS gets no new requests, but its channel stays open this long so
 # that streams already on it can finish (the gateway's default --request-timeout).
 _RETIRED_CHANNEL_GRACE_S = 3600.0
@@ -120,7 +123,7 @@ class WorkerPool:
     async def _poll_forever(self) -> None:
         while True:
             await self.probe_all()
-            await asyncio.sleep(_POLL_INTERVAL_S)
+            await asyncio.sleep(_POLL_INTERVAL_S if self.is_ready else _UNREADY_POLL_INTERVAL_S)
 
     @property
     def is_ready(self) -> bool:

@@ -169,7 +169,7 @@ def start_stack(tmp_dir: Path, *flags: str, timeout_s: float = 300) -> Stack:
             raise RuntimeError(f"tandem serve exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
         if "Tandem is ready" in log_path.read_text():
             return stack
-        time.sleep(0.5)
+        time.sleep(0.2)
     stack.stop()
     raise RuntimeError(f"tandem serve not ready in {timeout_s} s:\n{log_path.read_text()[-4000:]}")
 

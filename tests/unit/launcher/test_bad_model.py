@@ -1,5 +1,5 @@
 """`tandem serve` on a model it cannot serve: one line naming the problem and what to do, exit code 2,
-no traceback, before any worker starts (real processes, real files)."""
+no traceback, before any worker gets its config (real processes, real files)."""
 
 from __future__ import annotations
 
