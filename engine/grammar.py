@@ -17,6 +17,7 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.grammar_spec import GrammarKind, GrammarSpec
+from tandem.converted_tokenizer import load_hf_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +124,9 @@ def accept_token(matcher: Any, token_id: int) -> None:
 
 
 def _load_hf_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
+    """The model's transformers tokenizer; a GGUF file's through the converted copy the gateway keeps too
+    (converting SmolLM2's vocabulary took 13 s on a worker's first constrained request)."""
     model = Path(path)
     if model.is_file() and model.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(model.parent, gguf_file=model.name)
-    return AutoTokenizer.from_pretrained(model, local_files_only=True)
+        return load_hf_tokenizer(str(model.parent), model.name)
+    return load_hf_tokenizer(str(model), None)

@@ -10,17 +10,17 @@ imported only when a tokenizer is loaded, never when this module is.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import os
 import re
-import shutil
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jinja2
 from transformers import PreTrainedTokenizerBase
+
+from tandem.converted_tokenizer import load_hf_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -248,64 +248,13 @@ def load_tokenizer(path: str) -> Tokenizer:
 
 
 def _from_pretrained(directory: str, gguf_file: str | None) -> PreTrainedTokenizerBase:
-    # Imported here, not at the top: transformers' AutoTokenizer (and its GGUF reader) import
-    # torch when it is installed, and importing the gateway must not.
-    from transformers import AutoTokenizer
-
-    source = os.path.join(directory, gguf_file) if gguf_file else directory
-    cached = _gguf_cache_dir(source) if gguf_file else None
-    if cached is not None and os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
-        logger.info("loading tokenizer of %s from its converted copy %s", source, cached)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(cached, local_files_only=True)
-            tokenizer.name_or_path = directory  # messages name where the model is, as a fresh conversion does
-            return tokenizer
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            logger.warning("ignoring the unreadable converted tokenizer %s: %s", cached, exc)
-    logger.info("loading tokenizer from %s", source)
-    kwargs: dict[str, Any] = {"local_files_only": True}
-    if gguf_file is not None:
-        kwargs["gguf_file"] = gguf_file
+    # A GGUF file's conversion is kept per file (tandem.converted_tokenizer), shared with the workers' grammar backend.
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
+        tokenizer: PreTrainedTokenizerBase = load_hf_tokenizer(directory, gguf_file)
     except (OSError, ValueError, KeyError, TypeError) as exc:
+        source = os.path.join(directory, gguf_file) if gguf_file else directory
         raise TokenizerError(f"cannot load tokenizer from {source!r}: {exc}") from exc
-    if cached is not None:
-        _save_converted(tokenizer, cached)
     return tokenizer
-
-
-# Converting a GGUF file's vocabulary into a transformers tokenizer takes tens of seconds for a
-# 150k-token vocabulary; the result is kept here, per file content, and loads in about a second.
-_TOKENIZER_CACHE = os.path.join("~", ".cache", "tandem", "tokenizers")
-_SAMPLE_BYTES = 1 << 20
-
-
-def _gguf_cache_dir(path: str) -> str | None:
-    """Where the converted tokenizer of the GGUF file `path` is kept: named by the file's name, size,
-    first and last MiB (a retrained or requantized file changes them); None if it cannot be read."""
-    try:
-        size = os.path.getsize(path)
-        digest = hashlib.sha256(f"{os.path.basename(path)}\0{size}\0".encode())
-        with open(path, "rb") as handle:
-            digest.update(handle.read(_SAMPLE_BYTES))
-            handle.seek(max(0, size - _SAMPLE_BYTES))
-            digest.update(handle.read(_SAMPLE_BYTES))
-    except OSError:
-        return None
-    return os.path.join(os.path.expanduser(_TOKENIZER_CACHE), digest.hexdigest()[:24])
-
-
-def _save_converted(tokenizer: PreTrainedTokenizerBase, directory: str) -> None:
-    """Keep a converted tokenizer for the next start (written to a temporary name, then renamed, so
-    a reader never sees half a copy); a failure only costs the next start the conversion."""
-    staging = f"{directory}.{os.getpid()}.tmp"
-    try:
-        tokenizer.save_pretrained(staging)
-        os.replace(staging, directory)
-    except OSError as exc:
-        logger.warning("cannot keep the converted tokenizer in %s: %s", directory, exc)
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _generation_config_eos_ids(directory: str) -> tuple[int, ...]:

@@ -116,8 +116,10 @@ GRPC_LIBRARIES = ("grpc", "grpc_health", "grpc_reflection", "grpc_status", "goog
 
 RULES: dict[str, Rule] = {
     "kernels imports no in-repo package": _only_in_repo("kernels", ()),
-    # tandem.limits (standard library only) is the one table of sampling ranges the gateway checks too
-    "engine imports only engine, kernels and tandem.limits": _only_in_repo("engine", ("kernels", "tandem.limits")),
+    # tandem.limits (standard library only) is the one table of sampling ranges the gateway checks too;
+    # tandem.converted_tokenizer keeps a GGUF file's tokenizer conversion for the gateway and the grammar backend
+    "engine imports only engine, kernels, tandem.limits and tandem.converted_tokenizer": _only_in_repo(
+        "engine", ("kernels", "tandem.limits", "tandem.converted_tokenizer")),
     "engine has no network, gRPC, HTTP or threads": _never("engine", ENGINE_FORBIDDEN),
     "kv_transfer imports only engine types": _only_in_repo("kv_transfer", KV_TRANSFER_ENGINE_TYPES),
     "server_runtime imports only engine, kernels, kv_transfer and protos":
@@ -273,7 +275,7 @@ def test_checker_reports_violations_with_file_and_line(tmp_path: Path) -> None:
         "kernels/attention.py:3: kernels.attention imports engine.errors"]
     assert found["engine has no network, gRPC, HTTP or threads"] == [
         "engine/loop.py:1: engine.loop imports threading", "engine/loop.py:5: engine.loop imports grpc"]
-    assert found["engine imports only engine, kernels and tandem.limits"] == [   # `from . import errors`: engine.errors
+    assert found["engine imports only engine, kernels, tandem.limits and tandem.converted_tokenizer"] == [   # `from . import errors`: engine.errors
         "engine/request.py:2: engine.request imports tandem.v1"]
     assert found["kv_transfer imports only engine types"] == [
         "kv_transfer/bad.py:1: kv_transfer.bad imports engine.runner"]
