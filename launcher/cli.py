@@ -7,6 +7,8 @@ import argparse
 import asyncio
 import logging
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from engine.config import ConfigError
 from gateway.config import GatewayConfig
@@ -54,11 +56,7 @@ def _run_handed_off(args: argparse.Namespace) -> int:
         import gateway.app  # noqa: F401
 
         return _serve_gateway(receive_config(GatewayConfig))
-    import decode_server.servicer  # noqa: F401
-    import prefill_server.embedding_servicer  # noqa: F401
-    import prefill_server.servicer  # noqa: F401
-    import server_runtime.worker  # noqa: F401
-
+    _worker_code()
     return _serve_worker(receive_config(WorkerConfig))
 
 
@@ -102,12 +100,19 @@ def _serve_gateway(config: GatewayConfig) -> int:
     return 0
 
 
-def _serve_worker(config: WorkerConfig) -> int:
+def _worker_code() -> tuple[Callable[..., Any], Any, Any, Any]:
+    """`serve_worker` and the prefill, decode and embedding servicer kinds: the worker's code (torch among
+    it), imported on the first call, never when this module is."""
     from decode_server.servicer import DECODE
     from prefill_server.embedding_servicer import EMBEDDING
     from prefill_server.servicer import PREFILL
     from server_runtime.worker import serve_worker
 
+    return serve_worker, PREFILL, DECODE, EMBEDDING
+
+
+def _serve_worker(config: WorkerConfig) -> int:
+    serve_worker, PREFILL, DECODE, EMBEDDING = _worker_code()
     kind = EMBEDDING if config.is_embedding else PREFILL if config.role == "prefill" else DECODE
     try:
         asyncio.run(serve_worker(config, kind))
