@@ -25,7 +25,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from engine.engine import Engine
 from engine.page_allocator import pages_needed
 from engine.request import Request, SamplingParams
-from scripts.fetch_models import cache_dir
+from scripts.fetch_models import cache_dir, stamp_path
 
 _ORACLE_SOURCES = (Path(__file__), Path(__file__).with_name("real_models.py"))
 
@@ -136,6 +136,15 @@ def assert_logits_match_hf(engine: Engine, hf: PreTrainedModel, lengths: tuple[i
 
 @functools.cache
 def _file_sha256(path: Path) -> str:
+    """The file's sha256: from the stamp `scripts.fetch_models` wrote when it verified the file (valid while
+    the file keeps the size and modification time the stamp names), else read and hashed here."""
+    try:
+        sha256, size, mtime_ns = stamp_path(path).read_text().split()
+        stat = path.stat()
+        if (int(size), int(mtime_ns)) == (stat.st_size, stat.st_mtime_ns):
+            return sha256
+    except (OSError, ValueError):
+        pass  # no stamp (the bundled model) or an unreadable one: hash the file
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(1 << 24):
