@@ -30,7 +30,6 @@ from gateway.api import (
 from gateway.api.auth import AuthMiddleware, log_key_policy
 from gateway.api.body_limit import BodyLimitMiddleware, BodyTooLarge
 from gateway.api.metrics_routes import MetricsMiddleware
-from gateway.api.openai_responses import serving_responses
 from gateway.api.openai_responses_routes import router as responses_router
 from gateway.batch import batches_routes, files_routes
 from gateway.batch.runner import run_batches
@@ -42,7 +41,8 @@ from gateway.errors import APIError
 from gateway.grpc_api.server import serving_grpc_api
 from gateway.metrics import GatewayMetrics
 from gateway.service.generation import GenerationService
-from gateway.state import GatewayState
+from gateway.service.openai_responses import serving_responses
+from gateway.service.state import GatewayState
 from gateway.text.tokenizer import load_tokenizer
 
 # Every router of the app, in the order they are mounted.

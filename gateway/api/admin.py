@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 import tandem
+from gateway.api.app_state import gateway_state
 from gateway.api.json_route import JSONRoute
 from gateway.cluster.worker import Worker
 from gateway.cluster.worker_errors import WorkerError
@@ -19,7 +20,8 @@ from gateway.cluster.worker_records import FlushResult, UpdateResult
 from gateway.errors import APIError, public_message
 from gateway.records import FinishReason, SamplingOptions
 from gateway.service.generation import GenerationRequest
-from gateway.state import GatewayState, gateway_state
+from gateway.service.model_info import model_info
+from gateway.service.state import GatewayState
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +33,7 @@ _UPDATE_TIMEOUT_S = 600.0
 
 @router.get("/get_model_info")
 async def get_model_info(state: GatewayState = Depends(gateway_state)) -> dict:
-    """Exactly the keys SGLang answers with (its notebook asserts the key set)."""
-    return {
-        "model_path": state.config.model_path,
-        "tokenizer_path": state.config.model_path,
-        "is_generation": not state.config.is_embedding,
-    }
+    return model_info(state)
 
 
 # Never in a response: the keys, and the internal plane's token and TLS file paths.

@@ -16,17 +16,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.api.anthropic_convert import chat_request, message
 from gateway.api.anthropic_errors import api_error_response, error_body, validation_error_response
-from gateway.api.anthropic_schemas import CountTokensRequest, Message, MessagesRequest, TokenCount, message_id
 from gateway.api.anthropic_stream import events_response, message_events
+from gateway.api.app_state import gateway_state
 from gateway.api.body_limit import BodyTooLarge
-from gateway.api.chat import chat_prompt_ids, complete_chat
 from gateway.api.disconnect import disconnect_guard
 from gateway.api.json_route import JSONRoute
-from gateway.api.responses import ChatCompletion
 from gateway.errors import APIError
-from gateway.state import GatewayState, gateway_state
+from gateway.service.anthropic_convert import chat_request, message
+from gateway.service.anthropic_schemas import CountTokensRequest, Message, MessagesRequest, TokenCount, message_id
+from gateway.service.chat import chat_prompt_ids, complete_chat
+from gateway.service.response_schemas import ChatCompletion
+from gateway.service.state import GatewayState
 
 logger = logging.getLogger(__name__)
 

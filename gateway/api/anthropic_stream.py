@@ -15,9 +15,10 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from gateway.api.anthropic_convert import stop_reason, tool_use_block
 from gateway.api.anthropic_errors import api_error_body, error_body
-from gateway.api.anthropic_schemas import (
+from gateway.errors import APIError
+from gateway.service.anthropic_convert import stop_reason, tool_use_block
+from gateway.service.anthropic_schemas import (
     ContentBlockDelta,
     ContentBlockStart,
     ContentBlockStop,
@@ -34,8 +35,7 @@ from gateway.api.anthropic_schemas import (
     TextDelta,
     ToolUseBlock,
 )
-from gateway.api.responses import ChatCompletionChunk, ToolCallOut
-from gateway.errors import APIError
+from gateway.service.response_schemas import ChatCompletionChunk, ToolCallOut
 
 logger = logging.getLogger(__name__)
 

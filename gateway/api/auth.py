@@ -17,7 +17,6 @@ refusals in Anthropic's error shape.
 
 from __future__ import annotations
 
-import hmac
 import logging
 
 from fastapi.responses import JSONResponse
@@ -25,6 +24,7 @@ from fastapi.responses import JSONResponse
 from gateway.api.anthropic_errors import api_error_body, is_messages_path
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
+from gateway.service.api_keys import bearer, matches_any
 from tandem.internal_auth import is_loopback_host
 
 logger = logging.getLogger(__name__)
@@ -99,16 +99,6 @@ async def _refuse(error: APIError, scope, receive, send) -> None:
     """Answer `error` in the shape of the route's API: Anthropic's on the Messages routes, else OpenAI's."""
     body = api_error_body(error) if is_messages_path(scope["path"]) else error.body()
     await JSONResponse(body, status_code=error.status)(scope, receive, send)
-
-
-def bearer(key: str) -> bytes:
-    return f"Bearer {key}".encode()
-
-
-def matches_any(given: bytes, accepted: tuple[bytes, ...]) -> bool:
-    """Compares against every accepted value (no early exit), each in constant time."""
-    matches = [hmac.compare_digest(given, value) for value in accepted]
-    return any(matches)
 
 
 def log_key_policy(config: GatewayConfig) -> None:

@@ -15,8 +15,8 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from gateway.api.guard import Guard
 from gateway.errors import APIError
+from gateway.service.guard import Guard
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)

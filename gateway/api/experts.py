@@ -20,10 +20,11 @@ from pathlib import Path
 from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse
 
+from gateway.api.app_state import gateway_state
 from gateway.api.json_route import JSONRoute
 from gateway.cluster.worker_records import ExpertCounts, ExpertRecordOp
 from gateway.errors import bad_request
-from gateway.state import GatewayState, gateway_state
+from gateway.service.state import GatewayState
 
 logger = logging.getLogger(__name__)
 

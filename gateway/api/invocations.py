@@ -13,10 +13,17 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from gateway.api import embeddings, openai, scoring
+from gateway.api.app_state import gateway_state
 from gateway.api.json_route import JSONRoute
-from gateway.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, RerankRequest, ScoreRequest
 from gateway.errors import bad_request
-from gateway.state import GatewayState, gateway_state
+from gateway.service.request_schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
+from gateway.service.state import GatewayState
 
 router = APIRouter(route_class=JSONRoute)
 

@@ -7,8 +7,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from gateway.api.app_state import gateway_state
 from gateway.metrics import GatewayMetrics
-from gateway.state import gateway_state
 
 router = APIRouter()
 

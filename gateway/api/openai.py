@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from gateway.api.chat import chat_completion
-from gateway.api.completion import completion
+from gateway.api.app_state import gateway_state
 from gateway.api.disconnect import disconnect_guard
 from gateway.api.json_route import JSONRoute
-from gateway.api.responses import ChatCompletion, Completion, ModelCard, ModelList
-from gateway.api.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.api.sse import sse_response
-from gateway.state import GatewayState, gateway_state
+from gateway.service.chat import chat_completion
+from gateway.service.completion import completion
+from gateway.service.model_info import model_card, model_list
+from gateway.service.request_schemas import ChatCompletionRequest, CompletionRequest
+from gateway.service.response_schemas import ChatCompletion, Completion, ModelCard, ModelList
+from gateway.service.state import GatewayState
 
 router = APIRouter(route_class=JSONRoute)
 
@@ -25,7 +27,7 @@ async def list_models(state: GatewayState = Depends(gateway_state)) -> ModelList
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, state: GatewayState = Depends(gateway_state)) -> ModelCard:
     state.check_model(model_id)
-    return _model_card(state)
+    return model_card(state)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion)
@@ -40,17 +42,3 @@ async def chat_completions(
 async def completions(body: CompletionRequest, http_request: Request, state: GatewayState = Depends(gateway_state)):
     answer = await completion(state, body, disconnect_guard(http_request))
     return answer if isinstance(answer, Completion) else sse_response(answer)
-
-
-def model_list(state: GatewayState) -> ModelList:
-    """The served model (every front's model list)."""
-    return ModelList(data=[_model_card(state)])
-
-
-def _model_card(state: GatewayState) -> ModelCard:
-    return ModelCard(
-        id=state.config.served_model_name,
-        created=state.started_at,
-        root=state.config.model_path,
-        max_model_len=state.pool.limits().context_len if state.pool.is_ready else None,
-    )

@@ -1,5 +1,5 @@
 """OpenAI's /v1/responses routes, thin: create, retrieve, delete, cancel, input items; each calls
-its operation in `openai_responses.py`."""
+its operation in `gateway/service/openai_responses.py`."""
 
 from __future__ import annotations
 
@@ -7,14 +7,20 @@ from typing import Literal
 
 from fastapi import APIRouter, Depends, Request
 
-from gateway.api import openai_responses
+from gateway.api.app_state import gateway_state
 from gateway.api.disconnect import disconnect_guard
 from gateway.api.json_route import JSONRoute
-from gateway.api.openai_responses_schemas import CreateResponseRequest, DeletedResponse, InputItemList, ResponseObject
-from gateway.api.openai_responses_stream import event_stream_response
+from gateway.api.sse import event_stream_response
 from gateway.errors import APIError, bad_request
+from gateway.service import openai_responses
+from gateway.service.openai_responses_schemas import (
+    CreateResponseRequest,
+    DeletedResponse,
+    InputItemList,
+    ResponseObject,
+)
 from gateway.service.responses_store import ResponsesService
-from gateway.state import GatewayState, gateway_state
+from gateway.service.state import GatewayState
 
 router = APIRouter(route_class=JSONRoute)
 

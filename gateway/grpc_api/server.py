@@ -14,9 +14,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway.api.auth import bearer, matches_any
 from gateway.grpc_api.servicer import InferenceServicer
-from gateway.state import GatewayState
+from gateway.service.api_keys import bearer, matches_any
+from gateway.service.state import GatewayState
 from tandem.api.v1 import inference_service_pb2, inference_service_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -16,15 +16,18 @@ import grpc
 from google.protobuf.message import Message
 from pydantic import BaseModel
 
-from gateway.api.admin import get_model_info
-from gateway.api.chat import chat_completion
-from gateway.api.completion import completion
-from gateway.api.embeddings import embeddings_answer, encode_answer
-from gateway.api.guard import unguarded
-from gateway.api.native import run_generate
-from gateway.api.openai import model_list
-from gateway.api.responses import ChatCompletion, Completion, GenerateResponse
-from gateway.api.schemas import (
+from gateway.errors import APIError
+from gateway.grpc_api import requests
+from gateway.grpc_api.calls import Calls
+from gateway.grpc_api.convert import fill, to_values
+from gateway.grpc_api.status import status_of
+from gateway.service.chat import chat_completion
+from gateway.service.completion import completion
+from gateway.service.embeddings import embeddings_answer, encode_answer
+from gateway.service.guard import unguarded
+from gateway.service.model_info import model_info, model_list
+from gateway.service.native_generate import run_generate
+from gateway.service.request_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
@@ -32,15 +35,11 @@ from gateway.api.schemas import (
     RerankRequest,
     ScoreRequest,
 )
-from gateway.api.schemas import GenerateRequest as GenerateBody
-from gateway.api.scoring import rerank_answer, score_answer
-from gateway.api.vllm import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
-from gateway.errors import APIError
-from gateway.grpc_api import requests
-from gateway.grpc_api.calls import Calls
-from gateway.grpc_api.convert import fill, to_values
-from gateway.grpc_api.status import status_of
-from gateway.state import GatewayState
+from gateway.service.request_schemas import GenerateRequest as GenerateBody
+from gateway.service.response_schemas import ChatCompletion, Completion, GenerateResponse
+from gateway.service.scoring import rerank_answer, score_answer
+from gateway.service.state import GatewayState
+from gateway.service.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from tandem.api.v1 import (
     chat_pb2,
     completion_pb2,
@@ -187,7 +186,7 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
     ) -> Message:
         async def work() -> Message:
             body = requests.record(TokenizeRequest, requests.tokenize_values(request))
-            return fill(inference_service_pb2.TokenizeResponse(), await tokenize(body, self._state))
+            return fill(inference_service_pb2.TokenizeResponse(), await tokenize(self._state, body))
 
         return await self._run(context, None, "", work)
 
@@ -196,7 +195,7 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
     ) -> Message:
         async def work() -> Message:
             body = requests.record(DetokenizeRequest, to_values(request))
-            return fill(inference_service_pb2.DetokenizeResponse(), await detokenize(body, self._state))
+            return fill(inference_service_pb2.DetokenizeResponse(), await detokenize(self._state, body))
 
         return await self._run(context, None, "", work)
 
@@ -208,7 +207,7 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
     async def GetModelInfo(
         self, request: inference_service_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> Message:
-        return fill(inference_service_pb2.GetModelInfoResponse(), await get_model_info(self._state))
+        return fill(inference_service_pb2.GetModelInfoResponse(), model_info(self._state))
 
     async def Abort(self, request: inference_service_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> Message:
         return inference_service_pb2.AbortResponse(found=self._calls.abort(request.request_id))

@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import enum
 import math
+import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from gateway.cluster.pool import ModelLimits
 from gateway.errors import bad_request
 from gateway.service.pooling import PoolingWorkers, check_inputs
+from gateway.service.request_schemas import RerankRequest, ScoreRequest
+from gateway.service.state import GatewayState
 from gateway.text.text_input import encode_pairs, encode_texts
 from gateway.text.tokenizer import Tokenizer
 
@@ -132,3 +136,57 @@ def _zip_broadcast(firsts: Sequence[T], seconds: Sequence[T]) -> list[tuple[T, T
     if len(firsts) == 1:
         return [(firsts[0], second) for second in seconds]
     return list(zip(firsts, seconds))
+
+
+async def score_answer(state: GatewayState, body: ScoreRequest) -> dict[str, Any]:
+    """vLLM's ScoreResponse: one score per pair, in text_2's order."""
+    model = _model(state, body.model)
+    scores = await score_texts(
+        state.pooling_workers(),
+        state.require_tokenizer("text_1"),
+        body.firsts(),
+        body.seconds(),
+        "/score",
+        ("text_1", "text_2"),
+        body.use_activation is not False,
+    )
+    return {
+        "id": f"score-{uuid.uuid4().hex}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": model,
+        "data": [{"index": i, "object": "score", "score": value} for i, value in enumerate(scores.values)],
+        "usage": {"prompt_tokens": scores.num_tokens, "total_tokens": scores.num_tokens, "completion_tokens": 0},
+    }
+
+
+async def rerank_answer(state: GatewayState, body: RerankRequest) -> dict[str, Any]:
+    """vLLM's RerankResponse: the documents best first, the first `top_n` of them when it is positive."""
+    model = _model(state, body.model)
+    check_top_n(body.top_n)
+    texts = body.document_texts()
+    scores = await score_texts(
+        state.pooling_workers(),
+        state.require_tokenizer("query"),
+        [body.query],
+        texts,
+        "/rerank",
+        ("query", "documents"),
+        body.use_activation is not False,
+    )
+    results = []
+    for index in ranking(scores.values, body.top_n):
+        result: dict[str, Any] = {"index": index, "relevance_score": scores.values[index]}
+        if body.return_documents:
+            result["document"] = {"text": texts[index]}
+        results.append(result)
+    usage = {"prompt_tokens": scores.num_tokens, "total_tokens": scores.num_tokens}
+    return {"id": f"rerank-{uuid.uuid4().hex}", "model": model, "usage": usage, "results": results}
+
+
+def _model(state: GatewayState, model: str | None) -> str:
+    """The answer's `model`: the request's, once checked, else the served name."""
+    if model is None:
+        return state.config.served_model_name
+    state.check_model(model)
+    return model

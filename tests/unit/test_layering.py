@@ -148,9 +148,8 @@ GATEWAY_FLOORS = (
     ("gateway.errors", "gateway.config", "gateway.sampling_defaults", "gateway.records", "gateway.metrics"),
     ("gateway.text", "gateway.cluster"),
     ("gateway.service",),
-    ("gateway.state",),
-    ("gateway.api",),
-    ("gateway.batch", "gateway.grpc_api"),
+    ("gateway.api", "gateway.grpc_api"),
+    ("gateway.batch",),
     ("gateway.app",),
 )
 
@@ -168,6 +167,10 @@ def _imports_up_the_gateway(imp: Import) -> bool:
 
 
 RULES["gateway modules never import a floor above their own"] = _imports_up_the_gateway
+# The seam: the operations live in `service/`, which both fronts and the batch runner call; no front leans on another.
+RULES["gateway.service and gateway.grpc_api never import gateway.api"] = lambda imp: (
+    (_in_package(imp, "gateway.service") or _in_package(imp, "gateway.grpc_api")) and imp.is_under("gateway.api"))
+RULES["gateway.service imports no HTTP framework"] = _never("gateway.service", ("fastapi", "starlette"))
 
 
 def find_violations(root: Path) -> dict[str, list[str]]:

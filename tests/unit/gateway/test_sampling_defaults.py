@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway.errors import APIError
-from gateway.service.sampling import SamplingFields, build_sampling
-from gateway.sampling_defaults import SamplingDefaults, load_generation_config
 from gateway.cluster.pool import ModelLimits
+from gateway.errors import APIError
+from gateway.sampling_defaults import SamplingDefaults, load_generation_config
+from gateway.service.sampling import SamplingFields, build_sampling
 
 LIMITS = ModelLimits("m", "LlamaForCausalLM", context_len=100, vocab_size=50, eos_token_ids=(2,))
 

@@ -11,10 +11,14 @@ import anthropic
 import pytest
 from fastapi.testclient import TestClient
 
-from gateway.api.anthropic_convert import chat_request, message
-from gateway.api.anthropic_schemas import CountTokensRequest, MessagesRequest
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.errors import APIError
+from gateway.service.anthropic_convert import chat_request, message
+from gateway.service.anthropic_schemas import CountTokensRequest, MessagesRequest
 from gateway.api.anthropic_stream import events_response, message_events
-from gateway.api.responses import (
+from gateway.service.request_schemas import ChatRole
+from gateway.service.response_schemas import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
@@ -26,10 +30,6 @@ from gateway.api.responses import (
     ToolCallOut,
     Usage,
 )
-from gateway.api.schemas import ChatRole
-from gateway.app import create_app
-from gateway.config import GatewayConfig
-from gateway.errors import APIError
 
 WEATHER = {"name": "get_weather", "description": "Weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}

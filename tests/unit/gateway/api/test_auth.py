@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from gateway.app import create_app
 from gateway.api.auth import ADMIN_PATHS, OPEN_PATHS, log_key_policy
+from gateway.app import create_app
 from gateway.config import GatewayConfig
 
 USER_KEY, ADMIN_KEY = "user-sekret", "admin-sekret"

@@ -7,10 +7,10 @@ import base64
 import numpy as np
 import pytest
 
-from gateway.config import GatewayConfig
-from gateway.api.embeddings import _encoded, check_dimensions
-from gateway.errors import APIError
+from gateway.service.embeddings import _encoded, check_dimensions
 from gateway.cluster.pool import ModelLimits
+from gateway.config import GatewayConfig
+from gateway.errors import APIError
 
 
 def _limits(is_matryoshka: bool = False, sizes: tuple[int, ...] = ()) -> ModelLimits:

@@ -7,11 +7,11 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 
+from gateway.api.metrics_routes import MetricsMiddleware
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.records import HandoffTimings
-from gateway.api.metrics_routes import MetricsMiddleware
 from gateway.metrics import GatewayMetrics
+from gateway.records import HandoffTimings
 
 
 def value(metrics: GatewayMetrics, name: str, **labels: str) -> float:

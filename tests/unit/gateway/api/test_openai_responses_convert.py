@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.api.openai_responses_convert import (
+from gateway.errors import APIError, bad_request
+from gateway.service.openai_responses_convert import (
     base_response,
     chat_request,
     finished,
@@ -13,9 +14,8 @@ from gateway.api.openai_responses_convert import (
     output_items,
     renamed,
 )
-from gateway.api.openai_responses_schemas import CreateResponseRequest, FunctionCallItem, MessageItem
-from gateway.api.responses import AssistantMessage, FunctionCall, ToolCallOut, Usage
-from gateway.errors import APIError, bad_request
+from gateway.service.openai_responses_schemas import CreateResponseRequest, FunctionCallItem, MessageItem
+from gateway.service.response_schemas import AssistantMessage, FunctionCall, ToolCallOut, Usage
 
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}, "strict": True}
 USAGE = Usage.model_validate(

@@ -11,12 +11,12 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from gateway.api.openai_responses import record_of, serving_responses
-from gateway.api.openai_responses_convert import base_response, input_items
 from gateway.api.openai_responses_routes import router
-from gateway.api.openai_responses_schemas import CreateResponseRequest
 from gateway.app import _api_error
 from gateway.errors import APIError
+from gateway.service.openai_responses import record_of, serving_responses
+from gateway.service.openai_responses_convert import base_response, input_items
+from gateway.service.openai_responses_schemas import CreateResponseRequest
 from gateway.service.responses_store import ResponseStore
 
 INPUT = [{"role": "user", "content": f"turn {i}"} for i in range(5)]

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 
-from gateway.api.openai_responses_convert import base_response
-from gateway.api.openai_responses_schemas import CreateResponseRequest, ResponseObject
-from gateway.api.openai_responses_stream import event_stream_response, response_events
-from gateway.api.responses import ChatCompletionChunk
 from gateway.errors import APIError
+from gateway.service.openai_responses_convert import base_response
+from gateway.service.openai_responses_schemas import CreateResponseRequest, ResponseObject
+from gateway.api.sse import event_stream_response
+from gateway.service.openai_responses_stream import response_events
+from gateway.service.response_schemas import ChatCompletionChunk
 
 USAGE = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 0}}
 BASE = base_response(CreateResponseRequest(model="smol", input="Hi"), "resp_1", "in_progress")

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from gateway.api import openai
 from gateway.config import GatewayConfig
-from gateway.state import GatewayState
+from gateway.service.state import GatewayState
 
 CONFIG = GatewayConfig(grpc_port=0, model_path="/models/smol", served_model_name="smol", prefill_addrs=("p:1",),
                        decode_addrs=("d:1",), data_dir="/tmp/unused")

@@ -1,10 +1,12 @@
-"""gateway/api/responses.py: which fields are sent as null and which are left out, in what order."""
+"""gateway/service/response_schemas.py: which fields are sent as null and which are left out, in what order."""
 
 from __future__ import annotations
 
 import json
 
-from gateway.api.responses import (
+from gateway.records import FinishReason
+from gateway.service.request_schemas import ChatRole
+from gateway.service.response_schemas import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
@@ -22,8 +24,6 @@ from gateway.api.responses import (
     ToolCallOut,
     Usage,
 )
-from gateway.api.schemas import ChatRole
-from gateway.records import FinishReason
 
 
 def _json(model) -> dict:

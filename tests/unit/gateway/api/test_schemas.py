@@ -1,11 +1,11 @@
-"""gateway/api/schemas.py: /generate's sampling_params are typed, and an error's location names the key."""
+"""gateway/service/request_schemas.py: /generate's sampling_params are typed, and an error's location names the key."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
-from gateway.api.schemas import ChatMessage, ChatRole, GenerateRequest, NativeSamplingParams
+from gateway.service.request_schemas import ChatMessage, ChatRole, GenerateRequest, NativeSamplingParams
 
 
 def test_one_set_for_every_prompt_or_a_list_of_one_per_prompt() -> None:

@@ -6,12 +6,12 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 
-from gateway.api.responses import ChatCompletion, CompletionLogprobs
-from gateway.api.schemas import ChatCompletionRequest, CompletionRequest, NativeSamplingParams
 from gateway.errors import APIError, bad_request, context_length_exceeded
 from gateway.grpc_api import requests
 from gateway.grpc_api.convert import fill, to_values
 from gateway.grpc_api.status import status_of
+from gateway.service.request_schemas import ChatCompletionRequest, CompletionRequest, NativeSamplingParams
+from gateway.service.response_schemas import ChatCompletion, CompletionLogprobs
 from tandem.api.v1 import chat_pb2, completion_pb2, generate_pb2
 
 

@@ -9,9 +9,9 @@ import math
 import pytest
 from transformers import AutoTokenizer
 
-from gateway.api.schemas import RerankRequest, ScoreRequest
 from gateway.cluster.pool import ModelLimits
 from gateway.errors import APIError
+from gateway.service.request_schemas import RerankRequest, ScoreRequest
 from gateway.service.scoring import ScoreKind, check_pairing, cosine, ranking, score_kind, sigmoid
 from gateway.text.text_input import encode_pairs
 from gateway.text.tokenizer import load_tokenizer

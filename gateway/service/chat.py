@@ -8,15 +8,15 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from gateway.api.choice_requests import choice_requests
-from gateway.api.guard import Guard
-from gateway.api.openai_format import chat_choice, chat_logprobs, usage
-from gateway.api.openai_stream import chat_chunks
-from gateway.api.responses import ChatCompletion, ChatCompletionChunk
-from gateway.api.schemas import ChatCompletionRequest, ChatRole, ToolCall
 from gateway.errors import bad_request
+from gateway.service.choice_requests import choice_requests
+from gateway.service.guard import Guard
+from gateway.service.openai_format import chat_choice, chat_logprobs, usage
+from gateway.service.openai_stream import chat_chunks
+from gateway.service.request_schemas import ChatCompletionRequest, ChatRole, ToolCall
+from gateway.service.response_schemas import ChatCompletion, ChatCompletionChunk
 from gateway.service.sampling import check_top_logprobs
-from gateway.state import GatewayState
+from gateway.service.state import GatewayState
 from gateway.text.text_input import encode_chat
 from gateway.text.tool_calls import ToolPlan, plan_tools, tools_system_prompt
 

@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
-from gateway.api.schemas import ChatRole
 from gateway.records import FinishReason
+from gateway.service.request_schemas import ChatRole
 
 
 def _is_none(value: Any) -> bool:

@@ -17,7 +17,7 @@ from pydantic import (
     field_validator,
 )
 
-from gateway.api.responses import omitted_if_none
+from gateway.service.response_schemas import omitted_if_none
 
 ResponseStatus = Literal["completed", "failed", "in_progress", "cancelled", "queued", "incomplete"]
 ItemStatus = Literal["in_progress", "completed", "incomplete"]

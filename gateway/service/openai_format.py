@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from gateway.api.responses import (
+from gateway.records import FinishReason, GeneratedToken
+from gateway.service.generation import GenerationResult
+from gateway.service.response_schemas import (
     AssistantMessage,
     ChatChoice,
     ChatLogprobs,
@@ -16,8 +18,6 @@ from gateway.api.responses import (
     TopLogprob,
     Usage,
 )
-from gateway.records import FinishReason, GeneratedToken
-from gateway.service.generation import GenerationResult
 from gateway.text.reasoning import split_reasoning
 from gateway.text.tokenizer import Tokenizer
 from gateway.text.tool_calls import ToolCall, ToolPlan, parse_tool_calls

@@ -1,12 +1,10 @@
-"""What every route needs: config, tokenizer, the worker pool, the metrics and the generation service
-(held on `app.state.gateway`)."""
+"""What every operation needs: config, tokenizer, the worker pool, the metrics and the generation service
+(one per app, held on `app.state.gateway`; the HTTP routes get it through `gateway.api.app_state`)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-
-from fastapi import Request
 
 from gateway.cluster.pool import WorkerPool
 from gateway.config import GatewayConfig
@@ -61,7 +59,3 @@ class GatewayState:
                 param=param,
             )
         return self.tokenizer
-
-
-def gateway_state(request: Request) -> GatewayState:
-    return request.app.state.gateway

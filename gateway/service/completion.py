@@ -6,9 +6,11 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from gateway.api.choice_requests import choice_requests
-from gateway.api.guard import Guard
-from gateway.api.openai_format import (
+from gateway.errors import bad_request
+from gateway.service.choice_requests import choice_requests
+from gateway.service.generation import GenerationResult
+from gateway.service.guard import Guard
+from gateway.service.openai_format import (
     completion_logprobs,
     finish_name,
     join_completion_logprobs,
@@ -16,13 +18,11 @@ from gateway.api.openai_format import (
     prompt_completion_logprobs,
     usage,
 )
-from gateway.api.openai_stream import completion_chunks
-from gateway.api.responses import Completion, CompletionChoice, CompletionChunk
-from gateway.api.schemas import CompletionRequest
-from gateway.errors import bad_request
-from gateway.service.generation import GenerationResult
+from gateway.service.openai_stream import completion_chunks
+from gateway.service.request_schemas import CompletionRequest
+from gateway.service.response_schemas import Completion, CompletionChoice, CompletionChunk
 from gateway.service.sampling import check_token_ids, check_top_logprobs
-from gateway.state import GatewayState
+from gateway.service.state import GatewayState
 from gateway.text.text_input import encode_texts
 from tandem.limits import MAX_N
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from gateway.api.openai_format import (
+from gateway.records import FinishReason
+from gateway.service.generation import GenerationRequest, GenerationResult, TextDelta
+from gateway.service.openai_format import (
     chat_logprobs,
     completion_logprobs,
     finish_name,
@@ -13,7 +15,8 @@ from gateway.api.openai_format import (
     tool_calls_out,
     usage,
 )
-from gateway.api.responses import (
+from gateway.service.request_schemas import ChatCompletionRequest, ChatRole, CompletionRequest
+from gateway.service.response_schemas import (
     ChatCompletionChunk,
     ChatDelta,
     ChatLogprobs,
@@ -23,10 +26,7 @@ from gateway.api.responses import (
     CompletionLogprobs,
     CompletionStreamChoice,
 )
-from gateway.api.schemas import ChatCompletionRequest, ChatRole, CompletionRequest
-from gateway.records import FinishReason
-from gateway.service.generation import GenerationRequest, GenerationResult, TextDelta
-from gateway.state import GatewayState
+from gateway.service.state import GatewayState
 from gateway.text.reasoning import ReasoningSplitter
 from gateway.text.tool_calls import ToolPlan, parse_tool_calls
 

@@ -10,10 +10,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.api.responses import LogprobTriple, NativeLogprobs
-from gateway.api.schemas import GenerateRequest
 from gateway.errors import bad_request
 from gateway.service.generation import GenerationRequest, GenerationResult
+from gateway.service.request_schemas import GenerateRequest
+from gateway.service.response_schemas import LogprobTriple, NativeLogprobs
 from gateway.service.sampling import check_top_logprobs
 
 

@@ -11,7 +11,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gateway.api.openai_responses_schemas import (
+from gateway.errors import APIError, bad_request
+from gateway.service.openai_responses_schemas import (
     CreateResponseRequest,
     FunctionCallItem,
     IncompleteDetails,
@@ -26,9 +27,8 @@ from gateway.api.openai_responses_schemas import (
     TextContent,
     output_text,
 )
-from gateway.api.responses import AssistantMessage, Usage
-from gateway.api.schemas import ChatCompletionRequest
-from gateway.errors import APIError, bad_request
+from gateway.service.request_schemas import ChatCompletionRequest
+from gateway.service.response_schemas import AssistantMessage, Usage
 
 # The chat request's fields, named as the Responses request names them (for the 400s the chat operation raises).
 _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}

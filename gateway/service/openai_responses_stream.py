@@ -11,17 +11,15 @@ event is an `error` event, then response.failed.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Literal
 
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from gateway.api.openai_responses_convert import finished, function_call, new_id, text_message
-from gateway.api.openai_responses_schemas import Item, ResponseError, ResponseObject, TextContent, output_text
-from gateway.api.responses import ChatCompletionChunk, Usage
 from gateway.errors import APIError, public_message
+from gateway.service.openai_responses_convert import finished, function_call, new_id, text_message
+from gateway.service.openai_responses_schemas import Item, ResponseError, ResponseObject, TextContent, output_text
+from gateway.service.response_schemas import ChatCompletionChunk, Usage
 
 
 class ResponseEvent(BaseModel):
@@ -231,14 +229,3 @@ def _function_call(seq: Iterator[int], call_id: str, name: str, arguments: str, 
         ),
         OutputItemEvent(type="response.output_item.done", sequence_number=next(seq), output_index=index, item=item),
     ]
-
-
-def event_stream_response(events: AsyncIterator[BaseModel]) -> StreamingResponse:
-    """`event: <type>` / `data: {json}` pairs; no `[DONE]` (the Responses stream ends with its last event)."""
-
-    async def body() -> AsyncIterator[str]:
-        async for event in events:
-            data = event.model_dump(by_alias=True, exclude_none=isinstance(event, ArgumentsEvent))
-            yield f"event: {data['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-    return StreamingResponse(body(), media_type="text/event-stream")

@@ -1,6 +1,6 @@
 """Anthropic's Messages request into the chat route's request, and the chat answer back into a Message.
 
-The Messages API runs through the chat completion operation (gateway/api/chat.py): the system prompt
+The Messages API runs through the chat completion operation (gateway/service/chat.py): the system prompt
 becomes a system message, an assistant turn's `tool_use` blocks its tool calls, a user turn's
 `tool_result` blocks tool messages (before the turn's text, as Anthropic orders them), tools become
 functions and `tool_choice` auto / any / tool / none becomes auto / required / a named function / none.
@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.api.anthropic_schemas import (
+from gateway.errors import APIError, bad_request
+from gateway.records import FinishReason
+from gateway.service.anthropic_schemas import (
     Message,
     MessageParam,
     MessagesRequest,
@@ -23,8 +25,7 @@ from gateway.api.anthropic_schemas import (
     ToolUseBlockParam,
     tool_use_id,
 )
-from gateway.api.responses import ChatCompletion, ToolCallOut
-from gateway.api.schemas import (
+from gateway.service.request_schemas import (
     ChatCompletionRequest,
     ChatMessage,
     ChatRole,
@@ -32,8 +33,7 @@ from gateway.api.schemas import (
     ToolCall,
     ToolCallFunction,
 )
-from gateway.errors import APIError, bad_request
-from gateway.records import FinishReason
+from gateway.service.response_schemas import ChatCompletion, ToolCallOut
 
 
 def chat_request(body: MessagesRequest) -> ChatCompletionRequest:

@@ -19,9 +19,10 @@ from pathlib import Path
 
 from pydantic import BaseModel, TypeAdapter
 
-from gateway.api.chat import chat_prompt_ids, complete_chat
-from gateway.api.guard import Guard, unguarded
-from gateway.api.openai_responses_convert import (
+from gateway.errors import APIError, bad_request, public_message
+from gateway.service.chat import chat_prompt_ids, complete_chat
+from gateway.service.guard import Guard, unguarded
+from gateway.service.openai_responses_convert import (
     base_response,
     chat_request,
     finished,
@@ -30,11 +31,10 @@ from gateway.api.openai_responses_convert import (
     output_items,
     renamed,
 )
-from gateway.api.openai_responses_schemas import CreateResponseRequest, Item, ResponseError, ResponseObject
-from gateway.api.openai_responses_stream import response_events
-from gateway.api.responses import ChatCompletion
-from gateway.api.schemas import ChatCompletionRequest
-from gateway.errors import APIError, bad_request, public_message
+from gateway.service.openai_responses_schemas import CreateResponseRequest, Item, ResponseError, ResponseObject
+from gateway.service.openai_responses_stream import response_events
+from gateway.service.request_schemas import ChatCompletionRequest
+from gateway.service.response_schemas import ChatCompletion
 from gateway.service.responses_store import (
     UNFINISHED_STATUSES,
     BackgroundResponses,
@@ -43,7 +43,7 @@ from gateway.service.responses_store import (
     ResponseStore,
     StoredResponse,
 )
-from gateway.state import GatewayState
+from gateway.service.state import GatewayState
 from gateway.text.tool_calls import ToolPlan
 
 logger = logging.getLogger(__name__)

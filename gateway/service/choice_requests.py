@@ -3,11 +3,11 @@ choice, from the body's sampling fields, stop strings and output constraint."""
 
 from __future__ import annotations
 
-from gateway.api.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.errors import bad_request
 from gateway.service.generation import GenerationRequest
+from gateway.service.request_schemas import ChatCompletionRequest, CompletionRequest
 from gateway.service.sampling import SamplingFields, build_sampling, output_constraint, parse_logit_bias, stop_list
-from gateway.state import GatewayState
+from gateway.service.state import GatewayState
 from gateway.text.tool_calls import ToolPlan
 from tandem.limits import MAX_N
 
