@@ -88,7 +88,7 @@ def create_app(config: GatewayConfig, is_stopping: Callable[[], bool] = lambda: 
         await pool.probe_all()
         pool.start()
         async with (
-            run_batches(app, config.data_dir, traffic, config.batch_concurrency, lambda: pool.is_ready, config.api_key),
+            run_batches(app, config.data_dir, traffic, config.batch_concurrency, lambda: pool.is_ready),
             serving_grpc_api(app.state.gateway, config.drain_timeout_s, is_stopping),
             serving_responses(app, config.data_dir),
         ):

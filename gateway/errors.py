@@ -11,6 +11,8 @@ import logging
 import re
 from http import HTTPStatus
 
+from pydantic import ValidationError
+
 logger = logging.getLogger(__name__)
 
 # A worker that went away (a crash, a restart, a drain) is usually back, or replaced, within seconds:
@@ -102,3 +104,14 @@ def context_length_exceeded(
             f"completion). Please reduce the prompt or the completion length."
         )
     return bad_request(message, param=param, code="context_length_exceeded")
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """A body whose values the API's record refuses (a gRPC request, a batch line): the HTTP route's
+    400, naming the field."""
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request")
+    param = ".".join(str(part) for part in errors[0]["loc"]) or None
+    message = errors[0]["msg"]
+    return APIError(400, f"{param}: {message}" if param else message, param=param)

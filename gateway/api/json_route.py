@@ -15,8 +15,7 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
-from gateway.errors import bad_request
-from gateway.text.tokenizer import unicode_problem
+from gateway.text.json_text import check_unicode
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
@@ -31,7 +30,7 @@ class JSONRoute(APIRoute):
             if request.headers.get("content-type", "").startswith("application/json"):
                 body = await request.body()  # read once: FastAPI reuses it
                 if _SURROGATE_ESCAPE.search(body):
-                    _check_unicode(await _parsed(request))
+                    check_unicode(await _parsed(request))
             return await handle(request)
 
         return checked
@@ -42,32 +41,3 @@ async def _parsed(request: Request) -> Any:
         return await request.json()
     except ValueError:  # not JSON: FastAPI's own parse answers that with a 400
         return None
-
-
-def _check_unicode(document: Any) -> None:
-    """400 naming the first field (dotted path, as validation errors name it) whose text is not
-    valid Unicode."""
-    pending: list[tuple[str, Any]] = [("", document)]
-    while pending:
-        path, value = pending.pop()
-        if isinstance(value, str):
-            problem = unicode_problem(value)
-            if problem is not None:
-                raise bad_request(
-                    f"`{path or 'body'}` is not valid Unicode text: {problem}", path or None, "invalid_value"
-                )
-        elif isinstance(value, dict):
-            bad_key = next((k for k in value if unicode_problem(k) is not None), None)
-            if bad_key is not None:
-                raise bad_request(
-                    f"a key in `{path or 'body'}` is not valid Unicode text: {unicode_problem(bad_key)}",
-                    path or None,
-                    "invalid_value",
-                )
-            pending += reversed([(_join(path, k), v) for k, v in value.items()])
-        elif isinstance(value, list):
-            pending += reversed([(_join(path, str(i)), v) for i, v in enumerate(value)])
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key

@@ -1,9 +1,9 @@
 """Runs batches in the background of the gateway, at lower priority than interactive requests.
 
 Each unfinished batch has one asyncio task: validate (parse the input file, store its lines), run
-every unanswered line, then finalize (write the output and error files). A line is run by sending
-its body to the gateway's own app in-process (`httpx.ASGITransport`), so it goes through exactly the
-route, validation and error handling an HTTP client gets. Its answer is stored before the line
+every unanswered line, then finalize (write the output and error files). A line is answered by its
+endpoint's operation (`gateway/service/batch_line.py`), with the validation and the errors an HTTP
+client of that route gets. Its answer is stored before the line
 counts as done (`BatchStore.record_result`), so after a restart the gateway resumes every unfinished
 batch and runs only the lines with no answer: each custom_id is answered exactly once.
 
@@ -21,19 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import functools
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-import httpx
 from fastapi import Request
 
 from gateway.batch.lines import BatchError, ParsedInput, parse_input, response_line
 from gateway.batch.records import BatchRecord, BatchStatus, PendingLine
 from gateway.batch.store import BatchStore
-from gateway.batch.traffic import BATCH_LINE_HEADER, InteractiveTraffic
+from gateway.batch.traffic import InteractiveTraffic
+from gateway.service.batch_line import answer_line
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,10 @@ class _Job:
     is_cancel_requested: bool = False
 
 
+# A line's answer: (endpoint, body) -> (HTTP status, JSON body), as an HTTP client of the endpoint would get it.
+AnswerLine = Callable[[str, str], Awaitable[tuple[int, dict]]]
+
+
 class BatchRunner:
     """Owns the batch tasks. `start()` resumes unfinished batches; `submit()` a new one; `cancel()`
     after `BatchStore.request_cancel`; `stop()` cancels everything (unanswered lines run again later)."""
@@ -58,11 +62,10 @@ class BatchRunner:
     def __init__(
         self,
         store: BatchStore,
-        app,
+        answer: AnswerLine,
         traffic: InteractiveTraffic,
         concurrency: int,
         is_ready: Callable[[], bool],
-        api_key: str | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"batch concurrency must be >= 1, got {concurrency}")
@@ -71,11 +74,7 @@ class BatchRunner:
         self._is_ready = is_ready
         self._slots = asyncio.Semaphore(concurrency)
         self._jobs: dict[str, _Job] = {}
-        self._headers = {"content-type": "application/json"}
-        if api_key:
-            self._headers["authorization"] = f"Bearer {api_key}"
-        # The transport alone, without an AsyncClient: no per-request log lines, no timeouts (routes have their own).
-        self._transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        self._answer = answer
 
     async def start(self) -> None:
         for batch_id in await self._store.run(self._store.unfinished_batch_ids):
@@ -101,7 +100,6 @@ class BatchRunner:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self._transport.aclose()
 
     async def _run(self, job: _Job) -> None:
         store = self._store
@@ -179,30 +177,13 @@ class BatchRunner:
     async def _run_line(self, batch: BatchRecord, line: PendingLine) -> None:
         request_id = uuid.uuid4().hex
         for attempt in range(_MAX_ATTEMPTS):
-            status, body = await self._post(batch.endpoint, line.body, request_id)
+            status, body = await self._answer(batch.endpoint, line.body)
             if status != 503 or attempt == _MAX_ATTEMPTS - 1:
                 break
             await asyncio.sleep(_RETRY_DELAY_S * 2**attempt)
             await self._wait_ready()
         result, is_error = response_line(line.custom_id, request_id, status, body)
         await self._store.run(self._store.record_result, batch.id, line.line_index, result, is_error)
-
-    async def _post(self, endpoint: str, body: str, request_id: str) -> tuple[int, dict]:
-        headers = {**self._headers, BATCH_LINE_HEADER.decode(): request_id}
-        request = httpx.Request("POST", f"http://tandem-batch{endpoint}", content=body.encode(), headers=headers)
-        try:
-            response = await self._transport.handle_async_request(request)
-            content = await response.aread()
-        except Exception:  # no usable answer from the app: this line fails, the batch goes on
-            logger.exception("batch line %s got no answer", request_id)
-            return 500, {"error": {"message": "internal error (details in the gateway log)", "type": "internal_error"}}
-        try:
-            answer = json.loads(content)
-        except json.JSONDecodeError:
-            answer = None
-        if not isinstance(answer, dict):
-            answer = {"error": {"message": content.decode(errors="replace"), "type": "internal_error"}}
-        return response.status_code, answer
 
     async def _wait_ready(self) -> None:
         while not self._is_ready():
@@ -233,13 +214,12 @@ async def run_batches(
     traffic: InteractiveTraffic,
     concurrency: int,
     is_ready: Callable[[], bool],
-    api_key: str | None = None,
 ) -> AsyncIterator[BatchService]:
     """Open the store, resume unfinished batches, and set `app.state.batches` for the routes; on exit
     stop the runner (running lines are cancelled and run again at the next start) and close the store.
-    `api_key`: the gateway's own key, sent with every batch line (they pass through its middleware)."""
+    The lines run on the operations of `app.state.gateway`."""
     store = BatchStore(data_dir)
-    runner = BatchRunner(store, app, traffic, concurrency, is_ready, api_key)
+    runner = BatchRunner(store, functools.partial(answer_line, app.state.gateway), traffic, concurrency, is_ready)
     app.state.batches = BatchService(store, runner)
     try:
         await runner.start()

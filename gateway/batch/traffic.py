@@ -1,8 +1,8 @@
 """Interactive traffic, counted so that batch work can yield to it.
 
 `TrafficMiddleware` counts the HTTP requests in flight that are not batch work: every POST except
-the `/v1/files` and `/v1/batches` routes and the batch runner's own in-process requests (which
-carry `BATCH_LINE_HEADER`). A streamed response counts until its last byte is sent. The batch
+the `/v1/files` and `/v1/batches` routes (batch lines do not come through HTTP: they call the
+operations, `gateway/service/batch_line.py`). A streamed response counts until its last byte is sent. The batch
 runner calls `InteractiveTraffic.wait_quiet()` before it starts each batch line.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 
-BATCH_LINE_HEADER = b"x-tandem-batch-line"
 _NOT_INTERACTIVE_PREFIXES = ("/v1/files", "/v1/batches")
 
 
@@ -51,9 +50,7 @@ class InteractiveTraffic:
 def is_interactive(scope: dict) -> bool:
     if scope["type"] != "http" or scope["method"] != "POST":
         return False
-    if scope["path"].startswith(_NOT_INTERACTIVE_PREFIXES):
-        return False
-    return all(name != BATCH_LINE_HEADER for name, _ in scope["headers"])
+    return not scope["path"].startswith(_NOT_INTERACTIVE_PREFIXES)
 
 
 class TrafficMiddleware:

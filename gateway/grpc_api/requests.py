@@ -9,9 +9,8 @@ from typing import Any, TypeVar
 from google.protobuf.message import Message
 from pydantic import BaseModel, ValidationError
 
-from gateway.errors import bad_request
+from gateway.errors import bad_request, validation_error
 from gateway.grpc_api.convert import to_values
-from gateway.grpc_api.status import validation_error
 
 Record = TypeVar("Record", bound=BaseModel)
 

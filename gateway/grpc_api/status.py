@@ -9,7 +9,6 @@ from google.protobuf import any_pb2, duration_pb2
 from google.protobuf.message import Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
-from pydantic import ValidationError
 
 from gateway.errors import APIError
 
@@ -67,16 +66,6 @@ def status_of(error: APIError) -> grpc.Status:
         packed.append(any_detail)
     status = status_pb2.Status(code=_RPC_CODE[code], message=body["message"], details=packed)
     return rpc_status.to_status(status)
-
-
-def validation_error(exc: ValidationError) -> APIError:
-    """A request message whose values the API's record refuses: the HTTP route's 400, naming the field."""
-    errors = exc.errors()
-    if not errors:
-        return APIError(400, "invalid request")
-    param = ".".join(str(part) for part in errors[0]["loc"]) or None
-    message = errors[0]["msg"]
-    return APIError(400, f"{param}: {message}" if param else message, param=param)
 
 
 _RPC_CODE = {code: getattr(code_pb2, code.name) for code in grpc.StatusCode}

@@ -1,5 +1,5 @@
-"""BatchRunner with a real store, driving a small in-process FastAPI app in place of the gateway's routes
-(the real routes are covered end to end in tests/e2e/test_batches.py)."""
+"""BatchRunner with a real store, its lines answered by a small echo in place of the gateway's operations
+(the real ones, `gateway/service/batch_line.py`, are covered end to end in tests/e2e/test_batches.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,6 @@ import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from gateway.batch.records import BatchRecord, BatchStatus
 from gateway.batch.runner import BatchRunner
@@ -22,40 +19,34 @@ ENDPOINT = "/v1/chat/completions"
 
 @dataclass
 class Echo:
-    """An app that answers {"echo": content}, or 400 for content "bad"; contents in `blocked` wait for `release`."""
+    """Answers a line {"echo": content}, or 400 for content "bad"; contents in `blocked` wait for `release`."""
 
     blocked: set[str] = field(default_factory=set)
     calls: list[str] = field(default_factory=list)
-    authorizations: list[str | None] = field(default_factory=list)
     num_running: int = 0
     max_running: int = 0
     num_cancelled: int = 0
     release: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def app(self) -> FastAPI:
-        app = FastAPI()
-
-        @app.post(ENDPOINT)
-        async def chat(body: dict, request: Request):
-            content = body["messages"][0]["content"]
-            self.calls.append(content)
-            self.authorizations.append(request.headers.get("authorization"))
-            self.num_running += 1
-            self.max_running = max(self.max_running, self.num_running)
-            try:
-                await asyncio.sleep(0.01)
-                if content in self.blocked:
-                    await self.release.wait()
-            except asyncio.CancelledError:
-                self.num_cancelled += 1
-                raise
-            finally:
-                self.num_running -= 1
-            if content == "bad":
-                return JSONResponse({"error": {"message": "bad content", "type": "invalid_request_error",
-                                               "param": "messages", "code": None}}, status_code=400)
-            return {"echo": content}
-        return app
+    async def answer(self, endpoint: str, body: str) -> tuple[int, dict]:
+        assert endpoint == ENDPOINT
+        content = json.loads(body)["messages"][0]["content"]
+        self.calls.append(content)
+        self.num_running += 1
+        self.max_running = max(self.max_running, self.num_running)
+        try:
+            await asyncio.sleep(0.01)
+            if content in self.blocked:
+                await self.release.wait()
+        except asyncio.CancelledError:
+            self.num_cancelled += 1
+            raise
+        finally:
+            self.num_running -= 1
+        if content == "bad":
+            return 400, {"error": {"message": "bad content", "type": "invalid_request_error", "param": "messages",
+                                   "code": None}}
+        return 200, {"echo": content}
 
 
 def input_lines(contents: list[str]) -> bytes:
@@ -92,7 +83,7 @@ def lines_of(store: BatchStore, file_id: str | None) -> list[dict]:
 def test_every_line_runs_once_with_at_most_n_at_a_time(tmp_path: Path) -> None:
     async def main() -> None:
         store, echo = BatchStore(tmp_path), Echo()
-        runner = BatchRunner(store, echo.app(), InteractiveTraffic(1), 3, lambda: True)
+        runner = BatchRunner(store, echo.answer, InteractiveTraffic(1), 3, lambda: True)
         contents = [str(i) for i in range(20)] + ["bad"]
         batch = await create(store, contents)
         runner.submit(batch.id)
@@ -101,7 +92,6 @@ def test_every_line_runs_once_with_at_most_n_at_a_time(tmp_path: Path) -> None:
         assert batch.status is BatchStatus.COMPLETED
         assert (batch.num_total, batch.num_completed, batch.num_failed) == (21, 20, 1)
         assert sorted(echo.calls) == sorted(contents) and echo.max_running == 3
-        assert set(echo.authorizations) == {None}
         output = lines_of(store, batch.output_file_id)
         assert [o["custom_id"] for o in output] == [f"id-{i}" for i in range(20)]
         assert [o["response"]["body"]["echo"] for o in output] == contents[:20]
@@ -116,7 +106,7 @@ def test_every_line_runs_once_with_at_most_n_at_a_time(tmp_path: Path) -> None:
 def test_new_lines_wait_while_interactive_requests_are_in_flight(tmp_path: Path) -> None:
     async def main() -> None:
         store, echo, traffic = BatchStore(tmp_path), Echo(), InteractiveTraffic(1)
-        runner = BatchRunner(store, echo.app(), traffic, 4, lambda: True)
+        runner = BatchRunner(store, echo.answer, traffic, 4, lambda: True)
         traffic.enter()                       # an interactive request is running
         batch = await create(store, ["a", "b"])
         runner.submit(batch.id)
@@ -131,17 +121,16 @@ def test_new_lines_wait_while_interactive_requests_are_in_flight(tmp_path: Path)
     asyncio.run(main())
 
 
-def test_lines_wait_for_ready_workers_and_carry_the_api_key(tmp_path: Path) -> None:
+def test_lines_wait_for_ready_workers(tmp_path: Path) -> None:
     async def main() -> None:
         store, echo, is_ready = BatchStore(tmp_path), Echo(), [False]
-        runner = BatchRunner(store, echo.app(), InteractiveTraffic(1), 4, lambda: is_ready[0], api_key="sekret")
+        runner = BatchRunner(store, echo.answer, InteractiveTraffic(1), 4, lambda: is_ready[0])
         batch = await create(store, ["a"])
         runner.submit(batch.id)
         await asyncio.sleep(0.7)
         assert echo.calls == []
         is_ready[0] = True
         assert (await finished(store, batch.id)).num_completed == 1
-        assert echo.authorizations == ["Bearer sekret"]
         await runner.stop()
         store.close()
 
@@ -151,7 +140,7 @@ def test_lines_wait_for_ready_workers_and_carry_the_api_key(tmp_path: Path) -> N
 def test_cancel_stops_running_lines_and_keeps_the_answers(tmp_path: Path) -> None:
     async def main() -> None:
         store, echo = BatchStore(tmp_path), Echo(blocked={"2"})
-        runner = BatchRunner(store, echo.app(), InteractiveTraffic(1), 1, lambda: True)
+        runner = BatchRunner(store, echo.answer, InteractiveTraffic(1), 1, lambda: True)
         batch = await create(store, [str(i) for i in range(5)])
         runner.submit(batch.id)
         await until(lambda: _is_running(echo, "2"))
@@ -171,7 +160,7 @@ def test_cancel_stops_running_lines_and_keeps_the_answers(tmp_path: Path) -> Non
 def test_a_restarted_runner_resumes_only_unanswered_lines(tmp_path: Path) -> None:
     async def first_run() -> str:
         store, echo = BatchStore(tmp_path), Echo(blocked={"3", "4"})
-        runner = BatchRunner(store, echo.app(), InteractiveTraffic(1), 2, lambda: True)
+        runner = BatchRunner(store, echo.answer, InteractiveTraffic(1), 2, lambda: True)
         batch = await create(store, [str(i) for i in range(6)])
         runner.submit(batch.id)
         await until(lambda: _is_running(echo, "3", "4"))
@@ -183,7 +172,7 @@ def test_a_restarted_runner_resumes_only_unanswered_lines(tmp_path: Path) -> Non
 
     async def second_run(batch_id: str) -> None:
         store, echo = BatchStore(tmp_path), Echo()
-        runner = BatchRunner(store, echo.app(), InteractiveTraffic(1), 2, lambda: True)
+        runner = BatchRunner(store, echo.answer, InteractiveTraffic(1), 2, lambda: True)
         await runner.start()
         batch = await finished(store, batch_id)
         await runner.stop()

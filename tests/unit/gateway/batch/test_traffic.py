@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.batch.traffic import BATCH_LINE_HEADER, InteractiveTraffic, TrafficMiddleware, is_interactive
+from gateway.batch.traffic import InteractiveTraffic, TrafficMiddleware, is_interactive
 
 
 def scope(method: str = "POST", path: str = "/v1/chat/completions", headers=()) -> dict:
@@ -19,7 +19,6 @@ def test_only_interactive_posts_count() -> None:
     assert not is_interactive(scope(method="GET", path="/v1/models"))
     assert not is_interactive(scope(path="/v1/files"))
     assert not is_interactive(scope(path="/v1/batches/batch_1/cancel"))
-    assert not is_interactive(scope(headers=[(BATCH_LINE_HEADER, b"1")]))
     assert not is_interactive({"type": "lifespan"})
 
 
