@@ -1,3 +1,4 @@
-"""The HTTP routes (OpenAI, SGLang native, vLLM, admin, embeddings, experts), their schemas and middleware.
+"""The HTTP front: routes (OpenAI, SGLang native, vLLM, Anthropic, Responses, admin, embeddings, scoring,
+experts) and middleware.
 
-A route parses, calls a service (`gateway/service/`), formats."""
+A route parses, calls an operation (`gateway/service/`), formats the HTTP answer."""

@@ -1,1 +1,1 @@
-"""Files and batches: the SQLite store, the runner that replays lines through the routes, and their routes."""
+"""Files and batches: the SQLite store, the runner that answers lines through the operations, and their routes."""

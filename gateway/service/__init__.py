@@ -1,1 +1,2 @@
-"""The generation, pooling and scoring logic the HTTP and gRPC fronts share, below all of them."""
+"""The operations both fronts (HTTP, gRPC) and the batch runner call, their request and response
+models, and the generation, pooling and scoring logic below them."""
