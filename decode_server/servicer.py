@@ -18,7 +18,9 @@ from server_runtime.context import WorkerContext
 from server_runtime.convert import finish_to_proto, layout_to_proto, sampling_from_proto, token_to_proto
 from server_runtime.errors import RequestFailedError, abort_with
 from server_runtime.kv_grants import GrantError, IssuedGrants, grant_key
+from server_runtime.spans import record_decode, record_local_prefill
 from server_runtime.worker import WorkerKind, start_engine_worker
+from tandem import tracing
 from tandem.request_log import bind_request_id
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
@@ -64,6 +66,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         except GrantError as exc:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         received = time.perf_counter()
+        trace, admitted, num_tokens = tracing.caller_context(context.invocation_metadata()), None, 0
         finished = False
         try:
             try:
@@ -82,11 +85,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 )
             except EngineError as exc:
                 await abort_with(context, exc)  # the finally below drops the reservation
-            first = decode_pb2.GenerateResponse(queue_ms=(time.perf_counter() - received) * 1000)
+            admitted = time.perf_counter()
+            first = decode_pb2.GenerateResponse(queue_ms=(admitted - received) * 1000)
             async for response in _stream(rid, sink, context, first):
                 finished = response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                num_tokens += len(response.tokens)
                 yield response
         finally:
+            record_decode(trace, received, admitted, time.perf_counter(), num_tokens)
             if not finished:  # rejected, or the client went away: free the request's pages now
                 # Generate comes after the prefill answered, so its KV write has settled.
                 await asyncio.shield(self.ctx.loop.abort(rid, "client cancelled", write_settled=True))
@@ -110,8 +116,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 sink = await self.ctx.loop.submit(Request(rid, list(request.prompt_token_ids), sampling))
             except EngineError as exc:
                 await abort_with(context, exc)
+            trace = tracing.caller_context(context.invocation_metadata())
             async for response in _stream(rid, sink, context, None, received):
                 finished = response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                if trace is not None:  # the first message carries the prompt's queue and compute times
+                    times = (response.queue_ms, response.prefill_compute_ms)
+                    record_local_prefill(trace, received, *times, len(request.prompt_token_ids), response.cached_tokens)
+                    trace = None
                 yield response
         finally:
             if not finished:  # rejected, or the client went away: free the request's pages now

@@ -12,6 +12,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.telemetry import TelemetryConfig
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.main import STARTUP_FAILURE
 
@@ -64,6 +65,12 @@ ROUTERS = (
 
 logger = logging.getLogger(__name__)
 
+# FastAPI's own OpenTelemetry: each HTTP request's span (the caller's traceparent joined, named by its
+# route), the root of the request's trace (docs/tracing.md), made only while `--otlp-traces-endpoint` has
+# set up a tracer provider. No metrics (Prometheus has them), no logs (they may quote a request's body),
+# no exporters of FastAPI's own from OTEL_* variables: the flag is the one switch.
+TELEMETRY = TelemetryConfig(metrics=False, logs=False, operation_spans=False, auto_configure=False)
+
 
 def create_app(config: GatewayConfig, is_stopping: Callable[[], bool] = lambda: False) -> FastAPI:
     """The gateway's app. `is_stopping()` turns true when the HTTP server got its stop signal: the
@@ -95,7 +102,7 @@ def create_app(config: GatewayConfig, is_stopping: Callable[[], bool] = lambda: 
             yield
         await pool.close()
 
-    app = FastAPI(title="Tandem gateway", lifespan=lifespan)
+    app = FastAPI(title="Tandem gateway", lifespan=lifespan, telemetry=TELEMETRY)
     for router in ROUTERS:
         app.include_router(router)
     # Starlette types a handler as taking any Exception; each of these takes only the class it is registered for.

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from gateway.sampling_defaults import SamplingDefaults
 from tandem.internal_auth import InternalCredentials
 from tandem.limits import DEFAULT_MAX_NEW_TOKENS
+from tandem.tracing import check_endpoint
 
 DEFAULT_MAX_QUEUED = 1024  # generations waiting for decode KV space (gateway/cluster/admission.py)
 DEFAULT_MAX_QUEUE_WAIT_S = 120.0
@@ -84,6 +85,7 @@ class GatewayConfig:
     expert_distribution_dir: str = "."  # where /dump_expert_distribution_record writes its CSV files
     internal: InternalCredentials = InternalCredentials()  # what the workers' tandem.v1 calls need
     routing: RoutingConfig = field(default_factory=RoutingConfig)  # policy and conditional disaggregation
+    otlp_traces_endpoint: str | None = None  # an OTLP/gRPC collector's URL: one trace per request; None: off
 
     def __post_init__(self) -> None:
         if not self.prefill_addrs or not (self.decode_addrs or self.is_embedding):
@@ -105,6 +107,7 @@ class GatewayConfig:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        check_endpoint(self.otlp_traces_endpoint)
         for name in (
             "reserve_timeout_s",
             "prefill_timeout_s",

@@ -27,6 +27,7 @@ from launcher.serve import serve
 from launcher.worker_flags import metrics_port
 from server_runtime.config import WorkerConfig
 from tandem.request_log import configure_logging
+from tandem.tracing import tracing_to
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,8 @@ def _worker(args: argparse.Namespace) -> int:
 def _serve_gateway(config: GatewayConfig) -> int:
     from gateway.app import serve_gateway
 
-    serve_gateway(config)
+    with tracing_to(config.otlp_traces_endpoint, "tandem-gateway"):
+        serve_gateway(config)
     return 0
 
 
@@ -115,7 +117,8 @@ def _serve_worker(config: WorkerConfig) -> int:
     serve_worker, PREFILL, DECODE, EMBEDDING = _worker_code()
     kind = EMBEDDING if config.is_embedding else PREFILL if config.role == "prefill" else DECODE
     try:
-        asyncio.run(serve_worker(config, kind))
+        with tracing_to(config.otlp_traces_endpoint, f"tandem-{config.kind_name}"):
+            asyncio.run(serve_worker(config, kind))
     except (ConfigError, FileNotFoundError) as exc:  # a model it cannot serve: one line, no traceback
         logger.error("cannot serve %s: %s", config.model_path, exc)
         return 2

@@ -69,6 +69,7 @@ def gateway_config(
             max_batch_requests=args.max_batch_requests,
             max_request_body_bytes=args.max_request_body_bytes,
             drain_timeout_s=args.drain_timeout,
+            otlp_traces_endpoint=args.otlp_traces_endpoint,
             expert_distribution_dir=os.path.abspath(args.expert_distribution_dir or os.getcwd()),
             internal=internal,
             routing=RoutingConfig(
@@ -135,6 +136,7 @@ def worker_config(
             weights_dirs=tuple(os.path.abspath(d) for d in args.weights_dir or ()),
             grammar_compile_timeout_s=args.grammar_compile_timeout,
             drain_timeout_s=args.drain_timeout,
+            otlp_traces_endpoint=args.otlp_traces_endpoint,
         )
     except ValueError as exc:
         raise SystemExit(f"tandem {args.command}: {exc}") from None

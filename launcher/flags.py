@@ -166,6 +166,17 @@ def add_drain_arg(p: argparse.ArgumentParser, config: type) -> None:
     )
 
 
+def add_tracing_arg(p: argparse.ArgumentParser) -> None:
+    """--otlp-traces-endpoint (`tandem serve` gives it to the gateway and every worker)."""
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="export OpenTelemetry traces, one per request (a caller's W3C traceparent is joined), to the "
+        "OTLP/gRPC collector at this URL: http://host:4317 (plaintext) or https://host:4317 (TLS); "
+        "OTEL_* variables tune the exporter (docs/tracing.md). Default: off, nothing is sent anywhere",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -175,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_args(serve)
     add_gateway_args(serve)
     add_drain_arg(serve, GatewayConfig)
+    add_tracing_arg(serve)
     serve.add_argument("--host", default=field_default(GatewayConfig, "host"), help="gateway bind address")
     serve.add_argument("--port", type=int, default=field_default(GatewayConfig, "port"))
     serve.add_argument(
@@ -221,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(gateway)
     add_gateway_args(gateway)
     add_drain_arg(gateway, GatewayConfig)
+    add_tracing_arg(gateway)
     gateway.add_argument("--host", default=field_default(GatewayConfig, "host"))
     gateway.add_argument("--port", type=int, default=field_default(GatewayConfig, "port"))
     gateway.add_argument(
@@ -251,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_model_args(worker)
         add_worker_args(worker)
         add_drain_arg(worker, WorkerConfig)
+        add_tracing_arg(worker)
         worker.add_argument("--host", default=DEFAULT_WORKER_HOST, help="gRPC bind address")
         worker.add_argument("--port", type=int, default=port)
         worker.add_argument(

@@ -18,7 +18,9 @@ from server_runtime.convert import check_layout_matches, prompt_logprobs_to_prot
 from server_runtime.engine_loop import write_pages
 from server_runtime.errors import RequestFailedError, abort_with
 from server_runtime.kv_grants import GrantChecker, GrantError, grant_key
+from server_runtime.spans import record_prefill
 from server_runtime.worker import WorkerKind, start_engine_worker
+from tandem import tracing
 from tandem.request_log import bind_request_id
 from tandem.v1 import prefill_pb2, prefill_pb2_grpc
 
@@ -45,7 +47,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         # No await between the check and this line: CancelPrefill sees the grant either unspent or running.
         over = self._running[grant] = asyncio.Event()
         try:
-            return await self._prefill(request)
+            return await self._prefill(request, tracing.caller_context(context.invocation_metadata()))
         except (EngineError, KVTransferError) as exc:
             logger.warning("prefill %s failed: %s", request.request_id, exc)
             await abort_with(context, exc)
@@ -69,7 +71,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         await over.wait()  # the Prefill's finally waits for a running write before it sets this
         return prefill_pb2.CancelPrefillResponse(was_running=True)
 
-    async def _prefill(self, request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
+    async def _prefill(
+        self, request: prefill_pb2.PrefillRequest, trace: tracing.Context | None
+    ) -> prefill_pb2.PrefillResponse:
+        """Run the prompt and write its KV; `trace`: the caller's span, for this call's spans."""
         rid, target, layout = request.request_id, request.kv_target, self.ctx.facts.layout
         check_layout_matches(layout, target.layout)
         num_pages = pages_needed(len(request.token_ids), layout.page_size)
@@ -101,12 +106,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             dst = RemotePages(
                 target.session_id, target.base_addr, layout.page_bytes, tuple(target.page_ids[:num_pages])
             )
+            sent = time.perf_counter()
             transfer = asyncio.ensure_future(
                 write_pages(
                     self.ctx.transport, self.ctx.facts.pool_base_addr, src_pages, dst, self._transfer_timeout_s(request)
                 )
             )
             stats = await asyncio.shield(transfer)
+            written = time.perf_counter()
         finally:
             if transfer is not None and not transfer.done():
                 await asyncio.wait([transfer])  # never free pages a write is still reading
@@ -115,6 +122,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             len(request.token_ids), output.cached_tokens, stats.num_bytes, stats.seconds
         )
         started = output.prefill_started_at or received
+        num_tokens, cached = len(request.token_ids), output.cached_tokens
+        record_prefill(trace, received, started, computed, (sent, written), num_tokens, cached, stats.num_bytes)
         return prefill_pb2.PrefillResponse(
             request_id=rid,
             first_token=token_to_proto(output),

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from kv_transfer import TransportConfig
 from tandem.internal_auth import InternalCredentials
+from tandem.tracing import check_endpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,7 @@ class WorkerConfig:
     weights_dirs: tuple[str, ...] = ()  # UpdateWeights loads only from under these; (): the model's directory
     grammar_compile_timeout_s: float = 5.0  # a request's grammar that takes longer to compile is refused
     drain_timeout_s: float = 30.0  # on SIGTERM/SIGINT: longest wait for the requests in flight to finish
+    otlp_traces_endpoint: str | None = None  # an OTLP/gRPC collector's URL for this worker's spans; None: off
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -53,6 +55,7 @@ class WorkerConfig:
             raise ValueError("drain_timeout_s must be >= 0")
         if self.reservation_ttl_s <= 0 or self.write_grace_s < 0:
             raise ValueError("reservation_ttl_s must be positive, write_grace_s >= 0")
+        check_endpoint(self.otlp_traces_endpoint)
         if self.is_embedding and self.role != "prefill":
             raise ValueError("is_embedding is for prefill workers only: embeddings need no decode")
         if self.engine.device != "cpu" and not self.is_embedding and self.transport.backend == "local":

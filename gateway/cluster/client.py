@@ -30,6 +30,7 @@ from gateway.cluster.worker_records import (
 )
 from gateway.records import GeneratedToken, Role, SamplingOptions
 from tandem.internal_auth import InternalCredentials
+from tandem.tracing import Metadata
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2_grpc
 
 # gRPC backs off reconnecting to a worker that went away by up to 120 s; cap it at half a second, so that
@@ -110,9 +111,10 @@ class WorkerClient:
         kv_target: KvTarget,
         logprob_start_len: int | None,
         timeout_s: float,
+        metadata: Metadata = (),
     ) -> PrefillResult:
         """Prefill: run the prompt, write its KV into `kv_target`, sample the first token. Cancelling
-        the awaiting task cancels the RPC."""
+        the awaiting task cancels the RPC. `metadata`: the trace's context (`tandem.tracing`), if any."""
         request = prefill_pb2.PrefillRequest(
             request_id=request_id,
             token_ids=token_ids,
@@ -121,7 +123,8 @@ class WorkerClient:
         )
         if logprob_start_len is not None:
             request.logprob_start_len = logprob_start_len
-        return convert.prefill_from_proto(await self._call(self._prefill.Prefill(request, timeout=timeout_s)))
+        call = self._prefill.Prefill(request, timeout=timeout_s, metadata=metadata or None)
+        return convert.prefill_from_proto(await self._call(call))
 
     async def cancel_prefill(self, request_id: str, kv_target: KvTarget, timeout_s: float) -> bool:
         """Prefill: stop the Prefill sent with `kv_target`; answers once its KV write is over, with
@@ -145,6 +148,7 @@ class WorkerClient:
         weights_id: str,
         kv_grant: str,
         timeout_s: float,
+        metadata: Metadata = (),
     ) -> DecodeStream:
         """Decode: start the reserved request from `first_token`; the stream yields the tokens after it."""
         call = self._decode.Generate(
@@ -157,11 +161,17 @@ class WorkerClient:
                 kv_grant=kv_grant,
             ),
             timeout=timeout_s,
+            metadata=metadata or None,
         )
         return DecodeStream(self, call)
 
     def prefill_and_generate(
-        self, request_id: str, prompt_ids: list[int], sampling: SamplingOptions, timeout_s: float
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingOptions,
+        timeout_s: float,
+        metadata: Metadata = (),
     ) -> DecodeStream:
         """Decode: prefill the prompt on this worker (no reservation, no KV transfer) and stream every
         token, the first included; the first chunk carries the prompt's queue and compute times."""
@@ -172,6 +182,7 @@ class WorkerClient:
                 sampling_params=convert.sampling_to_proto(sampling),
             ),
             timeout=timeout_s,
+            metadata=metadata or None,
         )
         return DecodeStream(self, call)
 

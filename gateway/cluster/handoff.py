@@ -21,6 +21,7 @@ from gateway.cluster.worker_errors import WorkerError
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.records import FinishReason, SamplingOptions, TokenEvent
+from tandem import tracing
 from tandem.request_log import bind_request_id
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,10 @@ async def run_handoff(
     started = last = time.perf_counter()
     outcome = "error"
     gateway_queue_ms = (started - arrived_at) * 1000 if arrived_at is not None else 0.0
-    request = TripRequest(request_id, prompt_ids, sampling, prompt_logprob_start, gateway_queue_ms)
+    trace = tracing.current()  # the front's request span, when traced: each trip's spans go under it
+    if arrived_at is not None:
+        tracing.record_span("gateway_queue", trace, arrived_at, started)
+    request = TripRequest(request_id, prompt_ids, sampling, prompt_logprob_start, gateway_queue_ms, trace=trace)
     events = _with_failover(pool, config, metrics, request)
     is_first = True
     try:

@@ -23,6 +23,7 @@ from gateway.cluster.client import DecodeStream
 from gateway.cluster.pool import WorkerPool
 from gateway.cluster.prefix_index import PromptPages
 from gateway.cluster.routing import Route
+from gateway.cluster.trip_trace import TripTrace
 from gateway.cluster.worker import Worker
 from gateway.cluster.worker_calls import PrefillAnswered, abort, chunks, prefill_answer, release, settle, unless_stalled
 from gateway.cluster.worker_records import DecodeChunk, Reservation
@@ -30,6 +31,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 from gateway.records import HandoffTimings, PrefillPath, SamplingOptions, TokenEvent
+from tandem import tracing
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class TripRequest:
     sampling: SamplingOptions
     prompt_logprob_start: int | None = None
     gateway_queue_ms: float = 0.0
+    trace: tracing.Context | None = field(default=None, repr=False, compare=False)  # the request span's, if traced
     pages: PromptPages = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -60,15 +63,21 @@ async def run_trip(
     started = time.perf_counter()
     # Prompt logprobs come from a prefill worker's scoring pass, so such a request is never prefilled locally.
     route = pool.route(request.pages, avoid, may_prefill_locally=request.prompt_logprob_start is None)
+    trace = TripTrace(request.trace, started)
+    trace.routed(route)
     if route.is_local:
         _observe(metrics, route)
-        events = _local_trip(config, route, request, started)
+        events = _local_trip(config, route, request, started, trace)
     else:
-        events = _disaggregated_trip(pool, config, metrics, route, request, started, avoid)
+        events = _disaggregated_trip(pool, config, metrics, route, request, started, avoid, trace)
     try:
         async with contextlib.aclosing(events):  # a reader that stops closes the trip now, not at collection
             async for event in events:
+                trace.saw(event)
                 yield event
+    except BaseException as exc:
+        trace.failed(exc)
+        raise
     finally:
         route.end()
         pool.admission.released()
@@ -82,8 +91,10 @@ async def _disaggregated_trip(
     request: TripRequest,
     started: float,
     avoid: frozenset[str],
+    trace: TripTrace,
 ) -> AsyncGenerator[TokenEvent, None]:
     route, reservation = await _reserve(pool, config, first_route, request, avoid)
+    trace.reserved(route)
     prefill, decode = route.prefill, route.decode
     assert prefill is not None  # a disaggregated route has one
     reserve_ms = (time.perf_counter() - started) * 1000
@@ -101,9 +112,11 @@ async def _disaggregated_trip(
             reservation.kv_target,
             request.prompt_logprob_start,
             timeout_s=config.prefill_timeout_s,
+            metadata=trace.prefill_metadata(route),
         )
         first = await prefill_answer(prefill, call, config.stall_timeout_s)
         write_settled = True
+        trace.prefilled(first.cached_tokens, first.kv_bytes)
         route.end_prefill()
         pool.router.prefilled(route, first.cached_tokens)
         metrics.observe_cached(prefill.address, first.cached_tokens)
@@ -126,6 +139,7 @@ async def _disaggregated_trip(
             first.weights_id,
             reservation.kv_target.grant,
             timeout_s=config.request_timeout_s,
+            metadata=trace.decode_metadata(),
         )
         async for chunk in chunks(decode, stream, config.stall_timeout_s):
             finished = chunk.finish_reason is not None
@@ -145,13 +159,17 @@ async def _disaggregated_trip(
 
 
 async def _local_trip(
-    config: GatewayConfig, route: Route, request: TripRequest, started: float
+    config: GatewayConfig, route: Route, request: TripRequest, started: float, trace: TripTrace
 ) -> AsyncGenerator[TokenEvent, None]:
     """The decode worker prefills the prompt and streams every token. The first token comes alone in
     the first event, with the timings; cancelling the stream frees the request's pages on the worker."""
     decode = route.decode
     stream = decode.client.prefill_and_generate(
-        request.request_id, request.prompt_ids, request.sampling, timeout_s=config.request_timeout_s
+        request.request_id,
+        request.prompt_ids,
+        request.sampling,
+        timeout_s=config.request_timeout_s,
+        metadata=trace.local_metadata(),
     )
     timings: HandoffTimings | None = None
     finished = False

@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway.grpc_api.servicer import InferenceServicer
+from gateway.grpc_api.tracing import TracingInterceptor
 from gateway.service.api_keys import bearer, matches_any
 from gateway.service.state import GatewayState
 from tandem.api.v1 import inference_service_pb2, inference_service_pb2_grpc
@@ -40,8 +41,10 @@ async def serving_grpc_api(
         yield
         return
     keys = tuple(bearer(key) for key in (config.api_key, config.admin_api_key) if key)
+    # The key check as HTTP's user routes have it (open without a user key); the trace's span outside it.
+    tracing = [TracingInterceptor()] if config.otlp_traces_endpoint else []
     server = grpc.aio.server(
-        interceptors=[_KeyCheck(keys if config.api_key else ())],  # as HTTP's user routes: open without a user key
+        interceptors=[*tracing, _KeyCheck(keys if config.api_key else ())],
         options=[
             ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),

@@ -16,6 +16,7 @@ from typing import Any
 
 from gateway.errors import bad_request
 from gateway.text.tokenizer import RESERVED_TEMPLATE_KWARGS, Tokenizer, TokenizerError
+from tandem import tracing
 
 # Texts at most this long are tokenized on the event loop: a thread hop costs more than they do.
 _INLINE_CHARS = 4096
@@ -44,7 +45,11 @@ async def encode_texts(
     def encode_all() -> list[list[int]]:
         return [tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in texts]
 
-    return await _off_loop(encode_all, sum(len(t) for t in texts), param)
+    with tracing.span("tokenize") as span:
+        token_lists = await _off_loop(encode_all, sum(len(t) for t in texts), param)
+        if span is not None:
+            span.set_attribute("tandem.prompt_tokens", sum(len(ids) for ids in token_lists))
+        return token_lists
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,9 +104,13 @@ async def encode_chat(
             messages, add_generation_prompt, template_kwargs, continue_final_message=continue_final_message
         )
 
-    text = await _off_loop(render, num_chars, param)
-    check_chars(tokenizer, len(text), param, context_len)
-    return await _off_loop(lambda: tokenizer.encode(text, add_special_tokens=False), len(text), param)
+    with tracing.span("tokenize") as span:  # the chat template's rendering included
+        text = await _off_loop(render, num_chars, param)
+        check_chars(tokenizer, len(text), param, context_len)
+        ids = await _off_loop(lambda: tokenizer.encode(text, add_special_tokens=False), len(text), param)
+        if span is not None:
+            span.set_attribute("tandem.prompt_tokens", len(ids))
+        return ids
 
 
 def check_chars(tokenizer: Tokenizer, num_chars: int, param: str, context_len: int | None) -> None:
