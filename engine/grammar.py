@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.grammar_spec import GrammarKind, GrammarSpec
 from tandem.converted_tokenizer import load_hf_tokenizer
+from tandem.sampling import GrammarKind, GrammarSpec
 
 logger = logging.getLogger(__name__)
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from engine.errors import ContextLengthExceededError, InvalidRequestError
-from engine.grammar_spec import GrammarSpec
 from tandem.limits import DEFAULT_MAX_NEW_TOKENS, LOGIT_BIAS, SAMPLING_RANGES
+from tandem.sampling import GrammarSpec, SamplingSpec
 
 
 class RequestStatus(enum.Enum):
@@ -26,8 +26,9 @@ class FinishReason(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Resolved sampling settings: these defaults are what a field left unset gets (by any gRPC client),
-    and the values must lie in `tandem.limits`' ranges, the gateway's too. temperature 0 means greedy."""
+    """Resolved sampling settings: a request's `SamplingSpec` (`from_spec`), whose unset fields take these
+    defaults (for any gRPC client); the values must lie in `tandem.limits`' ranges, the gateway's too.
+    The fields are the spec's, by name. temperature 0 means greedy."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -57,6 +58,11 @@ class SamplingParams:
             )
         if any(bias not in LOGIT_BIAS for _, bias in self.logit_bias):
             raise InvalidRequestError(f"logit_bias values {LOGIT_BIAS.rule}")
+
+    @classmethod
+    def from_spec(cls, spec: SamplingSpec) -> SamplingParams:
+        """The spec's set fields over these defaults; a value out of range raises InvalidRequestError."""
+        return cls(**{f.name: value for f in fields(spec) if (value := getattr(spec, f.name)) is not None})
 
     @property
     def has_penalties(self) -> bool:

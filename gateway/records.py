@@ -4,7 +4,7 @@ workers' messages and the services and routes that read them. Plain values: no p
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 
 class FinishReason(enum.StrEnum):
@@ -21,46 +21,6 @@ class Role(enum.StrEnum):
 
     PREFILL = "prefill"
     DECODE = "decode"
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingOptions:
-    """How the workers choose the next token: exactly the fields of `tandem.v1.SamplingParams`
-    (converted to it in `gateway/cluster/convert.py` only), with its presence rules. A field left
-    None is unset and takes the worker's default (temperature 1, top_p 1, top_k and min_p off, no
-    seed, ...), never zero. At most one of `json_schema`, `json_object`, `regex`, `ebnf` is set
-    (the proto's `constraint` oneof)."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    max_new_tokens: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool | None = None
-    min_new_tokens: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); a later pair for one id wins
-    top_logprobs_num: int | None = None
-    token_ids_logprob: tuple[int, ...] = ()
-    json_schema: str | None = None  # JSON text
-    json_object: bool | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-
-    def __post_init__(self) -> None:
-        constraints = [
-            name for name in ("json_schema", "json_object", "regex", "ebnf") if getattr(self, name) is not None
-        ]
-        if len(constraints) > 1:
-            raise ValueError(f"at most one output constraint may be set, got {', '.join(constraints)}")
-
-    def with_seed(self, seed: int) -> SamplingOptions:
-        """These options with another seed (distinct but reproducible choices of one request)."""
-        return replace(self, seed=seed)
 
 
 class PrefillPath(enum.StrEnum):

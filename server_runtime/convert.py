@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from engine.embedder import EmbeddingModelInfo
 from engine.errors import InvalidRequestError
-from engine.grammar_spec import GrammarKind, GrammarSpec
 from engine.kv_pool import KVLayout, KVPool
 from engine.moe import ExpertDistribution
 from engine.request import FinishReason, PromptLogprobs, SamplingParams, StepOutput
 from engine.stats import EngineStats
 from server_runtime.context import EngineFacts
+from tandem.sampling import SCALAR_FIELDS, GrammarKind, GrammarSpec, SamplingSpec
 from tandem.v1 import common_pb2
 
 _FINISH_TO_PROTO = {
@@ -30,28 +30,15 @@ def role_to_proto(role: str) -> common_pb2.WorkerRole:
     return _ROLE_TO_PROTO[role]
 
 
-# The `optional` scalars of tandem.v1.SamplingParams: each is passed on only when set, so that an unset
-# one takes SamplingParams' default (the defaults live there alone).
-_OPTIONAL_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "max_new_tokens",
-    "ignore_eos",
-    "min_new_tokens",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "top_logprobs_num",
-)
-
-
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """The fields that are set, over SamplingParams' defaults; invalid values raise InvalidRequestError."""
-    return SamplingParams(
-        **{name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)},
+    """The request's settings resolved over the engine's defaults; invalid values raise InvalidRequestError."""
+    return SamplingParams.from_spec(spec_from_proto(msg))
+
+
+def spec_from_proto(msg: common_pb2.SamplingParams) -> SamplingSpec:
+    """The gateway's `SamplingSpec` back: an unset optional field reads as None."""
+    return SamplingSpec(
+        **{name: getattr(msg, name) for name in SCALAR_FIELDS if msg.HasField(name)},
         stop_token_ids=tuple(msg.stop_token_ids),
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         token_ids_logprob=tuple(msg.token_ids_logprob),

@@ -26,11 +26,11 @@ import torch
 
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
-from engine.grammar_spec import GrammarSpec
 from engine.request import FinishReason, Request, SamplingParams, StepOutput
 from kv_transfer import KVTransferTimeout, KVTransport, RemotePages, TransferStats, check_timeout
 from server_runtime.metrics import WorkerMetrics
 from server_runtime.threads import ThreadTuner
+from tandem.sampling import GrammarSpec
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,11 @@ from gateway.cluster.worker import Worker
 from gateway.cluster.worker_errors import WorkerError
 from gateway.cluster.worker_records import FlushResult, UpdateResult
 from gateway.errors import APIError, public_message
-from gateway.records import FinishReason, SamplingOptions
+from gateway.records import FinishReason
 from gateway.service.generation import GenerationRequest
 from gateway.service.model_info import model_info
 from gateway.service.state import GatewayState
+from tandem.sampling import SamplingSpec
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ async def health_generate(state: GatewayState = Depends(gateway_state)):
     try:
         limits = state.pool.limits()
         prompt = [limits.eos_token_ids[0] if limits.eos_token_ids else 0]
-        sampling = SamplingOptions(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+        sampling = SamplingSpec(temperature=0.0, max_new_tokens=2, ignore_eos=True)
         result = await state.generation.generate(GenerationRequest(prompt, sampling))
     except APIError as exc:
         return JSONResponse(exc.body(), status_code=503)

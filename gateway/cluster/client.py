@@ -28,8 +28,9 @@ from gateway.cluster.worker_records import (
     UpdateResult,
     WorkerLoad,
 )
-from gateway.records import GeneratedToken, Role, SamplingOptions
+from gateway.records import GeneratedToken, Role
 from tandem.internal_auth import InternalCredentials
+from tandem.sampling import SamplingSpec
 from tandem.tracing import Metadata
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2_grpc
 
@@ -107,7 +108,7 @@ class WorkerClient:
         self,
         request_id: str,
         token_ids: list[int],
-        sampling: SamplingOptions,
+        sampling: SamplingSpec,
         kv_target: KvTarget,
         logprob_start_len: int | None,
         timeout_s: float,
@@ -144,7 +145,7 @@ class WorkerClient:
         request_id: str,
         prompt_ids: list[int],
         first_token: GeneratedToken,
-        sampling: SamplingOptions,
+        sampling: SamplingSpec,
         weights_id: str,
         kv_grant: str,
         timeout_s: float,
@@ -169,7 +170,7 @@ class WorkerClient:
         self,
         request_id: str,
         prompt_ids: list[int],
-        sampling: SamplingOptions,
+        sampling: SamplingSpec,
         timeout_s: float,
         metadata: Metadata = (),
     ) -> DecodeStream:

@@ -7,8 +7,6 @@ optional proto field reads as None. The proto's enums (finish reason, worker rol
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 from gateway.cluster.worker_records import (
     DecodeChunk,
     ExpertCounts,
@@ -18,7 +16,8 @@ from gateway.cluster.worker_records import (
     PrefillResult,
     WorkerLoad,
 )
-from gateway.records import FinishReason, GeneratedToken, Role, SamplingOptions
+from gateway.records import FinishReason, GeneratedToken, Role
+from tandem.sampling import SCALAR_FIELDS, GrammarKind, SamplingSpec
 from tandem.v1 import common_pb2, decode_pb2, prefill_pb2
 
 _FINISH_REASONS = {
@@ -28,21 +27,20 @@ _FINISH_REASONS = {
 }
 _ROLES = {common_pb2.WORKER_ROLE_PREFILL: Role.PREFILL, common_pb2.WORKER_ROLE_DECODE: Role.DECODE}
 
-_REPEATED_SAMPLING = ("stop_token_ids", "logit_bias", "token_ids_logprob")
-# Every other field of SamplingOptions is an optional scalar (or a oneof member) of the same name.
-_OPTIONAL_SAMPLING = tuple(f.name for f in fields(SamplingOptions) if f.name not in _REPEATED_SAMPLING)
 
-
-def sampling_to_proto(options: SamplingOptions) -> common_pb2.SamplingParams:
+def sampling_to_proto(spec: SamplingSpec) -> common_pb2.SamplingParams:
     params = common_pb2.SamplingParams(
-        stop_token_ids=options.stop_token_ids,
-        logit_bias=dict(options.logit_bias),
-        token_ids_logprob=options.token_ids_logprob,
+        stop_token_ids=spec.stop_token_ids,
+        logit_bias=dict(spec.logit_bias),
+        token_ids_logprob=spec.token_ids_logprob,
     )
-    for name in _OPTIONAL_SAMPLING:
-        value = getattr(options, name)
+    for name in SCALAR_FIELDS:
+        value = getattr(spec, name)
         if value is not None:
             setattr(params, name, value)
+    if spec.grammar is not None:
+        kind = spec.grammar.kind
+        setattr(params, kind.value, True if kind is GrammarKind.JSON_OBJECT else spec.grammar.text)
     return params
 
 

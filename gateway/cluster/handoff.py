@@ -20,9 +20,10 @@ from gateway.cluster.trip import TripRequest, run_trip
 from gateway.cluster.worker_errors import WorkerError
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
-from gateway.records import FinishReason, SamplingOptions, TokenEvent
+from gateway.records import FinishReason, TokenEvent
 from tandem import tracing
 from tandem.request_log import bind_request_id
+from tandem.sampling import SamplingSpec
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ async def run_handoff(
     metrics: GatewayMetrics,
     request_id: str,
     prompt_ids: list[int],
-    sampling: SamplingOptions,
+    sampling: SamplingSpec,
     prompt_logprob_start: int | None = None,
     arrived_at: float | None = None,
 ) -> AsyncGenerator[TokenEvent, None]:

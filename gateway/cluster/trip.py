@@ -30,8 +30,9 @@ from gateway.cluster.worker_records import DecodeChunk, Reservation
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
-from gateway.records import HandoffTimings, PrefillPath, SamplingOptions, TokenEvent
+from gateway.records import HandoffTimings, PrefillPath, TokenEvent
 from tandem import tracing
+from tandem.sampling import SamplingSpec
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class TripRequest:
 
     request_id: str
     prompt_ids: list[int]
-    sampling: SamplingOptions
+    sampling: SamplingSpec
     prompt_logprob_start: int | None = None
     gateway_queue_ms: float = 0.0
     trace: tracing.Context | None = field(default=None, repr=False, compare=False)  # the request span's, if traced

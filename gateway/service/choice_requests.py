@@ -3,13 +3,16 @@ choice, from the body's sampling fields, stop strings and output constraint."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from gateway.errors import bad_request
 from gateway.service.generation import GenerationRequest
 from gateway.service.request_schemas import ChatCompletionRequest, CompletionRequest
-from gateway.service.sampling import SamplingFields, build_sampling, output_constraint, parse_logit_bias, stop_list
+from gateway.service.sampling import build_sampling, output_constraint, parse_logit_bias, stop_list
 from gateway.service.state import GatewayState
 from gateway.text.tool_calls import ToolPlan
 from tandem.limits import MAX_N
+from tandem.sampling import GrammarSpec, SamplingSpec
 
 
 def choice_requests(
@@ -28,7 +31,7 @@ def choice_requests(
         raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", "n")
     requests = []
     for prompt_ids in prompts:
-        fields = SamplingFields(
+        spec = SamplingSpec(
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=body.top_k,
@@ -43,10 +46,10 @@ def choice_requests(
             repetition_penalty=body.repetition_penalty,
             logit_bias=parse_logit_bias(body.logit_bias),
             top_logprobs_num=num_top,
-            constraint=_constraint(body, plan),
+            grammar=_constraint(body, plan),
         )
         sampling = build_sampling(
-            fields,
+            spec,
             len(prompt_ids),
             state.pool.limits(),
             state.config.sampling_defaults,
@@ -56,7 +59,7 @@ def choice_requests(
         for i in range(n):
             choice_sampling = sampling
             if body.seed is not None and i:
-                choice_sampling = sampling.with_seed((body.seed + i) % 2**63)  # distinct but reproducible choices
+                choice_sampling = replace(sampling, seed=(body.seed + i) % 2**63)  # distinct but reproducible choices
             requests.append(
                 GenerationRequest(
                     prompt_ids,
@@ -78,9 +81,7 @@ def _stops(state: GatewayState, stop) -> tuple[str, ...]:
     return stops
 
 
-def _constraint(
-    body: ChatCompletionRequest | CompletionRequest, plan: ToolPlan | None = None
-) -> tuple[str, str] | None:
+def _constraint(body: ChatCompletionRequest | CompletionRequest, plan: ToolPlan | None = None) -> GrammarSpec | None:
     """response_format (chat), a forced tool call, or SGLang's regex / ebnf -> one output constraint."""
     schema, json_object = None, False
     response_format = getattr(body, "response_format", None)

@@ -18,10 +18,11 @@ from gateway.cluster.pool import WorkerPool
 from gateway.config import GatewayConfig
 from gateway.errors import bad_request
 from gateway.metrics import GatewayMetrics
-from gateway.records import FinishReason, GeneratedToken, HandoffTimings, SamplingOptions, TokenEvent
+from gateway.records import FinishReason, GeneratedToken, HandoffTimings, TokenEvent
 from gateway.text.detokenizer import IncrementalDetokenizer
 from gateway.text.stop_strings import StopStringMatcher
 from gateway.text.tokenizer import Tokenizer
+from tandem.sampling import SamplingSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +34,7 @@ class GenerationRequest:
     the prompt's logprobs from that position; `arrived_at` is when the HTTP request arrived."""
 
     prompt_ids: list[int]
-    sampling: SamplingOptions
+    sampling: SamplingSpec
     stop: tuple[str, ...] = ()
     skip_special_tokens: bool = True
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)

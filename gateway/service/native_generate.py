@@ -21,10 +21,11 @@ from gateway.service.response_schemas import (
     StopFinish,
     TandemTimings,
 )
-from gateway.service.sampling import SamplingFields, build_sampling, check_token_ids, output_constraint, stop_list
+from gateway.service.sampling import build_sampling, check_token_ids, output_constraint, stop_list
 from gateway.service.state import GatewayState
 from gateway.text.text_input import encode_texts, token_id_lists
 from tandem.limits import MAX_N
+from tandem.sampling import SamplingSpec
 
 
 async def run_generate(
@@ -87,7 +88,7 @@ def _requests_for(
     if not (1 <= n <= MAX_N):
         raise bad_request(f"sampling_params.n must be an integer between 1 and {MAX_N}", "sampling_params.n")
     max_new_tokens = p.max_new_tokens if "max_new_tokens" in p.model_fields_set else state.config.default_max_new_tokens
-    fields = SamplingFields(
+    spec = SamplingSpec(
         temperature=p.temperature,
         top_p=p.top_p,
         top_k=p.top_k,
@@ -102,10 +103,10 @@ def _requests_for(
         repetition_penalty=p.repetition_penalty,
         top_logprobs_num=logprobs.top_num,
         token_ids_logprob=logprobs.token_ids,
-        constraint=output_constraint(p.json_schema, p.regex, p.ebnf, schema_param="sampling_params.json_schema"),
+        grammar=output_constraint(p.json_schema, p.regex, p.ebnf, schema_param="sampling_params.json_schema"),
     )
     sampling = build_sampling(
-        fields,
+        spec,
         len(prompt_ids),
         limits,
         state.config.sampling_defaults,

@@ -1,14 +1,14 @@
-"""Turn HTTP sampling fields into the workers' `SamplingOptions`, naming the offending param on error."""
+"""Check a request's `SamplingSpec` as its HTTP route built it and fill in the server's defaults, naming the
+offending param on error."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 from gateway.cluster.pool import ModelLimits
 from gateway.errors import APIError, bad_request, context_length_exceeded
-from gateway.records import SamplingOptions
 from gateway.sampling_defaults import SamplingDefaults
 from tandem.limits import (
     LOGIT_BIAS,
@@ -24,87 +24,55 @@ from tandem.limits import (
     TOP_P,
     Range,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingFields:
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    max_new_tokens: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    min_new_tokens: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    top_logprobs_num: int = 0
-    token_ids_logprob: tuple[int, ...] = ()
-    constraint: tuple[str, str] | None = None  # (json_schema | json_object | regex | ebnf, text)
+from tandem.sampling import GrammarKind, GrammarSpec, SamplingSpec
 
 
 def build_sampling(
-    fields: SamplingFields,
+    spec: SamplingSpec,
     prompt_len: int,
     limits: ModelLimits,
     defaults: SamplingDefaults,
     max_tokens_param: str = "max_tokens",
     prompt_param: str = "prompt",
-) -> SamplingOptions:
-    """Validate values and the context budget; unset max_new_tokens fills the rest of the context,
-    unset temperature / top_p / top_k / min_p take the server's `defaults` (if any)."""
-    _check_values(fields, limits, max_tokens_param)
-    room = _room(prompt_len, fields.max_new_tokens, limits, max_tokens_param, prompt_param)
-    top_k = _first_set(fields.top_k, defaults.top_k)
-    kind, text = fields.constraint or (None, None)
-    return SamplingOptions(
-        temperature=_first_set(fields.temperature, defaults.temperature),
-        top_p=_first_set(fields.top_p, defaults.top_p),
+) -> SamplingSpec:
+    """`spec` once its values and the context budget are checked: unset max_new_tokens fills the rest
+    of the context, unset temperature / top_p / top_k / min_p take the server's `defaults` (if any), and
+    top_k <= 0 or top_logprobs_num 0 become unset."""
+    _check_values(spec, limits, max_tokens_param)
+    room = _room(prompt_len, spec.max_new_tokens, limits, max_tokens_param, prompt_param)
+    top_k = _first_set(spec.top_k, defaults.top_k)
+    return replace(
+        spec,
+        temperature=_first_set(spec.temperature, defaults.temperature),
+        top_p=_first_set(spec.top_p, defaults.top_p),
         top_k=top_k if top_k is not None and top_k > 0 else None,
-        min_p=_first_set(fields.min_p, defaults.min_p),
-        seed=fields.seed,
-        max_new_tokens=fields.max_new_tokens or room,
-        stop_token_ids=tuple(fields.stop_token_ids),
-        ignore_eos=fields.ignore_eos,
-        min_new_tokens=fields.min_new_tokens,
-        presence_penalty=fields.presence_penalty,
-        frequency_penalty=fields.frequency_penalty,
-        repetition_penalty=fields.repetition_penalty,
-        logit_bias=tuple(fields.logit_bias),
-        top_logprobs_num=fields.top_logprobs_num or None,
-        token_ids_logprob=tuple(fields.token_ids_logprob),
-        json_schema=text if kind == "json_schema" else None,
-        json_object=True if kind == "json_object" else None,
-        regex=text if kind == "regex" else None,
-        ebnf=text if kind == "ebnf" else None,
+        min_p=_first_set(spec.min_p, defaults.min_p),
+        max_new_tokens=spec.max_new_tokens or room,
+        top_logprobs_num=spec.top_logprobs_num or None,
     )
 
 
-def _check_values(fields: SamplingFields, limits: ModelLimits, max_tokens_param: str) -> None:
+def _check_values(spec: SamplingSpec, limits: ModelLimits, max_tokens_param: str) -> None:
     """400 naming the HTTP param of the first value outside its `tandem.limits` range or the vocabulary."""
     for param, value, allowed in (
-        ("temperature", fields.temperature, TEMPERATURE),
-        ("top_p", fields.top_p, TOP_P),
-        ("top_k", fields.top_k, TOP_K),
-        ("min_p", fields.min_p, MIN_P),
-        (max_tokens_param, fields.max_new_tokens, MAX_NEW_TOKENS),
-        ("seed", fields.seed, SEED),
-        ("presence_penalty", fields.presence_penalty, PENALTY),
-        ("frequency_penalty", fields.frequency_penalty, PENALTY),
-        ("repetition_penalty", fields.repetition_penalty, REPETITION_PENALTY),
-        ("min_tokens", fields.min_new_tokens, MIN_NEW_TOKENS),
+        ("temperature", spec.temperature, TEMPERATURE),
+        ("top_p", spec.top_p, TOP_P),
+        ("top_k", spec.top_k, TOP_K),
+        ("min_p", spec.min_p, MIN_P),
+        (max_tokens_param, spec.max_new_tokens, MAX_NEW_TOKENS),
+        ("seed", spec.seed, SEED),
+        ("presence_penalty", spec.presence_penalty, PENALTY),
+        ("frequency_penalty", spec.frequency_penalty, PENALTY),
+        ("repetition_penalty", spec.repetition_penalty, REPETITION_PENALTY),
+        ("min_tokens", spec.min_new_tokens, MIN_NEW_TOKENS),
     ):
         _check_range(param, value, allowed)
-    if fields.min_new_tokens and fields.max_new_tokens is not None and fields.min_new_tokens > fields.max_new_tokens:
+    if spec.min_new_tokens and spec.max_new_tokens is not None and spec.min_new_tokens > spec.max_new_tokens:
         raise bad_request(
-            f"min_tokens ({fields.min_new_tokens}) must not exceed the maximum number of tokens "
-            f"({fields.max_new_tokens})",
+            f"min_tokens ({spec.min_new_tokens}) must not exceed the maximum number of tokens ({spec.max_new_tokens})",
             "min_tokens",
         )
-    for token_id, bias in fields.logit_bias:
+    for token_id, bias in spec.logit_bias:
         if not (0 <= token_id < limits.vocab_size):
             raise bad_request(f"logit_bias: token id {token_id} is outside the vocabulary", "logit_bias")
         if bias not in LOGIT_BIAS:
@@ -112,8 +80,8 @@ def _check_values(fields: SamplingFields, limits: ModelLimits, max_tokens_param:
                 f"logit_bias: bias {bias} for token {token_id} is outside [{LOGIT_BIAS.low:g}, {LOGIT_BIAS.high:g}]",
                 "logit_bias",
             )
-    check_token_ids(list(fields.token_ids_logprob), limits, "token_ids_logprob")
-    bad_id = next((t for t in fields.stop_token_ids if not (0 <= t < limits.vocab_size)), None)
+    check_token_ids(list(spec.token_ids_logprob), limits, "token_ids_logprob")
+    bad_id = next((t for t in spec.stop_token_ids if not (0 <= t < limits.vocab_size)), None)
     if bad_id is not None:
         raise bad_request(f"stop_token_ids: {bad_id} is outside the vocabulary", "stop_token_ids")
 
@@ -160,7 +128,7 @@ def output_constraint(
     ebnf: str | None = None,
     json_object: bool = False,
     schema_param: str = "json_schema",
-) -> tuple[str, str] | None:
+) -> GrammarSpec | None:
     """At most one of the constraints; a JSON schema may come as a dict or as JSON text (`false`,
     `true` and schemas nested deeper than MAX_SCHEMA_DEPTH are refused)."""
     given = [
@@ -198,10 +166,10 @@ def output_constraint(
                 schema_param,
                 "invalid_value",
             )
-        return "json_schema", json.dumps(json_schema)
+        return GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(json_schema))
     if given[0] == "json_object":
-        return "json_object", ""
-    return given[0], (regex if given[0] == "regex" else ebnf) or ""
+        return GrammarSpec(GrammarKind.JSON_OBJECT)
+    return GrammarSpec(GrammarKind(given[0]), (regex if given[0] == "regex" else ebnf) or "")
 
 
 MAX_SCHEMA_DEPTH = 64  # objects and arrays inside each other; compile time grows steeply with depth

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from engine.grammar import GrammarBackend  # noqa: E402
-from engine.grammar_spec import GrammarKind, GrammarSpec  # noqa: E402
+from tandem.sampling import GrammarKind, GrammarSpec  # noqa: E402
 from engine.logits import adjust_logits  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
 from kernels.sampling import SamplingBatch, sample  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
-from engine.grammar_spec import GrammarKind, GrammarSpec
+from tandem.sampling import GrammarKind, GrammarSpec
 from engine.request import Request, SamplingParams
 from engine.weights import open_checkpoint
 from gateway.text.tokenizer import load_tokenizer

@@ -13,7 +13,7 @@ from engine import grammar
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
-from engine.grammar_spec import GrammarKind, GrammarSpec
+from tandem.sampling import GrammarKind, GrammarSpec
 from engine.weights import open_checkpoint
 from server_runtime.engine_loop import EngineLoop
 from server_runtime.metrics import WorkerMetrics

@@ -23,12 +23,13 @@ from gateway.cluster.prefix_index import PromptPages
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
-from gateway.records import FinishReason, SamplingOptions, TokenEvent
+from gateway.records import FinishReason, TokenEvent
+from tandem.sampling import SamplingSpec
 from tests.integration.inprocess_workers import ENGINE, Workers, running_workers
 from tests.tiny_models import save_tiny_qwen2
 
 PROMPT = list(range(10, 47))   # 37 tokens: three pages of 16
-GREEDY = SamplingOptions(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+GREEDY = SamplingSpec(temperature=0.0, max_new_tokens=8, ignore_eos=True)
 _TIMEOUT_S = 5.0
 
 
@@ -52,7 +53,7 @@ async def _gateway(model_path: Path, **worker_overrides) -> AsyncIterator[tuple[
 
 
 def _events(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt: list[int],
-            sampling: SamplingOptions, metrics: GatewayMetrics) -> AsyncIterator[TokenEvent]:
+            sampling: SamplingSpec, metrics: GatewayMetrics) -> AsyncIterator[TokenEvent]:
     return run_handoff(pool, config, metrics, request_id, prompt, sampling)
 
 
@@ -99,7 +100,7 @@ def test_a_normal_finish_gives_the_single_engine_tokens_and_frees_every_page(mod
 
 
 def test_closing_the_stream_mid_way_aborts_it_and_frees_every_page(model_path: Path) -> None:
-    long = SamplingOptions(temperature=0.0, max_new_tokens=80, ignore_eos=True)
+    long = SamplingSpec(temperature=0.0, max_new_tokens=80, ignore_eos=True)
 
     async def scenario() -> tuple[int, GatewayMetrics]:
         metrics = GatewayMetrics()

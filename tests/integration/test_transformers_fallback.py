@@ -25,9 +25,9 @@ from gateway.cluster.handoff import run_handoff
 from gateway.cluster.pool import WorkerPool
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
-from gateway.records import SamplingOptions
 from server_runtime.context import EngineFacts
 from server_runtime.convert import model_info_to_proto
+from tandem.sampling import SamplingSpec
 from tests.hf_oracle import assert_logits_match_hf, hf_greedy, load_hf_dir
 from tests.integration.inprocess_workers import running_workers
 from tests.tiny_models import (TINY_WINDOW, save_tiny_gpt_oss, save_tiny_granite, save_tiny_llama, save_tiny_olmo2,
@@ -184,7 +184,7 @@ def test_prefill_worker_pages_carry_on_in_a_decode_worker(tmp_path: Path) -> Non
             try:
                 await pool.probe_all()
                 assert [w.info.implementation for w in pool.all_workers() if w.info] == ["transformers"] * 2
-                sampling = SamplingOptions(temperature=0.0, max_new_tokens=num_tokens, ignore_eos=True)
+                sampling = SamplingSpec(temperature=0.0, max_new_tokens=num_tokens, ignore_eos=True)
                 events = run_handoff(pool, config, GatewayMetrics(), "h1", prompt, sampling)
                 return [token.token_id async for event in events for token in event.tokens]
             finally:

@@ -1,6 +1,6 @@
 """The layering rules of the style guide (kernels -> engine -> kv_transfer -> server runtime -> servers;
-gateway on protos only; `tandem.limits`, the sampling ranges, shared by engine and gateway), checked on
-every import statement, lazy ones inside functions included."""
+gateway on protos only; `tandem.limits` and `tandem.sampling`, the sampling ranges and record, shared by engine
+and gateway), checked on every import statement, lazy ones inside functions included."""
 
 from __future__ import annotations
 
@@ -116,10 +116,11 @@ GRPC_LIBRARIES = ("grpc", "grpc_health", "grpc_reflection", "grpc_status", "goog
 
 RULES: dict[str, Rule] = {
     "kernels imports no in-repo package": _only_in_repo("kernels", ()),
-    # tandem.limits (standard library only) is the one table of sampling ranges the gateway checks too;
-    # tandem.converted_tokenizer keeps a GGUF file's tokenizer conversion for the gateway and the grammar backend
-    "engine imports only engine, kernels, tandem.limits and tandem.converted_tokenizer": _only_in_repo(
-        "engine", ("kernels", "tandem.limits", "tandem.converted_tokenizer")),
+    # tandem.limits and tandem.sampling (standard library only) are the one table of sampling ranges the gateway
+    # checks too and the one sampling record it sends; tandem.converted_tokenizer keeps a GGUF file's tokenizer
+    # conversion for the gateway and the grammar backend
+    "engine imports only engine, kernels, tandem.limits, tandem.sampling and tandem.converted_tokenizer":
+        _only_in_repo("engine", ("kernels", "tandem.limits", "tandem.sampling", "tandem.converted_tokenizer")),
     "engine has no network, gRPC, HTTP or threads": _never("engine", ENGINE_FORBIDDEN),
     "kv_transfer imports only engine types": _only_in_repo("kv_transfer", KV_TRANSFER_ENGINE_TYPES),
     "server_runtime imports only engine, kernels, kv_transfer and protos":
@@ -258,7 +259,8 @@ def test_checker_reports_violations_with_file_and_line(tmp_path: Path) -> None:
     _write(tmp_path, "engine/runner.py", "")
     _write(tmp_path, "kernels/attention.py", "import torch\n\nfrom engine import errors\n")
     _write(tmp_path, "engine/loop.py", "import threading\nfrom . import errors\n\ndef f():\n    import grpc\n")
-    _write(tmp_path, "engine/request.py", "from tandem.limits import TOP_P\nfrom tandem.v1 import common_pb2\n")
+    _write(tmp_path, "engine/request.py", "from tandem.limits import TOP_P\nfrom tandem.v1 import common_pb2\n"
+                                         "from tandem.sampling import SamplingSpec\n")
     _write(tmp_path, "kv_transfer/ok.py", "from engine.kv_pool import KVLayout\nfrom engine import errors\n")
     _write(tmp_path, "kv_transfer/bad.py", "from engine.runner import ModelRunner\n")
     _write(tmp_path, "gateway/app.py", "import fastapi\nfrom tandem.v1 import common_pb2\nimport torch.nn\n")
@@ -278,7 +280,8 @@ def test_checker_reports_violations_with_file_and_line(tmp_path: Path) -> None:
         "kernels/attention.py:3: kernels.attention imports engine.errors"]
     assert found["engine has no network, gRPC, HTTP or threads"] == [
         "engine/loop.py:1: engine.loop imports threading", "engine/loop.py:5: engine.loop imports grpc"]
-    assert found["engine imports only engine, kernels, tandem.limits and tandem.converted_tokenizer"] == [   # `from . import errors`: engine.errors
+    engine_rule = "engine imports only engine, kernels, tandem.limits, tandem.sampling and tandem.converted_tokenizer"
+    assert found[engine_rule] == [   # `from . import errors`: engine.errors
         "engine/request.py:2: engine.request imports tandem.v1"]
     assert found["kv_transfer imports only engine types"] == [
         "kv_transfer/bad.py:1: kv_transfer.bad imports engine.runner"]

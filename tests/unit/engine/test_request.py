@@ -10,6 +10,7 @@ import pytest
 from engine.errors import InvalidRequestError
 from engine.request import Request, RequestStatus, SamplingParams
 from tandem.limits import SAMPLING_RANGES
+from tandem.sampling import GrammarKind, GrammarSpec, SamplingSpec
 
 
 def test_defaults_are_valid_and_not_greedy() -> None:
@@ -55,6 +56,19 @@ def test_sampling_params_are_frozen() -> None:
     params = SamplingParams()
     with pytest.raises(dataclasses.FrozenInstanceError):
         params.temperature = 0.0  # type: ignore[misc]
+
+
+def test_a_spec_resolves_over_the_defaults() -> None:
+    assert [f.name for f in dataclasses.fields(SamplingSpec)] == [f.name for f in dataclasses.fields(SamplingParams)]
+    assert SamplingParams.from_spec(SamplingSpec()) == SamplingParams()
+    grammar = GrammarSpec(GrammarKind.REGEX, "a+")
+    spec = SamplingSpec(temperature=0.0, top_k=0, seed=0, max_new_tokens=5, ignore_eos=False, stop_token_ids=(3,),
+                        logit_bias=((4, 1.0),), grammar=grammar)
+    assert SamplingParams.from_spec(spec) == SamplingParams(temperature=0.0, seed=0, max_new_tokens=5,
+                                                            stop_token_ids=(3,), logit_bias=((4, 1.0),),
+                                                            grammar=grammar)
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        SamplingParams.from_spec(SamplingSpec(top_p=0.0))
 
 
 def test_request_lengths_and_status() -> None:

@@ -10,9 +10,11 @@ import torch
 from engine.errors import InvalidRequestError
 from engine.kv_pool import KVLayout
 from engine.request import FinishReason, SamplingParams, StepOutput
+from gateway.cluster.convert import sampling_to_proto
 from server_runtime.convert import (check_layout_matches, finish_to_proto, layout_to_proto, sampling_from_proto,
-                                    token_to_proto)
+                                    spec_from_proto, token_to_proto)
 from tandem.limits import DEFAULT_MAX_NEW_TOKENS
+from tandem.sampling import GrammarKind, GrammarSpec, SamplingSpec
 from tandem.v1 import common_pb2
 
 
@@ -44,6 +46,18 @@ def test_set_fields_are_copied() -> None:
     assert sampling_from_proto(msg) == SamplingParams(temperature=0.5, top_p=0.25, top_k=7, min_p=0.125,
                                                       seed=2**63 - 1, max_new_tokens=9, stop_token_ids=(5, 9),
                                                       ignore_eos=True)
+
+
+@pytest.mark.parametrize("grammar", [None, GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type": "object"}'),
+                                     GrammarSpec(GrammarKind.JSON_OBJECT), GrammarSpec(GrammarKind.EBNF, 'root ::= "a"')])
+def test_the_gateways_spec_arrives_as_it_was_sent(grammar: GrammarSpec | None) -> None:
+    """One record from the gateway's routes to the engine: the worker reads back the spec the gateway sent."""
+    spec = SamplingSpec(temperature=0.5, top_p=0.25, top_k=7, min_p=0.125, seed=0, max_new_tokens=9,
+                        stop_token_ids=(5, 9), ignore_eos=False, min_new_tokens=2, presence_penalty=-0.5,
+                        frequency_penalty=0.5, repetition_penalty=1.25, logit_bias=((3, -1.0), (8, 2.0)),
+                        top_logprobs_num=3, token_ids_logprob=(4,), grammar=grammar)
+    assert spec_from_proto(sampling_to_proto(spec)) == spec
+    assert spec_from_proto(sampling_to_proto(SamplingSpec())) == SamplingSpec()
 
 
 LAYOUT = KVLayout(num_layers=2, page_size=16, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)

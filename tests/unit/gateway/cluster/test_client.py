@@ -18,7 +18,8 @@ from gateway.cluster.client import WorkerClient
 from gateway.cluster.convert import sampling_to_proto
 from gateway.cluster.worker_errors import WorkerError
 from gateway.cluster.worker_records import ExpertCounts, ExpertRecordOp, FlushResult, Health, KvLayout, KvTarget
-from gateway.records import FinishReason, GeneratedToken, Role, SamplingOptions
+from gateway.records import FinishReason, GeneratedToken, Role
+from tandem.sampling import GrammarKind, GrammarSpec, SamplingSpec
 from tandem.v1 import common_pb2
 from tests.unit.gateway.cluster.fake_worker import KV_TARGET, FakeWorker, serve_fake_worker, token
 
@@ -36,14 +37,25 @@ def _run(scenario: Callable[[WorkerClient, FakeWorker], Awaitable[None]], role: 
     asyncio.run(main())
 
 
-def test_sampling_options_have_exactly_the_protos_fields_and_presence() -> None:
-    proto_fields = common_pb2.SamplingParams.DESCRIPTOR.fields_by_name
-    assert [f.name for f in dataclasses.fields(SamplingOptions)] == list(proto_fields)
-    for f in dataclasses.fields(SamplingOptions):
-        assert proto_fields[f.name].is_repeated or proto_fields[f.name].has_presence, f.name   # None <-> unset
-    assert sampling_to_proto(SamplingOptions()).ListFields() == []
-    with pytest.raises(ValueError, match="at most one output constraint"):
-        SamplingOptions(regex="a+", json_object=True)
+def test_the_sampling_spec_has_exactly_the_protos_fields_and_presence() -> None:
+    proto = common_pb2.SamplingParams.DESCRIPTOR
+    constraint = [f.name for f in proto.oneofs_by_name["constraint"].fields]
+    spec_fields = [f.name for f in dataclasses.fields(SamplingSpec)]
+    assert spec_fields[:-1] + constraint == list(proto.fields_by_name) and spec_fields[-1] == "grammar"
+    assert constraint == [kind.value for kind in GrammarKind]
+    for name in spec_fields[:-1]:
+        field = proto.fields_by_name[name]
+        assert field.is_repeated or field.has_presence, name   # None <-> unset
+    assert sampling_to_proto(SamplingSpec()).ListFields() == []
+
+
+@pytest.mark.parametrize("grammar", [GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type": "object"}'),
+                                     GrammarSpec(GrammarKind.JSON_OBJECT), GrammarSpec(GrammarKind.REGEX, "a+"),
+                                     GrammarSpec(GrammarKind.EBNF, 'root ::= "a"')])
+def test_the_grammar_is_the_protos_constraint(grammar: GrammarSpec) -> None:
+    params = sampling_to_proto(SamplingSpec(grammar=grammar))
+    assert params.WhichOneof("constraint") == grammar.kind.value
+    assert getattr(params, grammar.kind.value) == (grammar.text or True)
 
 
 def test_a_trip_crosses_the_wire_as_records() -> None:
@@ -51,8 +63,8 @@ def test_a_trip_crosses_the_wire_as_records() -> None:
         reservation = await client.reserve("r1", prompt_len=20, timeout_s=5)
         assert reservation.ttl_ms == 5000 and reservation.kv_target.page_ids == (3, 4)
         assert reservation.kv_target.layout == KvLayout(2, 16, 2, 8, "bfloat16", 2048)
-        sampling = SamplingOptions(temperature=0.0, max_new_tokens=8, ignore_eos=False, logit_bias=((5, 1.5),),
-                                   json_object=True)
+        sampling = SamplingSpec(temperature=0.0, max_new_tokens=8, ignore_eos=False, logit_bias=((5, 1.5),),
+                                grammar=GrammarSpec(GrammarKind.JSON_OBJECT))
         first = await client.prefill("r1", [1, 2, 3], sampling, reservation.kv_target, None, timeout_s=5)
         assert first.first_token == GeneratedToken(7, -0.5, ((7, -0.5),))
         assert (first.cached_tokens, first.kv_bytes, first.weights_id) == (16, 4096, "w-1")
@@ -63,7 +75,7 @@ def test_a_trip_crosses_the_wire_as_records() -> None:
         assert params.HasField("temperature") and params.temperature == 0.0 and params.HasField("ignore_eos")
         assert not params.HasField("top_p") and not params.HasField("seed") and params.json_object
         assert dict(params.logit_bias) == {5: 1.5} and params.WhichOneof("constraint") == "json_object"
-        await client.prefill("r2", [1], SamplingOptions(), reservation.kv_target, 0, timeout_s=5)
+        await client.prefill("r2", [1], SamplingSpec(), reservation.kv_target, 0, timeout_s=5)
         assert worker.prefill.received[1].HasField("logprob_start_len")
 
         stream = client.generate("r1", [1, 2, 3], first.first_token, sampling, first.weights_id,
@@ -111,13 +123,13 @@ def test_errors_the_worker_answers_are_the_tables_api_errors() -> None:
         worker.prefill.failure = (grpc.StatusCode.OUT_OF_RANGE, "the prompt has 3000 tokens")
         target = KvTarget("s", 0, None, (1,), "g", 0)
         with pytest.raises(WorkerError) as long:
-            await client.prefill("r1", [1], SamplingOptions(), target, None, timeout_s=5)
+            await client.prefill("r1", [1], SamplingSpec(), target, None, timeout_s=5)
         assert (long.value.status, long.value.code, long.value.message) == (
             400, "context_length_exceeded", "the prompt has 3000 tokens")
         assert long.value.is_settled and not worker.prefill.received[0].kv_target.HasField("layout")
 
         worker.decode.failure = (grpc.StatusCode.DATA_LOSS, "non-finite logits")
-        stream = client.generate("r1", [1], GeneratedToken(7, -0.5), SamplingOptions(), "w", "g", timeout_s=5)
+        stream = client.generate("r1", [1], GeneratedToken(7, -0.5), SamplingSpec(), "w", "g", timeout_s=5)
         assert (await stream.read()).tokens[0].token_id == 8    # the chunk before the failure arrives
         with pytest.raises(WorkerError) as lost:
             await stream.read()
@@ -135,7 +147,7 @@ def test_a_deadline_is_a_504_and_leaves_the_call_unsettled() -> None:
     async def scenario(client: WorkerClient, worker: FakeWorker) -> None:
         worker.prefill.delay_s = 5.0
         with pytest.raises(WorkerError) as late:
-            await client.prefill("r1", [1], SamplingOptions(), KvTarget("s", 0, None, (1,), "g", 0), None,
+            await client.prefill("r1", [1], SamplingSpec(), KvTarget("s", 0, None, (1,), "g", 0), None,
                                  timeout_s=0.2)
         assert (late.value.status, late.value.message) == (504, "the prefill worker did not answer in time")
         assert not late.value.is_settled   # the prefill may still be writing

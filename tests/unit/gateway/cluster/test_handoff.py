@@ -20,12 +20,13 @@ from gateway.cluster.worker_errors import stalled_error
 from gateway.config import GatewayConfig, RouterPolicy, RoutingConfig
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
-from gateway.records import FinishReason, PrefillPath, Role, SamplingOptions, TokenEvent
+from gateway.records import FinishReason, PrefillPath, Role, TokenEvent
+from tandem.sampling import SamplingSpec
 from tandem.v1 import decode_pb2
 from tests.unit.gateway.cluster.fake_worker import KV_TARGET, FakeWorker, serve_fake_worker
 
 PROMPT = [1, 2, 3]
-SAMPLING = SamplingOptions(temperature=0.0, max_new_tokens=8)
+SAMPLING = SamplingSpec(temperature=0.0, max_new_tokens=8)
 
 
 def _run(tmp_path: Path, scenario: Callable[[WorkerPool, GatewayConfig, FakeWorker], Awaitable[None]],
