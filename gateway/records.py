@@ -60,15 +60,31 @@ class GeneratedToken:
 
 
 @dataclass(frozen=True, slots=True)
-class TokenEvent:
-    """Tokens from the workers; the last event of a trip has `finish_reason` set."""
+class Finish:
+    """Why a generation ended: the reason, what matched (a stop token id a worker matched, or a stop
+    string the gateway matched) and, for an abort, the worker's message."""
+
+    reason: FinishReason
+    matched: str | int | None = None
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    """Tokens of one generation as they arrive: the one record from a decode worker's message to the
+    text the fronts format. The cluster wing reads it off the worker's stream (`queue_ms`,
+    `prefill_compute_ms` and `cached_tokens` as the worker reported them, on its first message) and
+    hands it on with the trip's `timings`; `gateway/service/generation.py` fills in `text` (detokenized,
+    stop strings applied). The last chunk of a generation has `finish`."""
 
     tokens: list[GeneratedToken]
-    finish_reason: FinishReason | None = None
-    matched_token_id: int | None = None
-    message: str = ""
-    timings: HandoffTimings | None = field(default=None)  # on the first event, again once decode_queue_ms is known
-    prompt_logprobs: list[GeneratedToken] = field(default_factory=list)  # first event, when asked for
+    finish: Finish | None = None
+    timings: HandoffTimings | None = None  # on the first chunk, again once decode_queue_ms is known
+    prompt_logprobs: list[GeneratedToken] = field(default_factory=list)  # first chunk, when asked for
+    text: str = ""
+    queue_ms: float | None = None
+    prefill_compute_ms: float | None = None
+    cached_tokens: int = 0
 
     @property
     def token_ids(self) -> list[int]:

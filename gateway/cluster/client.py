@@ -15,7 +15,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.cluster import convert
 from gateway.cluster.worker_errors import WorkerError, worker_error
 from gateway.cluster.worker_records import (
-    DecodeChunk,
     Embeddings,
     ExpertCounts,
     ExpertRecordOp,
@@ -28,7 +27,7 @@ from gateway.cluster.worker_records import (
     UpdateResult,
     WorkerLoad,
 )
-from gateway.records import GeneratedToken, Role
+from gateway.records import GeneratedToken, Role, TokenChunk
 from tandem.internal_auth import InternalCredentials
 from tandem.sampling import SamplingSpec
 from tandem.tracing import Metadata
@@ -284,7 +283,7 @@ class DecodeStream:
         self._client = client
         self._call = call
 
-    async def read(self) -> DecodeChunk | None:
+    async def read(self) -> TokenChunk | None:
         """The next chunk; None once the worker closed the stream. A failed call raises `WorkerError`."""
         try:
             message = await self._call.read()
@@ -298,7 +297,7 @@ class DecodeStream:
     def __aiter__(self) -> DecodeStream:
         return self
 
-    async def __anext__(self) -> DecodeChunk:
+    async def __anext__(self) -> TokenChunk:
         chunk = await self.read()
         if chunk is None:
             raise StopAsyncIteration

@@ -8,7 +8,6 @@ optional proto field reads as None. The proto's enums (finish reason, worker rol
 from __future__ import annotations
 
 from gateway.cluster.worker_records import (
-    DecodeChunk,
     ExpertCounts,
     KvLayout,
     KvTarget,
@@ -16,7 +15,7 @@ from gateway.cluster.worker_records import (
     PrefillResult,
     WorkerLoad,
 )
-from gateway.records import FinishReason, GeneratedToken, Role
+from gateway.records import Finish, FinishReason, GeneratedToken, Role, TokenChunk
 from tandem.sampling import SCALAR_FIELDS, GrammarKind, SamplingSpec
 from tandem.v1 import common_pb2, decode_pb2, prefill_pb2
 
@@ -113,15 +112,15 @@ def prefill_from_proto(msg: prefill_pb2.PrefillResponse) -> PrefillResult:
     )
 
 
-def chunk_from_proto(msg: decode_pb2.GenerateResponse) -> DecodeChunk:
-    return DecodeChunk(
+def chunk_from_proto(msg: decode_pb2.GenerateResponse) -> TokenChunk:
+    reason = _FINISH_REASONS.get(msg.finish_reason)
+    matched = msg.matched_token_id if msg.HasField("matched_token_id") else None
+    return TokenChunk(
         [token_from_proto(t) for t in msg.tokens],
-        _FINISH_REASONS.get(msg.finish_reason),
-        msg.matched_token_id if msg.HasField("matched_token_id") else None,
-        msg.message,
-        msg.queue_ms if msg.HasField("queue_ms") else None,
-        msg.prefill_compute_ms if msg.HasField("prefill_compute_ms") else None,
-        msg.cached_tokens,
+        Finish(reason, matched, msg.message) if reason is not None else None,
+        queue_ms=msg.queue_ms if msg.HasField("queue_ms") else None,
+        prefill_compute_ms=msg.prefill_compute_ms if msg.HasField("prefill_compute_ms") else None,
+        cached_tokens=msg.cached_tokens,
     )
 
 

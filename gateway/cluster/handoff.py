@@ -20,7 +20,7 @@ from gateway.cluster.trip import TripRequest, run_trip
 from gateway.cluster.worker_errors import WorkerError
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
-from gateway.records import FinishReason, TokenEvent
+from gateway.records import FinishReason, TokenChunk
 from tandem import tracing
 from tandem.request_log import bind_request_id
 from tandem.sampling import SamplingSpec
@@ -39,7 +39,7 @@ async def run_handoff(
     sampling: SamplingSpec,
     prompt_logprob_start: int | None = None,
     arrived_at: float | None = None,
-) -> AsyncGenerator[TokenEvent, None]:
+) -> AsyncGenerator[TokenChunk, None]:
     """Yield the first token (with timings, and the prompt's logprobs from `prompt_logprob_start` when
     set), then the decode server's tokens until a finish. `arrived_at` (time.perf_counter()) is when
     the HTTP request arrived. Records the trip's latencies, phases and outcome in `metrics`."""
@@ -65,7 +65,7 @@ async def run_handoff(
                         metrics.observe_decode_queue(event.timings.decode_queue_ms)
                     metrics.observe_tokens(len(event.tokens), now - last)
                 last = now
-                outcome = event.finish_reason or "closed"  # "closed" if the reader stops after this event
+                outcome = event.finish.reason if event.finish else "closed"  # "closed" if the reader stops here
                 yield event
     except (GeneratorExit, asyncio.CancelledError):
         if outcome not in tuple(FinishReason):
@@ -80,7 +80,7 @@ async def run_handoff(
 
 async def _with_failover(
     pool: WorkerPool, config: GatewayConfig, metrics: GatewayMetrics, request: TripRequest
-) -> AsyncGenerator[TokenEvent, None]:
+) -> AsyncGenerator[TokenChunk, None]:
     """The trip's events; when a worker fails before the first of them, the trip once more on workers
     other than the failed one, if there are any that may be paired."""
     avoid: frozenset[str] = frozenset()

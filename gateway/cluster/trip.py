@@ -26,11 +26,11 @@ from gateway.cluster.routing import Route
 from gateway.cluster.trip_trace import TripTrace
 from gateway.cluster.worker import Worker
 from gateway.cluster.worker_calls import PrefillAnswered, abort, chunks, prefill_answer, release, settle, unless_stalled
-from gateway.cluster.worker_records import DecodeChunk, Reservation
+from gateway.cluster.worker_records import Reservation
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
-from gateway.records import HandoffTimings, PrefillPath, TokenEvent
+from gateway.records import HandoffTimings, PrefillPath, TokenChunk
 from tandem import tracing
 from tandem.sampling import SamplingSpec
 
@@ -57,7 +57,7 @@ class TripRequest:
 
 async def run_trip(
     pool: WorkerPool, config: GatewayConfig, metrics: GatewayMetrics, request: TripRequest, avoid: frozenset[str]
-) -> AsyncGenerator[TokenEvent, None]:
+) -> AsyncGenerator[TokenChunk, None]:
     """One attempt on workers whose addresses are not in `avoid`: the first token (with the timings),
     then the rest until a finish. Records the route in `metrics`. However it ends, the admission
     queue is woken once (`Admission.released`): the trip's pages are back."""
@@ -93,7 +93,7 @@ async def _disaggregated_trip(
     started: float,
     avoid: frozenset[str],
     trace: TripTrace,
-) -> AsyncGenerator[TokenEvent, None]:
+) -> AsyncGenerator[TokenChunk, None]:
     route, reservation = await _reserve(pool, config, first_route, request, avoid)
     trace.reserved(route)
     prefill, decode = route.prefill, route.decode
@@ -131,7 +131,7 @@ async def _disaggregated_trip(
             first.cached_tokens,
             request.gateway_queue_ms,
         )
-        yield TokenEvent([first.first_token], timings=timings, prompt_logprobs=list(first.prompt_logprobs))
+        yield TokenChunk([first.first_token], timings=timings, prompt_logprobs=list(first.prompt_logprobs))
         stream = decode.client.generate(
             rid,
             request.prompt_ids,
@@ -143,7 +143,7 @@ async def _disaggregated_trip(
             metadata=trace.decode_metadata(),
         )
         async for chunk in chunks(decode, stream, config.stall_timeout_s):
-            finished = chunk.finish_reason is not None
+            finished = chunk.finish is not None
             yield _event(chunk, timings)
             if finished:
                 return
@@ -161,7 +161,7 @@ async def _disaggregated_trip(
 
 async def _local_trip(
     config: GatewayConfig, route: Route, request: TripRequest, started: float, trace: TripTrace
-) -> AsyncGenerator[TokenEvent, None]:
+) -> AsyncGenerator[TokenChunk, None]:
     """The decode worker prefills the prompt and streams every token. The first token comes alone in
     the first event, with the timings; cancelling the stream frees the request's pages on the worker."""
     decode = route.decode
@@ -176,7 +176,7 @@ async def _local_trip(
     finished = False
     try:
         async for chunk in chunks(decode, stream, config.stall_timeout_s):
-            finished = chunk.finish_reason is not None
+            finished = chunk.finish is not None
             if timings is None:
                 timings = HandoffTimings(
                     0.0,
@@ -191,15 +191,15 @@ async def _local_trip(
                 )
                 first = chunk.tokens[:1]
                 rest = replace(chunk, tokens=chunk.tokens[1:], queue_ms=None) if len(chunk.tokens) > 1 else None
-                head = DecodeChunk(first) if rest is not None else replace(chunk, tokens=first)
+                head = TokenChunk(first) if rest is not None else replace(chunk, tokens=first)
                 yield _event(head, timings, is_first=True)
                 if rest is None:
-                    if head.finish_reason is not None:
+                    if head.finish is not None:
                         return
                     continue
                 chunk = rest
             yield _event(chunk, timings)
-            if chunk.finish_reason is not None:
+            if chunk.finish is not None:
                 return
         raise _no_finish(decode)
     finally:
@@ -252,16 +252,16 @@ def _observe(metrics: GatewayMetrics, route: Route) -> None:
     )
 
 
-def _event(chunk: DecodeChunk, timings: HandoffTimings, is_first: bool = False) -> TokenEvent:
-    """A decode chunk as the trip's event; the first one carries the timings (again, for a Generate
-    stream, now with the decode queue)."""
+def _event(chunk: TokenChunk, timings: HandoffTimings, is_first: bool = False) -> TokenChunk:
+    """A decode worker's chunk as the trip hands it on: the first one carries the timings (again, for a
+    Generate stream, now with the decode queue)."""
     if is_first:
         event_timings: HandoffTimings | None = timings
     elif chunk.queue_ms is not None:
         event_timings = replace(timings, decode_queue_ms=chunk.queue_ms)
     else:
         event_timings = None
-    return TokenEvent(chunk.tokens, chunk.finish_reason, chunk.matched_token_id, chunk.message, event_timings)
+    return replace(chunk, timings=event_timings)
 
 
 def _no_finish(decode: Worker) -> APIError:

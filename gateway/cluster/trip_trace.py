@@ -13,7 +13,7 @@ import asyncio
 import time
 
 from gateway.cluster.routing import Route
-from gateway.records import TokenEvent
+from gateway.records import TokenChunk
 from tandem import tracing
 
 
@@ -76,7 +76,7 @@ class TripTrace:
         """The metadata of the Generate call: the decode worker's spans go under `finish`."""
         return tracing.to_metadata(tracing.context_of(self._finish, self._parent))
 
-    def saw(self, event: TokenEvent) -> None:
+    def saw(self, event: TokenChunk) -> None:
         """An event of the trip on its way to the front: the first ends `first_token` and starts
         `finish`; the one with a finish reason ends `finish`."""
         if self._first is None:
@@ -87,9 +87,9 @@ class TripTrace:
                 self._first.set_attribute("tandem.cached_tokens", event.timings.cached_tokens)
             tracing.end_span(self._first)
             self._finish = tracing.start_span("finish", self._parent)
-        if event.finish_reason is not None and self._finish is not None:
+        if event.finish is not None and self._finish is not None:
             self._finish.set_attributes(
-                {"tandem.finish_reason": event.finish_reason.value, "tandem.output_tokens": self._num_tokens}
+                {"tandem.finish_reason": event.finish.reason.value, "tandem.output_tokens": self._num_tokens}
             )
             tracing.end_span(self._finish)
             self._first = None  # done: later calls do nothing

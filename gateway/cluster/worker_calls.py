@@ -19,8 +19,9 @@ from typing import TypeVar
 from gateway.cluster.client import DecodeStream
 from gateway.cluster.worker import Worker
 from gateway.cluster.worker_errors import WorkerError, stalled_error
-from gateway.cluster.worker_records import DecodeChunk, KvTarget, PrefillResult
+from gateway.cluster.worker_records import KvTarget, PrefillResult
 from gateway.errors import APIError
+from gateway.records import TokenChunk
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ async def prefill_answer(worker: Worker, call: Awaitable[PrefillResult], stall_t
         raise PrefillAnswered(exc) from None
 
 
-async def chunks(worker: Worker, stream: DecodeStream, stall_timeout_s: float) -> AsyncGenerator[DecodeChunk, None]:
+async def chunks(worker: Worker, stream: DecodeStream, stall_timeout_s: float) -> AsyncGenerator[TokenChunk, None]:
     while (chunk := await unless_stalled(worker, stream.read(), stall_timeout_s)) is not None:
         yield chunk
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from gateway.records import FinishReason, GeneratedToken, Role
+from gateway.records import GeneratedToken, Role
 
 
 class Health(enum.Enum):
@@ -75,22 +75,6 @@ class PrefillResult:
     kv_bytes: int
     weights_id: str
     prompt_logprobs: tuple[GeneratedToken, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeChunk:
-    """One message of a Generate stream (tokens after the first) or a PrefillAndGenerate stream (tokens
-    from the first); the last one has `finish_reason` (with `matched_token_id` for a stop, `message` for
-    an abort). `queue_ms` comes with the first; `prefill_compute_ms` and `cached_tokens` with the first
-    of a PrefillAndGenerate stream."""
-
-    tokens: list[GeneratedToken]
-    finish_reason: FinishReason | None = None
-    matched_token_id: int | None = None
-    message: str = ""
-    queue_ms: float | None = None
-    prefill_compute_ms: float | None = None
-    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,8 @@
 """Text generation on top of the handoff: incremental detokenization and stop strings.
 
-Routes build a `GenerationRequest` and consume `TextDelta`s; when a stop string matches, the
-handoff is closed early (which frees the decode server's pages at once).
+Routes build a `GenerationRequest` and consume the cluster wing's `TokenChunk`s with their text filled
+in; when a stop string matches, the handoff is closed early (which frees the decode server's pages at
+once).
 """
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gateway.cluster.handoff import run_handoff
 from gateway.cluster.pool import WorkerPool
 from gateway.config import GatewayConfig
 from gateway.errors import bad_request
 from gateway.metrics import GatewayMetrics
-from gateway.records import FinishReason, GeneratedToken, HandoffTimings, TokenEvent
+from gateway.records import Finish, FinishReason, GeneratedToken, HandoffTimings, TokenChunk
 from gateway.text.detokenizer import IncrementalDetokenizer
 from gateway.text.stop_strings import StopStringMatcher
 from gateway.text.tokenizer import Tokenizer
@@ -44,29 +45,9 @@ class GenerationRequest:
     arrived_at: float = field(default_factory=time.perf_counter)
 
 
-@dataclass(frozen=True, slots=True)
-class Finish:
-    reason: FinishReason
-    matched: str | int | None = None  # the stop string or stop token id
-    message: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class TextDelta:
-    text: str
-    tokens: list[GeneratedToken]
-    finish: Finish | None = None
-    timings: HandoffTimings | None = None
-    prompt_logprobs: list[GeneratedToken] = field(default_factory=list)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return [t.token_id for t in self.tokens]
-
-
 @dataclass(slots=True)
 class GenerationResult:
-    """A whole generation, gathered from its deltas."""
+    """A whole generation, gathered from its chunks."""
 
     text: str = ""
     tokens: list[GeneratedToken] = field(default_factory=list)
@@ -78,12 +59,12 @@ class GenerationResult:
     def output_ids(self) -> list[int]:
         return [t.token_id for t in self.tokens]
 
-    def add(self, delta: TextDelta) -> None:
-        self.text += delta.text
-        self.tokens.extend(delta.tokens)
-        self.finish = delta.finish or self.finish
-        self.timings = delta.timings or self.timings
-        self.prompt_logprobs = delta.prompt_logprobs or self.prompt_logprobs
+    def add(self, chunk: TokenChunk) -> None:
+        self.text += chunk.text
+        self.tokens.extend(chunk.tokens)
+        self.finish = chunk.finish or self.finish
+        self.timings = chunk.timings or self.timings
+        self.prompt_logprobs = chunk.prompt_logprobs or self.prompt_logprobs
 
 
 class GenerationService:
@@ -98,8 +79,9 @@ class GenerationService:
         self.tokenizer = tokenizer
         self.metrics = metrics
 
-    async def stream(self, request: GenerationRequest) -> AsyncGenerator[TextDelta, None]:
-        """Stream text deltas; the last one carries `finish`. Without a tokenizer the text stays empty."""
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[TokenChunk, None]:
+        """Stream the chunks with their text; the last one carries `finish`. Without a tokenizer the text
+        stays empty."""
         detokenizer = (
             IncrementalDetokenizer(
                 self.tokenizer, request.skip_special_tokens, request.prompt_ids, request.spaces_between_special_tokens
@@ -120,32 +102,20 @@ class GenerationService:
             request.arrived_at,
         )
         async with contextlib.aclosing(events):
-            async for event in events:
-                ids = trim.text_ids(event)
+            async for chunk in events:
+                ids = trim.text_ids(chunk)
                 text = detokenizer.add(ids) if detokenizer else ""
-                if event.finish_reason is not None and detokenizer:
+                if chunk.finish is not None and detokenizer:
                     text += detokenizer.flush()
                 result = stops.feed(text)
                 if result.matched is not None:
                     kept = result.text + result.matched if request.no_stop_trim else result.text
-                    yield TextDelta(
-                        kept,
-                        event.tokens,
-                        Finish(FinishReason.STOP, result.matched),
-                        event.timings,
-                        event.prompt_logprobs,
-                    )
+                    yield replace(chunk, text=kept, finish=Finish(FinishReason.STOP, result.matched))
                     return
-                if event.finish_reason is None:
-                    yield TextDelta(result.text, event.tokens, None, event.timings, event.prompt_logprobs)
+                if chunk.finish is None:
+                    yield replace(chunk, text=result.text)
                     continue
-                yield TextDelta(
-                    result.text + stops.flush(),
-                    event.tokens,
-                    Finish(event.finish_reason, event.matched_token_id, event.message),
-                    event.timings,
-                    event.prompt_logprobs,
-                )
+                yield replace(chunk, text=result.text + stops.flush())
                 return
 
     def check_batch_size(self, requests: list[GenerationRequest], param: str) -> None:
@@ -159,19 +129,19 @@ class GenerationService:
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         result = GenerationResult()
-        async for delta in self.stream(request):
-            result.add(delta)
+        async for chunk in self.stream(request):
+            result.add(chunk)
         return result
 
     async def gather(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Every request's whole result (`choices`, gathered)."""
         results = [GenerationResult() for _ in requests]
-        async for index, delta in self.choices(requests):
-            results[index].add(delta)
+        async for index, chunk in self.choices(requests):
+            results[index].add(chunk)
         return results
 
-    async def started_choices(self, requests: list[GenerationRequest]) -> AsyncGenerator[tuple[int, TextDelta], None]:
-        """`choices`, once its first delta has arrived. By then a generation was admitted, reserved and
+    async def started_choices(self, requests: list[GenerationRequest]) -> AsyncGenerator[tuple[int, TokenChunk], None]:
+        """`choices`, once its first chunk has arrived. By then a generation was admitted, reserved and
         prefilled, so a streaming route that awaits this before it answers turns a refusal
         (no KV space, a full queue, a failed prefill) into a real status code, not an error event
         after a 200."""
@@ -179,16 +149,16 @@ class GenerationService:
         first = await anext(choices)
         return _chained(first, choices)
 
-    async def choices(self, requests: list[GenerationRequest]) -> AsyncGenerator[tuple[int, TextDelta], None]:
-        """Run several generations concurrently (n choices, several prompts) and merge their deltas as
-        (index, delta). If the consumer stops early, every unfinished generation is cancelled, which
+    async def choices(self, requests: list[GenerationRequest]) -> AsyncGenerator[tuple[int, TokenChunk], None]:
+        """Run several generations concurrently (n choices, several prompts) and merge their chunks as
+        (index, chunk). If the consumer stops early, every unfinished generation is cancelled, which
         releases its pages on the workers."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, request: GenerationRequest) -> None:
             try:
-                async for delta in self.stream(request):
-                    await queue.put((index, delta))
+                async for chunk in self.stream(request):
+                    await queue.put((index, chunk))
             except Exception as exc:  # handed to the consumer, which re-raises it
                 await queue.put((index, exc))
             finally:
@@ -212,8 +182,8 @@ class GenerationService:
 
 
 async def _chained(
-    first: tuple[int, TextDelta], rest: AsyncGenerator[tuple[int, TextDelta], None]
-) -> AsyncGenerator[tuple[int, TextDelta], None]:
+    first: tuple[int, TokenChunk], rest: AsyncGenerator[tuple[int, TokenChunk], None]
+) -> AsyncGenerator[tuple[int, TokenChunk], None]:
     async with contextlib.aclosing(rest):
         yield first
         async for item in rest:
@@ -232,13 +202,13 @@ class _StopTokenTrim:
         self._stop_ids = frozenset(request.sampling.stop_token_ids) | frozenset(eos)
         self._held: list[int] = []
 
-    def text_ids(self, event: TokenEvent) -> list[int]:
-        ids, self._held = self._held + event.token_ids, []
+    def text_ids(self, chunk: TokenChunk) -> list[int]:
+        ids, self._held = self._held + chunk.token_ids, []
         if not self._enabled or not ids:
             return ids
-        if event.finish_reason == FinishReason.STOP and event.matched_token_id == ids[-1]:
+        if chunk.finish is not None and chunk.finish.reason is FinishReason.STOP and chunk.finish.matched == ids[-1]:
             return ids[:-1]
-        if event.finish_reason is None and ids[-1] in self._stop_ids:
+        if chunk.finish is None and ids[-1] in self._stop_ids:
             self._held = ids[-1:]
             return ids[:-1]
         return ids

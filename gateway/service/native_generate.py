@@ -7,8 +7,8 @@ import time
 from collections.abc import AsyncIterator
 
 from gateway.errors import bad_request
-from gateway.records import FinishReason
-from gateway.service.generation import Finish, GenerationRequest, GenerationResult, TextDelta
+from gateway.records import Finish, FinishReason, TokenChunk
+from gateway.service.generation import GenerationRequest, GenerationResult
 from gateway.service.guard import Guard
 from gateway.service.native_logprobs import LogprobOptions, logprob_fields, logprob_options
 from gateway.service.request_schemas import GenerateRequest, NativeSamplingParams
@@ -139,7 +139,7 @@ async def _stream(
     state: GatewayState,
     body: GenerateRequest,
     requests: list[GenerationRequest],
-    choices: AsyncIterator[tuple[int, TextDelta]],
+    choices: AsyncIterator[tuple[int, TokenChunk]],
     options: list[LogprobOptions],
     started: float,
     with_index: bool,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from gateway.records import FinishReason
-from gateway.service.generation import GenerationRequest, GenerationResult, TextDelta
+from gateway.records import FinishReason, TokenChunk
+from gateway.service.generation import GenerationRequest, GenerationResult
 from gateway.service.openai_format import (
     chat_logprobs,
     completion_logprobs,
@@ -34,7 +34,7 @@ from gateway.text.tool_calls import ToolPlan, parse_tool_calls
 async def chat_chunks(
     state: GatewayState,
     requests: list[GenerationRequest],
-    choices: AsyncIterator[tuple[int, TextDelta]],
+    choices: AsyncIterator[tuple[int, TokenChunk]],
     body: ChatCompletionRequest,
     rid: str,
     created: int,
@@ -113,7 +113,7 @@ def _split_delta(splitter: ReasoningSplitter | None, text: str, is_last: bool) -
 async def completion_chunks(
     state: GatewayState,
     requests: list[GenerationRequest],
-    choices: AsyncIterator[tuple[int, TextDelta]],
+    choices: AsyncIterator[tuple[int, TokenChunk]],
     body: CompletionRequest,
     rid: str,
     created: int,

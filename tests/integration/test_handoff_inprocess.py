@@ -23,7 +23,7 @@ from gateway.cluster.prefix_index import PromptPages
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
-from gateway.records import FinishReason, TokenEvent
+from gateway.records import FinishReason, TokenChunk
 from tandem.sampling import SamplingSpec
 from tests.integration.inprocess_workers import ENGINE, Workers, running_workers
 from tests.tiny_models import save_tiny_qwen2
@@ -53,7 +53,7 @@ async def _gateway(model_path: Path, **worker_overrides) -> AsyncIterator[tuple[
 
 
 def _events(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt: list[int],
-            sampling: SamplingSpec, metrics: GatewayMetrics) -> AsyncIterator[TokenEvent]:
+            sampling: SamplingSpec, metrics: GatewayMetrics) -> AsyncIterator[TokenChunk]:
     return run_handoff(pool, config, metrics, request_id, prompt, sampling)
 
 
@@ -84,7 +84,7 @@ def _whole_run(model_path: Path, prompt: list[int], max_new_tokens: int) -> list
 
 
 def test_a_normal_finish_gives_the_single_engine_tokens_and_frees_every_page(model_path: Path) -> None:
-    async def scenario() -> tuple[list[TokenEvent], GatewayMetrics]:
+    async def scenario() -> tuple[list[TokenChunk], GatewayMetrics]:
         metrics = GatewayMetrics()
         async with _gateway(model_path) as (pool, config, _):
             events = [event async for event in _events(pool, config, "normal", PROMPT, GREEDY, metrics)]
@@ -94,8 +94,8 @@ def test_a_normal_finish_gives_the_single_engine_tokens_and_frees_every_page(mod
     events, metrics = asyncio.run(scenario())
     assert [t for event in events for t in event.token_ids] == _whole_run(model_path, PROMPT, 8)
     assert events[0].timings is not None and events[0].timings.kv_bytes > 0
-    assert [event.finish_reason for event in events[:-1]] == [None] * (len(events) - 1)
-    assert events[-1].finish_reason == FinishReason.LENGTH
+    assert [event.finish for event in events[:-1]] == [None] * (len(events) - 1)
+    assert events[-1].finish.reason == FinishReason.LENGTH
     assert metrics.registry.get_sample_value("tandem_gateway_generations_total", {"outcome": "length"}) == 1
 
 
@@ -136,7 +136,7 @@ def test_a_prefill_error_is_an_api_error_and_releases_the_reservation(model_path
             await _all_pages_back(pool)
             # the workers still serve the next request
             events = [e async for e in _events(pool, config, "after", PROMPT, GREEDY, GatewayMetrics())]
-            assert events[-1].finish_reason == FinishReason.LENGTH
+            assert events[-1].finish.reason == FinishReason.LENGTH
             await _all_pages_back(pool)
         return refused.value
 

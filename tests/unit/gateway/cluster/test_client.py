@@ -18,7 +18,7 @@ from gateway.cluster.client import WorkerClient
 from gateway.cluster.convert import sampling_to_proto
 from gateway.cluster.worker_errors import WorkerError
 from gateway.cluster.worker_records import ExpertCounts, ExpertRecordOp, FlushResult, Health, KvLayout, KvTarget
-from gateway.records import FinishReason, GeneratedToken, Role
+from gateway.records import Finish, FinishReason, GeneratedToken, Role
 from tandem.sampling import GrammarKind, GrammarSpec, SamplingSpec
 from tandem.v1 import common_pb2
 from tests.unit.gateway.cluster.fake_worker import KV_TARGET, FakeWorker, serve_fake_worker, token
@@ -81,9 +81,8 @@ def test_a_trip_crosses_the_wire_as_records() -> None:
         stream = client.generate("r1", [1, 2, 3], first.first_token, sampling, first.weights_id,
                                  reservation.kv_target.grant, timeout_s=5)
         chunks = [chunk async for chunk in stream]
-        assert [c.finish_reason for c in chunks] == [None, FinishReason.STOP]
-        assert (chunks[0].queue_ms, chunks[0].matched_token_id) == (0.75, None)
-        assert (chunks[1].queue_ms, chunks[1].matched_token_id) == (None, 2)
+        assert [c.finish for c in chunks] == [None, Finish(FinishReason.STOP, 2)]
+        assert (chunks[0].queue_ms, chunks[1].queue_ms) == (0.75, None)
         generate = worker.decode.received[-1]   # after the Reserve
         assert generate.first_token == token(7) and generate.kv_grant == "g-1" and generate.weights_id == "w-1"
 

@@ -20,7 +20,7 @@ from gateway.cluster.worker_errors import stalled_error
 from gateway.config import GatewayConfig, RouterPolicy, RoutingConfig
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
-from gateway.records import FinishReason, PrefillPath, Role, TokenEvent
+from gateway.records import Finish, FinishReason, PrefillPath, Role, TokenChunk
 from tandem.sampling import SamplingSpec
 from tandem.v1 import decode_pb2
 from tests.unit.gateway.cluster.fake_worker import KV_TARGET, FakeWorker, serve_fake_worker
@@ -53,11 +53,11 @@ def _trip(pool: WorkerPool, config: GatewayConfig, request_id: str = "r1"):
 
 def test_a_whole_trip_yields_the_first_token_then_the_stream_and_aborts_nothing(tmp_path: Path) -> None:
     async def scenario(pool: WorkerPool, config: GatewayConfig, worker: FakeWorker) -> None:
-        events: list[TokenEvent] = [event async for event in _trip(pool, config)]
+        events: list[TokenChunk] = [event async for event in _trip(pool, config)]
         assert [e.token_ids for e in events] == [[7], [8], [2]]
         assert events[0].timings.kv_bytes == 4096 and events[0].timings.cached_tokens == 16
         assert events[1].timings.decode_queue_ms == 0.75 and events[2].timings is None
-        assert (events[-1].finish_reason, events[-1].matched_token_id) == (FinishReason.STOP, 2)
+        assert events[-1].finish == Finish(FinishReason.STOP, 2)
         generate = worker.decode.received[-1]
         assert (generate.kv_grant, generate.weights_id, list(generate.prompt_token_ids)) == ("g-1", "w-1", PROMPT)
         assert generate.sampling_params.temperature == 0.0 and not generate.sampling_params.HasField("top_p")
@@ -201,7 +201,7 @@ def test_a_short_prompt_is_prefilled_by_its_decode_worker(tmp_path: Path) -> Non
         timings = events[0].timings
         assert timings.prefill_path is PrefillPath.LOCAL and (timings.kv_bytes, timings.reserve_ms) == (0, 0.0)
         assert (timings.prefill_queue_ms, timings.prefill_compute_ms) == (0.25, 1.75)
-        assert all(e.timings is None for e in events[1:]) and events[-1].finish_reason == FinishReason.STOP
+        assert all(e.timings is None for e in events[1:]) and events[-1].finish.reason == FinishReason.STOP
         assert a.prefill.received == [] and b.prefill.received == []   # no prefill worker was asked
         assert [type(r).__name__ for r in b.decode.received] == ["PrefillAndGenerateRequest"]
         assert b.aborts() == []
@@ -222,7 +222,7 @@ def test_the_prefix_index_learns_a_prompt_only_from_the_route_its_prefill_went_o
             return sum(metrics.route_cached_tokens.labels(w.address, "estimated")._value.get() for w in (a, b))
 
         events = [e async for e in run_handoff(pool, config, metrics, "r1", prompt, SAMPLING)]
-        assert events[-1].finish_reason == FinishReason.STOP
+        assert events[-1].finish.reason == FinishReason.STOP
         assert sum(isinstance(r, decode_pb2.ReserveRequest) for r in b.decode.received) == 3
         assert estimated() == 0   # the dropped routes taught no index
         [e async for e in run_handoff(pool, config, metrics, "r2", prompt, SAMPLING)]
