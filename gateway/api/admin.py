@@ -1,35 +1,20 @@
-"""SGLang's admin routes on the gateway: model and server info, health_generate, flush_cache,
-update_weights_from_disk."""
+"""SGLang's admin routes on the gateway, thin: model and server info, health_generate, flush_cache,
+update_weights_from_disk (the operations: `gateway/service/admin.py`)."""
 
 from __future__ import annotations
-
-import asyncio
-import dataclasses
-import logging
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
-import tandem
 from gateway.api.app_state import gateway_state
 from gateway.api.json_route import JSONRoute
-from gateway.cluster.worker import Worker
-from gateway.cluster.worker_errors import WorkerError
-from gateway.cluster.worker_records import FlushResult, UpdateResult
-from gateway.errors import APIError, public_message
-from gateway.records import FinishReason
-from gateway.service.generation import GenerationRequest
+from gateway.errors import APIError
+from gateway.service.admin import flush_caches, is_healthy, server_info, update_weights
 from gateway.service.model_info import model_info
 from gateway.service.state import GatewayState
-from tandem.sampling import SamplingSpec
-
-logger = logging.getLogger(__name__)
 
 router = APIRouter(route_class=JSONRoute)
-
-_INFO_TIMEOUT_S = 5.0
-_UPDATE_TIMEOUT_S = 600.0
 
 
 @router.get("/get_model_info")
@@ -37,91 +22,19 @@ async def get_model_info(state: GatewayState = Depends(gateway_state)) -> dict:
     return model_info(state)
 
 
-# Never in a response: the keys, and the internal plane's token and TLS file paths.
-_SECRET_CONFIG_FIELDS = frozenset({"api_key", "admin_api_key", "internal"})
-
-
 @router.get("/get_server_info")
 async def get_server_info(state: GatewayState = Depends(gateway_state)) -> dict:
-    """The gateway's arguments plus, per worker, its role, address, pool size and use, and version; and
-    every prefill/decode pair that is never paired, with what differs (the compatibility handshake)."""
-    gateway = {k: v for k, v in dataclasses.asdict(state.config).items() if k not in _SECRET_CONFIG_FIELDS}
-    workers = await asyncio.gather(*(_worker_info(w) for w in state.pool.all_workers()))
-    incompatible = [
-        {"prefill": p.address, "decode": d.address, "mismatches": [dataclasses.asdict(m) for m in found]}
-        for p, d, found in state.pool.incompatible_pairs()
-    ]
-    return {**gateway, "version": tandem.version(), "workers": list(workers), "incompatible_pairs": incompatible}
-
-
-async def _worker_info(worker: Worker) -> dict:
-    entry = {
-        "role": worker.role,
-        "address": worker.address,
-        "ready": worker.is_ready,
-        "routable": worker.is_routable,
-        "num_in_flight": worker.num_in_flight,  # this gateway's requests there now
-    }
-    info = worker.info
-    if info is not None:
-        entry.update(
-            version=info.version,
-            model_path=info.model_path,
-            implementation=info.implementation,
-            context_len=info.context_len,
-            page_size=info.kv_layout.page_size,
-            max_total_num_tokens=info.num_pages * info.kv_layout.page_size,
-            kv_pool_bytes=info.num_pages * info.kv_layout.page_bytes,
-            kv_dtype=info.kv_layout.dtype,
-            kv_order=info.kv_layout.order,
-            num_layers=info.kv_layout.num_layers,
-            num_attention_heads=info.num_attention_heads,
-            num_kv_heads=info.kv_layout.num_kv_heads,
-            head_dim=info.kv_layout.head_dim,
-            weights_id=info.weights_id,
-        )
-    try:
-        load = await worker.client.load(timeout_s=_INFO_TIMEOUT_S)
-    except WorkerError as exc:
-        entry["error"] = exc.detail  # an admin view: the worker's own words
-        return entry
-    num_unused = load.num_free_pages + load.num_cached_pages
-    entry.update(
-        num_running_reqs=load.num_running,
-        num_waiting_reqs=load.num_waiting,
-        num_free_pages=load.num_free_pages,
-        num_cached_pages=load.num_cached_pages,
-        num_total_pages=load.num_total_pages,
-        kv_pool_usage=round(1 - num_unused / max(1, load.num_total_pages), 4),
-    )
-    return entry
+    return await server_info(state)
 
 
 @router.get("/health_generate")
 async def health_generate(state: GatewayState = Depends(gateway_state)):
     """200 only if one token makes it through prefill -> KV transfer -> decode."""
-    if state.config.is_embedding:
-        return await _health_embed(state)
     try:
-        limits = state.pool.limits()
-        prompt = [limits.eos_token_ids[0] if limits.eos_token_ids else 0]
-        sampling = SamplingSpec(temperature=0.0, max_new_tokens=2, ignore_eos=True)
-        result = await state.generation.generate(GenerationRequest(prompt, sampling))
+        healthy = await is_healthy(state)
     except APIError as exc:
-        return JSONResponse(exc.body(), status_code=503)
-    if not result.output_ids or result.finish is None or result.finish.reason is FinishReason.ABORT:
-        return JSONResponse({"status": "unavailable"}, status_code=503)
-    return JSONResponse({"status": "ok"})
-
-
-async def _health_embed(state: GatewayState) -> JSONResponse:
-    """For embedding servers: one tiny embedding through a prefill worker."""
-    try:
-        worker = state.pool.pick("prefill")
-        await worker.client.embed("health", [[0]], None, timeout_s=_INFO_TIMEOUT_S)
-    except APIError:
-        return JSONResponse({"status": "unavailable"}, status_code=503)
-    return JSONResponse({"status": "ok"})
+        return JSONResponse(exc.body() if not state.config.is_embedding else {"status": "unavailable"}, status_code=503)
+    return JSONResponse({"status": "ok" if healthy else "unavailable"}, status_code=200 if healthy else 503)
 
 
 _FLUSH_NOTE = (
@@ -133,20 +46,10 @@ _FLUSH_NOTE = (
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(state: GatewayState = Depends(gateway_state)):
     """Flush every worker's prefix cache; refused (400) while any worker has requests in flight."""
-
-    async def flush(worker: Worker) -> FlushResult:
-        try:  # an embedding worker keeps no cache: its answer is a success, "no cache"
-            return await worker.client.flush_cache(timeout_s=_INFO_TIMEOUT_S)
-        except APIError as exc:
-            return FlushResult(success=False, message=exc.message)
-
-    replies = await asyncio.gather(*(flush(w) for w in state.pool.all_workers()))
-    if any(r.success for r in replies):
-        state.pool.router.forget_all()  # the router's view of the prefix caches: some are empty now
-    if all(r.success for r in replies):
+    result = await flush_caches(state)
+    if result.success:
         return PlainTextResponse(f"Cache flushed.\n{_FLUSH_NOTE}\n")
-    reasons = public_message("; ".join(r.message for r in replies if not r.success))
-    return PlainTextResponse(f"Cache not flushed: {reasons}.\n{_FLUSH_NOTE}\n", status_code=400)
+    return PlainTextResponse(f"Cache not flushed: {result.message}.\n{_FLUSH_NOTE}\n", status_code=400)
 
 
 class UpdateWeightsBody(BaseModel):
@@ -159,18 +62,7 @@ class UpdateWeightsBody(BaseModel):
 async def update_weights_from_disk(body: UpdateWeightsBody, state: GatewayState = Depends(gateway_state)):
     """Every worker reloads its weights from `model_path` in place. Requests in flight are aborted
     (they fail cleanly, never mixing weights); answers SGLang's {"success", "message"}."""
-
-    async def update(worker: Worker) -> UpdateResult:
-        try:
-            return await worker.client.update_weights(body.model_path, timeout_s=_UPDATE_TIMEOUT_S)
-        except APIError as exc:
-            return UpdateResult(success=False, message=exc.message)
-
-    replies = await asyncio.gather(*(update(w) for w in state.pool.all_workers()))
-    state.pool.router.forget_all()  # an update flushes a worker's prefix cache
-    failed = [r for r in replies if not r.success]
-    if failed:
-        logger.warning("update_weights_from_disk failed: %s", "; ".join(r.message for r in failed))
-        message = public_message(failed[0].message, keep=(body.model_path,))  # the client's own path may stay
-        return JSONResponse({"success": False, "message": message}, status_code=400)
-    return {"success": True, "message": "Succeeded to update model weights."}
+    result = await update_weights(state, body.model_path)
+    return JSONResponse(
+        {"success": result.success, "message": result.message}, status_code=200 if result.success else 400
+    )

@@ -1,93 +1,35 @@
-"""SGLang's expert distribution routes: start, stop and dump the per-expert token counts of an MoE model.
-
-Each route calls the same RPC on every worker (prefill and decode). While recording, a worker counts,
-per MoE layer and expert, the tokens its forward passes route to that expert, once per token and
-chosen expert: prompt tokens computed on the prefill workers (prefix-cache hits are not computed, so
-not counted) plus one token per decode step on the decode workers. The dump sums the workers' counts
-and writes `expert_distribution_<timestamp>.csv` (header `layer_id,expert_id,count`, one row per MoE
-layer and expert, zeros included) into `GatewayConfig.expert_distribution_dir` (`--expert-distribution-dir`,
-default the gateway's working directory); each worker's counts are cleared by the dump.
-"""
+"""SGLang's expert distribution routes, thin: start, stop and dump the per-expert token counts of an MoE
+model (the operations and the CSV they write: `gateway/service/experts.py`)."""
 
 from __future__ import annotations
-
-import asyncio
-import logging
-import time
-from collections import Counter
-from pathlib import Path
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse
 
 from gateway.api.app_state import gateway_state
 from gateway.api.json_route import JSONRoute
-from gateway.cluster.worker_records import ExpertCounts, ExpertRecordOp
-from gateway.errors import bad_request
+from gateway.cluster.worker_records import ExpertRecordOp
+from gateway.service.experts import dump_experts, record_experts
 from gateway.service.state import GatewayState
 
-logger = logging.getLogger(__name__)
-
 router = APIRouter(route_class=JSONRoute)
-
-_TIMEOUT_S = 10.0
-CSV_HEADER = "layer_id,expert_id,count"
 
 
 @router.api_route("/start_expert_distribution_record", methods=["GET", "POST"])
 async def start_expert_distribution_record(state: GatewayState = Depends(gateway_state)) -> PlainTextResponse:
     """Clear every worker's counts and start counting."""
-    await _on_every_worker(state, ExpertRecordOp.START)
+    await record_experts(state, ExpertRecordOp.START)
     return PlainTextResponse("Start recording the expert distribution.\n")
 
 
 @router.api_route("/stop_expert_distribution_record", methods=["GET", "POST"])
 async def stop_expert_distribution_record(state: GatewayState = Depends(gateway_state)) -> PlainTextResponse:
-    await _on_every_worker(state, ExpertRecordOp.STOP)
+    await record_experts(state, ExpertRecordOp.STOP)
     return PlainTextResponse("Stop recording the expert distribution.\n")
 
 
 @router.api_route("/dump_expert_distribution_record", methods=["GET", "POST"])
 async def dump_expert_distribution_record(state: GatewayState = Depends(gateway_state)) -> PlainTextResponse:
     """Sum every worker's counts into a new CSV file (the workers' counts are cleared)."""
-    replies = await _on_every_worker(state, ExpertRecordOp.DUMP)
-    counts = summed_counts([r for r in replies if r is not None])
-    path = await asyncio.to_thread(write_csv, Path(state.config.expert_distribution_dir), counts)
-    logger.info("expert distribution written to %s", path)
+    await dump_experts(state)
     return PlainTextResponse("Dump expert distribution record.\n")
-
-
-def summed_counts(replies: list[ExpertCounts]) -> dict[tuple[int, int], int]:
-    """(layer id, expert id) -> tokens routed there, summed over the workers' replies, sorted by key."""
-    totals: Counter[tuple[int, int]] = Counter()
-    for reply in replies:
-        for i, layer_id in enumerate(reply.layer_ids):
-            for expert_id in range(reply.num_experts):
-                totals[layer_id, expert_id] += reply.counts[i * reply.num_experts + expert_id]
-    return dict(sorted(totals.items()))
-
-
-def write_csv(directory: Path, counts: dict[tuple[int, int], int]) -> Path:
-    """Write `counts` to a new `expert_distribution_<unix time>.csv` in `directory`; never overwrites."""
-    directory.mkdir(parents=True, exist_ok=True)
-    rows = "".join(f"{layer_id},{expert_id},{count}\n" for (layer_id, expert_id), count in counts.items())
-    while True:
-        path = directory / f"expert_distribution_{time.time():.6f}.csv"
-        try:
-            with path.open("x", encoding="utf-8") as f:
-                f.write(f"{CSV_HEADER}\n{rows}")
-            return path
-        except FileExistsError:
-            continue
-
-
-async def _on_every_worker(state: GatewayState, op: ExpertRecordOp) -> list[ExpertCounts | None]:
-    """`op` on every worker at once (the dump's counts; None for start and stop); the first failure
-    becomes the HTTP error."""
-    if state.config.is_embedding:
-        raise bad_request(
-            "the expert distribution needs a mixture-of-experts generation model; this server runs an embedding model"
-        )
-    return list(
-        await asyncio.gather(*(w.client.expert_record(op, timeout_s=_TIMEOUT_S) for w in state.pool.all_workers()))
-    )

@@ -18,6 +18,7 @@ from gateway.cluster.routing import Route, Router
 from gateway.cluster.worker import Worker
 from gateway.config import DEFAULT_MAX_QUEUE_WAIT_S, DEFAULT_MAX_QUEUED, RoutingConfig
 from gateway.errors import WORKER_RETRY_AFTER_S, APIError
+from gateway.records import Role
 from tandem.internal_auth import InternalCredentials
 
 logger = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ class WorkerPool:
             return any(w.is_ready for w in self.workers["prefill"])
         return any(self._pairs(frozenset(), routable_only=False).values())
 
-    def pick(self, role: str) -> Worker:
+    def pick(self, role: Role) -> Worker:
         """Round-robin over routable workers of `role` (embeddings, admin calls); 503 when there is none."""
         ready = [w for w in self.workers[role] if w.is_routable]
         if not ready:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from gateway.cluster.pool import ModelLimits, WorkerPool
 from gateway.cluster.worker_records import Embeddings
 from gateway.errors import bad_request
+from gateway.records import Role
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 INPUTS_PER_CALL = 32  # inputs per Embed RPC: keeps each reply far below gRPC's 4 MiB default
@@ -76,7 +77,7 @@ class PoolingWorkers:
         dimensions: int | None,
         token_type_lists: list[list[int]] | None,
     ) -> Embeddings:
-        worker = self.pool.pick("prefill")
+        worker = self.pool.pick(Role.PREFILL)
         return await worker.client.embed(request_id, token_lists, dimensions, self.timeout_s, token_type_lists)
 
 

@@ -1,10 +1,10 @@
-"""gateway/api/experts.py: summing the workers' expert counts and writing SGLang's CSV."""
+"""gateway/service/experts.py: summing the workers' expert counts and writing SGLang's CSV."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from gateway.api.experts import CSV_HEADER, summed_counts, write_csv
+from gateway.service.experts import CSV_HEADER, summed_counts, write_csv
 from gateway.cluster.worker_records import ExpertCounts
 
 
