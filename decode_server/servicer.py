@@ -41,7 +41,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         ttl_s, grace_s = self.ctx.config.reservation_ttl_s, self.ctx.config.write_grace_s
         try:
             page_ids = await self.ctx.loop.call(
-                lambda engine: engine.reserve(request.request_id, request.prompt_len, ttl_s, grace_s)
+                lambda engine: engine.reserve(request.request_id, request.prompt_len, ttl_s, grace_s, request.priority)
             )
         except EngineError as exc:
             await abort_with(context, exc)
@@ -82,6 +82,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     request.first_token.logprob,
                     sampling,
                     request.weights_id,
+                    request.priority,
                 )
             except EngineError as exc:
                 await abort_with(context, exc)  # the finally below drops the reservation
@@ -113,7 +114,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 sampling = sampling_from_proto(request.sampling_params)
                 if sampling.grammar is not None:  # compile off the engine thread (see GrammarBackend)
                     await self.ctx.loop.prepare_grammar(sampling.grammar, self.ctx.config.grammar_compile_timeout_s)
-                sink = await self.ctx.loop.submit(Request(rid, list(request.prompt_token_ids), sampling))
+                req = Request(rid, list(request.prompt_token_ids), sampling, priority=request.priority)
+                sink = await self.ctx.loop.submit(req)
             except EngineError as exc:
                 await abort_with(context, exc)
             trace = tracing.caller_context(context.invocation_metadata())

@@ -77,8 +77,11 @@ class Engine:
         self._requests[req.request_id] = req
         self.scheduler.add_waiting(req)
 
-    def reserve(self, request_id: str, prompt_len: int, ttl_s: float, grace_s: float = 0.0) -> list[int]:
+    def reserve(
+        self, request_id: str, prompt_len: int, ttl_s: float, grace_s: float = 0.0, priority: int = 0
+    ) -> list[int]:
         """Hold pages for a prompt whose KV will be written from outside; dropped after `ttl_s`.
+        Running requests of a worse `priority` may be preempted for them (`Scheduler.reserve`).
 
         If dropped before `admit`, the pages are reused only `grace_s` seconds later.
         """
@@ -90,9 +93,9 @@ class Engine:
             raise InvalidRequestError(
                 f"prompt needs {needed} KV pages but the decode pool has {self.pages.num_pages} in all"
             )
-        if self.scheduler.has_resuming:
+        if self.scheduler.has_resuming_at(priority):
             raise CapacityError("requests paused for lack of KV pages are resumed before new ones are reserved")
-        page_ids = self.scheduler.reserve(prompt_len)
+        page_ids = self.scheduler.reserve(prompt_len, priority)
         self._reservations.add(request_id, Reservation(page_ids, prompt_len, time.monotonic() + ttl_s, grace_s))
         return page_ids
 
@@ -109,6 +112,7 @@ class Engine:
         first_logprob: float,
         sampling: SamplingParams,
         weights_id: str | None = None,
+        priority: int = 0,
     ) -> StepOutput | None:
         """Start decoding a reserved request from its first token. Returns a finish output if the
         first token already ends it (its pages are then freed). The prompt's KV must have been
@@ -139,6 +143,7 @@ class Engine:
             page_ids=reservation.page_ids,
             num_computed=len(prompt_ids),
             grammar_matcher=matcher,
+            priority=priority,
         )
         self._requests[request_id] = req
         self.scheduler.add_running(req)

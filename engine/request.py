@@ -88,6 +88,8 @@ class Request:
     A running request preempted for lack of pages (`is_resuming`) gave its pages back; it waits to
     be prefilled again over its whole sequence so far, and the token sampled at the end of that
     prefill is its next output token, as a decode step would have sampled it.
+    `priority` orders the waiting queue and the choice of whom to preempt (lower value: first served,
+    last preempted).
     """
 
     request_id: str
@@ -111,6 +113,7 @@ class Request:
     prompt_logprobs: PromptLogprobs | None = None
     prefill_started_at: float | None = None  # time.perf_counter() when its (first chunk's) prefill began
     is_resuming: bool = False  # preempted: its KV is recomputed by a prefill of `prefill_ids`
+    priority: int = 0  # lower is served first and preempted last (vLLM's convention)
 
     @property
     def prompt_len(self) -> int:

@@ -1,11 +1,13 @@
 """Chooses what runs each step and owns page bookkeeping for requests. No torch here.
 
-Policy: new prompts are prefilled first (FCFS, up to `max_prefill_tokens` per step, and only
-while their pages fit); otherwise every running request decodes together in one batch. A running
-request that needs a new page when none is free preempts the newest running requests: they give
-their pages back and wait, ahead of new prompts, to be recomputed by a prefill of everything they
-had (their output so far included) once pages are free again, then decode on. Only a request
-that could not fit even alone in the whole pool is aborted.
+Policy: new prompts are prefilled first (by priority, then first come first served, up to
+`max_prefill_tokens` per step, and only while their pages fit); otherwise every running request
+decodes together in one batch. A running request that needs a new page when none is free preempts
+running requests, the lowest priority (highest `priority` value) and then the newest first: they
+give their pages back and wait, ahead of new prompts of their priority, to be recomputed by a
+prefill of everything they had (their output so far included) once pages are free again, then
+decode on. A reservation that does not fit preempts running requests of a lower priority than its
+own the same way. Only a request that could not fit even alone in the whole pool is aborted.
 
 Chunked prefill (`chunked_prefill_size`): a prefill step computes at most that many prompt tokens
 (and at most `max_prefill_tokens`) in all; the prompt that would cross the cap is split, and the
@@ -57,7 +59,19 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add_waiting(self, req: Request) -> None:
-        self.waiting.append(req)
+        """Queue a prompt behind every waiting request of its priority or a better one."""
+        self.waiting.insert(self._waiting_slot(req.priority, is_ahead_of_equals=False), req)
+
+    def _waiting_slot(self, priority: int, is_ahead_of_equals: bool) -> int:
+        """Where a request of `priority` joins `waiting`: before the first request of a worse priority
+        (or, `is_ahead_of_equals`, of the same one too), never before a prompt part-way through its
+        chunks, which holds its pages at the head."""
+        start = 1 if self.waiting and self.waiting[0].page_ids else 0
+        for i in range(start, len(self.waiting)):
+            other = self.waiting[i].priority
+            if other > priority or (is_ahead_of_equals and other == priority):
+                return i
+        return len(self.waiting)
 
     def add_running(self, req: Request) -> None:
         """Admit a request whose prompt KV is already in `req.page_ids` (decode after a handoff)."""
@@ -137,26 +151,37 @@ class Scheduler:
                 aborted.append(req)
                 continue
             while not self.pages.can_allocate(1) and req in self.running:
-                self.preempt(self.running[-1])
+                self.preempt(self._victims(self.running)[0])
             if req in self.running:
                 req.page_ids.extend(self.pages.allocate(1))
         return aborted
 
     def preempt(self, req: Request) -> None:
         """Pause a running request: free its pages and queue it to be recomputed (ahead of new
-        prompts, behind a prompt part-way through its chunks), keeping what it generated."""
+        prompts of its priority, behind a prompt part-way through its chunks), keeping what it generated."""
         self.running.remove(req)
         self.release_pages(req)
         req.num_computed = req.num_cached_tokens = 0
         req.is_resuming = True
         req.status = RequestStatus.WAITING
         self.num_preemptions += 1
-        self.waiting.insert(1 if self.waiting and self.waiting[0].page_ids else 0, req)
+        self.waiting.insert(self._waiting_slot(req.priority, is_ahead_of_equals=True), req)
+
+    @staticmethod
+    def _victims(running: list[Request]) -> list[Request]:
+        """`running` in the order to preempt them: the lowest priority (highest value) first, then the newest."""
+        newest_first = list(reversed(running))
+        return sorted(newest_first, key=lambda r: -r.priority)  # stable: the newest first among equals
 
     @property
     def has_resuming(self) -> bool:
-        """Preempted requests wait to come back: new reservations must not take their pages first."""
+        """Preempted requests wait to come back."""
         return any(r.is_resuming for r in self.waiting)
+
+    def has_resuming_at(self, priority: int) -> bool:
+        """A preempted request of `priority` or a better one waits to come back: a new reservation of
+        `priority` must not take its pages first."""
+        return any(r.is_resuming and r.priority <= priority for r in self.waiting)
 
     def after_prefill(self, req: Request) -> bool:
         """The step wrote `req.num_new_tokens` more prompt tokens. Returns whether the prompt is now
@@ -192,9 +217,19 @@ class Scheduler:
             self.pages.release(req.page_ids)
             req.page_ids = []
 
-    def reserve(self, num_tokens: int) -> list[int]:
-        """Pages for `num_tokens` tokens arriving from elsewhere; raises CapacityError if they don't fit."""
-        return self.pages.allocate(pages_needed(num_tokens, self.page_size))
+    def reserve(self, num_tokens: int, priority: int = 0) -> list[int]:
+        """Pages for `num_tokens` tokens arriving from elsewhere, for a request of `priority`. When
+        they are not free, running requests of a worse priority are preempted for them (lowest
+        priority, then newest first), but only if their pages would be enough; else CapacityError."""
+        needed = pages_needed(num_tokens, self.page_size)
+        if not self.pages.can_allocate(needed):
+            victims = [r for r in self._victims(self.running) if r.priority > priority]
+            if self.pages.can_allocate(max(0, needed - sum(len(r.page_ids) for r in victims))):
+                for victim in victims:
+                    if self.pages.can_allocate(needed):
+                        break
+                    self.preempt(victim)
+        return self.pages.allocate(needed)
 
     def _match_prefix(self, req: Request) -> list[int]:
         """On a request's first scheduling, take the cached pages of its longest cached prefix.

@@ -30,6 +30,7 @@ from gateway.api import (
 )
 from gateway.api.auth import AuthMiddleware, log_key_policy
 from gateway.api.body_limit import BodyLimitMiddleware, BodyTooLarge
+from gateway.api.caller_middleware import CallerMiddleware
 from gateway.api.metrics_routes import MetricsMiddleware
 from gateway.api.openai_responses_routes import router as responses_router
 from gateway.batch import batches_routes, files_routes
@@ -118,6 +119,7 @@ def create_app(config: GatewayConfig, is_stopping: Callable[[], bool] = lambda: 
         max_bytes=config.max_request_body_bytes,
         route_limits={"/v1/files": files_routes.MAX_UPLOAD_BODY_BYTES},
     )
+    app.add_middleware(CallerMiddleware)  # the tenant, for the admission queue
     app.add_middleware(AuthMiddleware, api_key=config.api_key, admin_api_key=config.admin_api_key)  # outermost
     log_key_policy(config)
     return app

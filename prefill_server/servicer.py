@@ -90,6 +90,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             sampling,
             is_prefill_only=True,
             prompt_logprob_start=(request.logprob_start_len if request.HasField("logprob_start_len") else None),
+            priority=request.priority,
         )
         transfer: asyncio.Task | None = None
         try:

@@ -206,12 +206,13 @@ class EngineLoop:
         first_logprob: float,
         sampling: SamplingParams,
         weights_id: str | None = None,
+        priority: int = 0,
     ) -> asyncio.Queue:
         """Start decoding a reserved request; its outputs arrive on the returned queue."""
         sink: asyncio.Queue = asyncio.Queue()
 
         def admit(engine: Engine) -> None:
-            output = engine.admit(request_id, prompt_ids, first_token, first_logprob, sampling, weights_id)
+            output = engine.admit(request_id, prompt_ids, first_token, first_logprob, sampling, weights_id, priority)
             if output is None:
                 self._sinks[request_id] = sink
             else:

@@ -10,7 +10,9 @@ batch and runs only the lines with no answer: each custom_id is answered exactly
 Priority: at most `concurrency` lines run at once, over all batches (one semaphore), and a new line
 starts only while fewer than `InteractiveTraffic.yield_threshold` interactive requests are in
 flight (default 1: any interactive request holds new batch lines back; lines already running go
-on) and while a prefill and a decode worker are ready. A line answered 503 (no worker ready, KV
+on) and while a prefill and a decode worker are ready. A line runs as a batch `Caller`
+(`gateway/caller.py`): the admission queue and the workers rank it below every interactive request,
+in the order of its own `priority`, and the batches take turns as tenants. A line answered 503 (no worker ready, KV
 capacity) is run again after a pause, up to `_MAX_ATTEMPTS` times in all.
 
 Cancelling a batch stops new lines and cancels the running ones (their workers abort them; they stay
@@ -33,6 +35,7 @@ from gateway.batch.lines import BatchError, ParsedInput, parse_input, response_l
 from gateway.batch.records import BatchRecord, BatchStatus, PendingLine
 from gateway.batch.store import BatchStore
 from gateway.batch.traffic import InteractiveTraffic
+from gateway.caller import Caller, bind_caller
 from gateway.service.batch_line import answer_line
 
 logger = logging.getLogger(__name__)
@@ -176,6 +179,7 @@ class BatchRunner:
 
     async def _run_line(self, batch: BatchRecord, line: PendingLine) -> None:
         request_id = uuid.uuid4().hex
+        bind_caller(Caller(f"batch-{batch.id}", is_batch=True))  # below every interactive request; batches take turns
         for attempt in range(_MAX_ATTEMPTS):
             status, body = await self._answer(batch.endpoint, line.body)
             if status != 503 or attempt == _MAX_ATTEMPTS - 1:

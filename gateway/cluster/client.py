@@ -94,11 +94,13 @@ class WorkerClient:
 
     # --- the handoff -------------------------------------------------------------------------
 
-    async def reserve(self, request_id: str, prompt_len: int, timeout_s: float) -> Reservation:
-        """Decode: hold KV pages for a prompt of `prompt_len` tokens."""
+    async def reserve(self, request_id: str, prompt_len: int, timeout_s: float, priority: int = 0) -> Reservation:
+        """Decode: hold KV pages for a prompt of `prompt_len` tokens (running requests of a worse
+        `priority` may be preempted for them)."""
         reply = await self._call(
             self._decode.Reserve(
-                decode_pb2.ReserveRequest(request_id=request_id, prompt_len=prompt_len), timeout=timeout_s
+                decode_pb2.ReserveRequest(request_id=request_id, prompt_len=prompt_len, priority=priority),
+                timeout=timeout_s,
             )
         )
         return Reservation(convert.kv_target_from_proto(reply.kv_target), reply.ttl_ms)
@@ -111,6 +113,7 @@ class WorkerClient:
         kv_target: KvTarget,
         logprob_start_len: int | None,
         timeout_s: float,
+        priority: int = 0,
         metadata: Metadata = (),
     ) -> PrefillResult:
         """Prefill: run the prompt, write its KV into `kv_target`, sample the first token. Cancelling
@@ -120,6 +123,7 @@ class WorkerClient:
             token_ids=token_ids,
             sampling_params=convert.sampling_to_proto(sampling),
             kv_target=convert.kv_target_to_proto(kv_target),
+            priority=priority,
         )
         if logprob_start_len is not None:
             request.logprob_start_len = logprob_start_len
@@ -148,6 +152,7 @@ class WorkerClient:
         weights_id: str,
         kv_grant: str,
         timeout_s: float,
+        priority: int = 0,
         metadata: Metadata = (),
     ) -> DecodeStream:
         """Decode: start the reserved request from `first_token`; the stream yields the tokens after it."""
@@ -159,6 +164,7 @@ class WorkerClient:
                 sampling_params=convert.sampling_to_proto(sampling),
                 weights_id=weights_id,
                 kv_grant=kv_grant,
+                priority=priority,
             ),
             timeout=timeout_s,
             metadata=metadata or None,
@@ -171,6 +177,7 @@ class WorkerClient:
         prompt_ids: list[int],
         sampling: SamplingSpec,
         timeout_s: float,
+        priority: int = 0,
         metadata: Metadata = (),
     ) -> DecodeStream:
         """Decode: prefill the prompt on this worker (no reservation, no KV transfer) and stream every
@@ -180,6 +187,7 @@ class WorkerClient:
                 request_id=request_id,
                 prompt_token_ids=prompt_ids,
                 sampling_params=convert.sampling_to_proto(sampling),
+                priority=priority,
             ),
             timeout=timeout_s,
             metadata=metadata or None,

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator
 
+from gateway.caller import current_caller
 from gateway.cluster.pool import WorkerPool
 from gateway.cluster.trip import TripRequest, run_trip
 from gateway.cluster.worker_errors import WorkerError
@@ -39,10 +40,13 @@ async def run_handoff(
     sampling: SamplingSpec,
     prompt_logprob_start: int | None = None,
     arrived_at: float | None = None,
+    priority: int = 0,
 ) -> AsyncGenerator[TokenChunk, None]:
     """Yield the first token (with timings, and the prompt's logprobs from `prompt_logprob_start` when
     set), then the decode server's tokens until a finish. `arrived_at` (time.perf_counter()) is when
-    the HTTP request arrived. Records the trip's latencies, phases and outcome in `metrics`."""
+    the HTTP request arrived. `priority` (lower first), ranked for the bound caller (a batch line's
+    below every interactive request's), and the caller's tenant order the admission queue and the
+    workers' queues (`TripRequest`). Records the trip's latencies, phases and outcome in `metrics`."""
     bind_request_id(request_id)
     started = last = time.perf_counter()
     outcome = "error"
@@ -50,7 +54,17 @@ async def run_handoff(
     trace = tracing.current()  # the front's request span, when traced: each trip's spans go under it
     if arrived_at is not None:
         tracing.record_span("gateway_queue", trace, arrived_at, started)
-    request = TripRequest(request_id, prompt_ids, sampling, prompt_logprob_start, gateway_queue_ms, trace=trace)
+    caller = current_caller()
+    request = TripRequest(
+        request_id,
+        prompt_ids,
+        sampling,
+        prompt_logprob_start,
+        gateway_queue_ms,
+        caller.rank(priority),
+        caller.tenant,
+        trace=trace,
+    )
     events = _with_failover(pool, config, metrics, request)
     is_first = True
     try:

@@ -40,14 +40,18 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class TripRequest:
     """What a trip carries: the prompt, its sampling, the prompt logprobs asked for (from
-    `prompt_logprob_start`) and the time it waited before the trip (`gateway_queue_ms`). `pages`
-    keeps the prompt's page hashes over every routing of the request."""
+    `prompt_logprob_start`), the time it waited before the trip (`gateway_queue_ms`), its `priority`
+    (lower is served first; on to the workers) and its `tenant` (whom the admission queue is fair
+    between; "" for all anonymous callers). `pages` keeps the prompt's page hashes over every
+    routing of the request."""
 
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingSpec
     prompt_logprob_start: int | None = None
     gateway_queue_ms: float = 0.0
+    priority: int = 0
+    tenant: str = ""
     trace: tracing.Context | None = field(default=None, repr=False, compare=False)  # the request span's, if traced
     pages: PromptPages = field(init=False, repr=False, compare=False)
 
@@ -113,6 +117,7 @@ async def _disaggregated_trip(
             reservation.kv_target,
             request.prompt_logprob_start,
             timeout_s=config.prefill_timeout_s,
+            priority=request.priority,
             metadata=trace.prefill_metadata(route),
         )
         first = await prefill_answer(prefill, call, config.stall_timeout_s)
@@ -140,6 +145,7 @@ async def _disaggregated_trip(
             first.weights_id,
             reservation.kv_target.grant,
             timeout_s=config.request_timeout_s,
+            priority=request.priority,
             metadata=trace.decode_metadata(),
         )
         async for chunk in chunks(decode, stream, config.stall_timeout_s):
@@ -170,6 +176,7 @@ async def _local_trip(
         request.prompt_ids,
         request.sampling,
         timeout_s=config.request_timeout_s,
+        priority=request.priority,
         metadata=trace.local_metadata(),
     )
     timings: HandoffTimings | None = None
@@ -222,7 +229,9 @@ async def _reserve(
             routes.append(pool.route(request.pages, avoid, may_prefill_locally=False))
         route = routes[0]
         try:
-            call = route.decode.client.reserve(rid, len(request.prompt_ids), timeout_s=config.reserve_timeout_s)
+            call = route.decode.client.reserve(
+                rid, len(request.prompt_ids), timeout_s=config.reserve_timeout_s, priority=request.priority
+            )
             return await unless_stalled(route.decode, call, config.stall_timeout_s)
         except APIError:
             route.end()
@@ -230,7 +239,7 @@ async def _reserve(
             raise
 
     try:
-        reservation = await pool.admission.admit(reserve)
+        reservation = await pool.admission.admit(reserve, request.priority, request.tenant)
     except asyncio.CancelledError:
         if routes:
             routes[0].end()

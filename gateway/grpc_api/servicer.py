@@ -16,6 +16,7 @@ import grpc
 from google.protobuf.message import Message
 from pydantic import BaseModel
 
+from gateway.caller import bind_caller, caller_from
 from gateway.errors import APIError
 from gateway.grpc_api import requests
 from gateway.grpc_api.calls import Calls
@@ -215,9 +216,11 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
     async def _run(
         self, context: grpc.aio.ServicerContext, call_id: str | None, id_param: str, work: Callable[[], Awaitable[T]]
     ) -> T:
-        """`work()` under the call's deadline, registered as `call_id` for Abort (None: not abortable);
-        any error ends the call with its status."""
+        """`work()` under the call's deadline, registered as `call_id` for Abort (None: not abortable),
+        for the caller its metadata names (`gateway/caller.py`); any error ends the call with its status."""
         try:
+            metadata = context.invocation_metadata() or ()
+            bind_caller(caller_from((key, value) for key, value in metadata if isinstance(value, str)))
             with self._calls.registered(call_id, id_param) if call_id else contextlib.nullcontext():
                 try:
                     async with asyncio.timeout(self._time_left(context)):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from gateway.caller import checked_priority
 from gateway.errors import bad_request
 from gateway.service.generation import GenerationRequest
 from gateway.service.request_schemas import ChatCompletionRequest, CompletionRequest
@@ -29,6 +30,7 @@ def choice_requests(
     """Each prompt's `n` generations, prompt-major; a bad field is a 400 naming it."""
     if not (1 <= n <= MAX_N):
         raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", "n")
+    priority = checked_priority(body.priority)
     requests = []
     for prompt_ids in prompts:
         spec = SamplingSpec(
@@ -69,6 +71,7 @@ def choice_requests(
                     spaces_between_special_tokens=body.spaces_between_special_tokens,
                     no_stop_trim=body.no_stop_trim,
                     prompt_logprob_start=prompt_logprob_start,
+                    priority=priority,
                 )
             )
     return requests

@@ -32,7 +32,8 @@ class GenerationRequest:
     joins special tokens to their neighbours without the spaces some tokenizers put around them),
     and `no_stop_trim` (keep the matched stop string, or the text of the matched stop token, at the
     end of the text; by default both are trimmed, as in SGLang). `prompt_logprob_start` asks for
-    the prompt's logprobs from that position; `arrived_at` is when the HTTP request arrived."""
+    the prompt's logprobs from that position; `arrived_at` is when the HTTP request arrived;
+    `priority` orders it under contention (lower first; `gateway/caller.py`)."""
 
     prompt_ids: list[int]
     sampling: SamplingSpec
@@ -43,6 +44,7 @@ class GenerationRequest:
     no_stop_trim: bool = False
     prompt_logprob_start: int | None = None
     arrived_at: float = field(default_factory=time.perf_counter)
+    priority: int = 0
 
 
 @dataclass(slots=True)
@@ -100,6 +102,7 @@ class GenerationService:
             request.sampling,
             request.prompt_logprob_start,
             request.arrived_at,
+            request.priority,
         )
         async with contextlib.aclosing(events):
             async for chunk in events:

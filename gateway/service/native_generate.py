@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+from gateway.caller import checked_priority
 from gateway.errors import bad_request
 from gateway.records import Finish, FinishReason, TokenChunk
 from gateway.service.generation import GenerationRequest, GenerationResult
@@ -116,6 +117,7 @@ def _requests_for(
     stops = stop_list(p.stop)
     if stops:
         state.require_tokenizer("sampling_params.stop")
+    priority = checked_priority(body.priority)
     requests = []
     for i in range(n):
         ids = {"request_id": rid if n == 1 else f"{rid}-{i}"} if rid else {}
@@ -130,6 +132,7 @@ def _requests_for(
                 no_stop_trim=p.no_stop_trim,
                 arrived_at=arrived_at,
                 prompt_logprob_start=logprobs.prompt_start,
+                priority=priority,
             )
         )
     return requests

@@ -82,6 +82,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    priority: int | None = None  # lower is served first (vLLM's convention); gateway/caller.py
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -152,6 +153,7 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int | list[int] = 0
     token_ids_logprob: list[int] | list[list[int]] | None = None
     return_text_in_logprobs: bool = False
+    priority: int | None = None  # lower is served first (vLLM's convention, not SGLang's default)
 
     @field_validator("sampling_params", mode="wrap")
     @classmethod

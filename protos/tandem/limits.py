@@ -48,6 +48,14 @@ REPETITION_PENALTY = Range(0, 10, "must be in (0, 10]", is_low_open=True)  # HF'
 LOGIT_BIAS = Range(-100, 100, "must be in [-100, 100]")
 TOP_LOGPROBS_NUM = Range(0, MAX_TOP_LOGPROBS, f"must be between 0 and {MAX_TOP_LOGPROBS}")
 
+# A request's `priority`, vLLM's convention: lower values are served first, 0 is the default. Batch
+# lines run `BATCH_PRIORITY_OFFSET` below their own value, so below every interactive request; the
+# workers' protocol carries any int32 (the engine orders by it and checks nothing).
+MAX_PRIORITY = 2**20
+PRIORITY = Range(-MAX_PRIORITY, MAX_PRIORITY, f"must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
+BATCH_PRIORITY_OFFSET = 2 * MAX_PRIORITY + 1
+MAX_TENANT_LEN = 128  # characters of a tenant id (the `x-tandem-tenant` header)
+
 # The scalar fields of tandem.v1.SamplingParams (the engine's names) and their ranges.
 SAMPLING_RANGES: Mapping[str, Range] = MappingProxyType(
     {

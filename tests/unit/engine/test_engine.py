@@ -424,3 +424,27 @@ def test_a_float16_kv_pool_under_float32_rows_takes_the_torch_code_on_cpu(model_
     assert len(tokens["cpu"]) == 6 and tokens["cpu"] == tokens["torch"]
     fused = _engine(model_dir, kv_cache_dtype="bfloat16", quantization="q8_0")
     assert all(layer.fused for layer in fused.runner.model.model.layers)
+
+
+def test_a_better_reservation_preempts_a_worse_running_request_which_comes_back_unchanged(model_dir: Path) -> None:
+    engine = _engine(model_dir)  # 16 pages
+    for rid in ("low_old", "low_new"):
+        engine.add_request(Request(rid, PROMPT_A[:8], SamplingParams(max_new_tokens=20, **GREEDY), priority=1))
+    outputs: dict[str, list[StepOutput]] = {}
+    for _ in range(4):               # the prefill and three decode steps
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    free = engine.allocator.num_free
+    prompt_len = (free + 1) * PAGE_SIZE          # one page more than is free
+    with pytest.raises(CapacityError):
+        engine.reserve("same", prompt_len, ttl_s=30, priority=1)
+    assert engine.reserve("urgent", prompt_len, ttl_s=30, priority=0)
+    assert [r.request_id for r in engine.scheduler.running] == ["low_old"] and engine.scheduler.has_resuming
+    with pytest.raises(CapacityError):           # the paused one comes back before new ones of its priority
+        engine.reserve("later", PAGE_SIZE, ttl_s=30, priority=1)
+    engine.abort("urgent", write_settled=True)
+    for rid, more in _run(engine).items():
+        outputs.setdefault(rid, []).extend(more)
+    alone = _tokens(_generate(_engine(model_dir), PROMPT_A[:8], "alone", max_new_tokens=20, **GREEDY))
+    assert _tokens(outputs["low_old"]) == _tokens(outputs["low_new"]) == alone
+    _assert_idle(engine)

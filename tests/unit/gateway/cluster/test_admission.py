@@ -79,3 +79,46 @@ def test_other_errors_are_not_queued() -> None:
         assert error.value.status == 400 and admission.num_queued == 0
 
     asyncio.run(main())
+
+
+async def _queue(admission: Admission, pool: _Pool, order: list[str], *waiters: tuple[str, int, str]) -> list:
+    """Queue each (name, priority, tenant) in this order, behind a full pool."""
+    tasks = []
+    for name, priority, tenant in waiters:
+        tasks.append(asyncio.create_task(admission.admit(lambda n=name: pool.reserve(n, order), priority, tenant)))
+        await asyncio.sleep(0.01)
+    return tasks
+
+
+async def _release_one_at_a_time(admission: Admission, pool: _Pool, times: int) -> None:
+    for _ in range(times):
+        pool.free += 1
+        admission.released()
+        await asyncio.sleep(0.05)
+
+
+def test_waiters_are_admitted_by_priority_lower_first_then_in_arrival_order() -> None:
+    async def main() -> None:
+        admission, pool, order = Admission(8, 30.0, GatewayMetrics()), _Pool(free=0), []
+        tasks = await _queue(admission, pool, order, ("a", 0, ""), ("batch", 5, ""), ("b", 0, ""), ("urgent", -1, ""))
+        await _release_one_at_a_time(admission, pool, 4)
+        assert order == ["urgent", "a", "b", "batch"]
+        assert [await t for t in tasks] == ["a", "batch", "b", "urgent"] and admission.num_queued == 0
+
+    asyncio.run(main())
+
+
+def test_tenants_of_one_priority_take_turns_and_one_that_was_away_gets_no_credit() -> None:
+    async def main() -> None:
+        admission, pool, order = Admission(16, 30.0, GatewayMetrics()), _Pool(free=0), []
+        flood = await _queue(admission, pool, order, *((f"a{i}", 0, "A") for i in range(1, 5)))
+        few = await _queue(admission, pool, order, ("b1", 0, "B"), ("b2", 0, "B"), ("u1", -1, "A"))
+        await _release_one_at_a_time(admission, pool, 5)
+        assert order == ["u1", "a1", "b1", "a2", "b2"]   # the better priority first, then turns
+        late = await _queue(admission, pool, order, ("c1", 0, "C"), ("c2", 0, "C"))
+        await _release_one_at_a_time(admission, pool, 4)
+        # C's first turn comes after A's pending a3 (same turn, earlier), not before all of A's
+        assert order[5:] == ["a3", "c1", "a4", "c2"]
+        assert len([await t for t in flood + few + late]) == 9 and admission.num_queued == 0
+
+    asyncio.run(main())
