@@ -74,6 +74,7 @@ def chat_request(body: CreateResponseRequest, items: list[Item], stream: bool) -
         "stream_options": {"include_usage": True} if stream else None,
         "separate_reasoning": False,  # no reasoning items here: a model's thinking stays in its text
         "parallel_tool_calls": body.parallel_tool_calls,
+        "priority": body.priority,
     }
     if body.tools:
         fields["tools"] = [

@@ -141,6 +141,7 @@ class CreateResponseRequest(BaseModel):
     text: TextConfig | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    priority: int | None = None  # vLLM's extension: lower is served first (gateway/caller.py)
 
     @field_validator("input", mode="wrap")
     @classmethod

@@ -1,5 +1,5 @@
 """Request priorities and tenants on the shared stack: a priority and a tenant header are taken on the
-OpenAI routes, /generate and the gRPC API; a priority out of range or not an integer, and a bad tenant
+OpenAI routes (the Responses API's too), /generate and the gRPC API; a priority out of range or not an integer, and a bad tenant
 header, are 400s (INVALID_ARGUMENT) naming the field. The ordering itself is unit-tested
 (tests/unit/engine/test_scheduler_priority.py, tests/unit/gateway/cluster/test_admission.py) and
 measured by benchmarks/priority.py."""
@@ -23,6 +23,7 @@ BODIES = {
     "/v1/chat/completions": {"model": MODEL, "messages": HI, "max_tokens": 2},
     "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 2},
     "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 2}},
+    "/v1/responses": {"model": MODEL, "input": "hi", "max_output_tokens": 2, "store": False},
 }
 
 
