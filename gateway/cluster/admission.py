@@ -5,7 +5,9 @@ answer that the pages are not free now (`capacity_exceeded`), the trip joins one
 head retries, each time a trip of this gateway ends (its pages are back) and at least every
 `_RETRY_INTERVAL_S` (pages also come back by expiry, or through other gateways). A new trip goes
 straight to the workers only while nobody waits. Refused are only a trip that finds `max_queued`
-trips waiting, and one that waited `max_wait_s`: both 503 `server_overloaded` with `Retry-After`.
+trips waiting, and one that waited `max_wait_s`: both 503 `server_overloaded` with `Retry-After`. A
+trip that finds the queue full but ranks better than its least preferred waiter (the worst priority,
+then the newest) takes that waiter's place, and the waiter gets the full queue's 503.
 
 The head is the waiter of the best priority (the lowest value, vLLM's convention); within a
 priority, the tenants take turns: start-time fair queuing with one unit per request, so each
@@ -44,6 +46,7 @@ class _Waiter:
     seq: int  # arrival order
     tenant: str
     turn: asyncio.Event = field(default_factory=asyncio.Event)
+    is_evicted: bool = False  # a better-ranked trip took its place in a full queue
 
     @property
     def rank(self) -> tuple[int, int, int]:
@@ -65,10 +68,10 @@ class Admission:
 
     @property
     def num_queued(self) -> int:
-        return len(self._queue)
+        return sum(not w.is_evicted for w in self._queue)
 
     def _head(self) -> _Waiter:
-        return min(self._queue, key=lambda w: w.rank)
+        return min((w for w in self._queue if not w.is_evicted), key=lambda w: w.rank)
 
     def _join(self, priority: int, tenant: str) -> _Waiter:
         """Queue a waiter, tagged for its tenant's turn in its priority."""
@@ -85,7 +88,7 @@ class Admission:
         if is_admitted:
             done = self._admitted_tags.get(waiter.priority, 0)
             self._admitted_tags[waiter.priority] = max(done, waiter.tag)
-        if not self._queue:  # every tag is behind; forget them all
+        if not self.num_queued:  # every tag is behind; forget them all (evicted waiters are on their way out)
             self._last_tags.clear()
             self._admitted_tags.clear()
             return
@@ -103,23 +106,16 @@ class Admission:
         """`reserve()`'s result, calling it again while it fails for lack of free pages, in the turn
         of `priority` (lower goes first) and `tenant`; raises the 503 of a full queue or an expired
         wait, or `reserve`'s own errors."""
-        if not self._queue:
+        if not self.num_queued:
             try:
                 return await reserve()
             except APIError as exc:
                 if exc.code != _CAPACITY_CODE:
                     raise
-        if len(self._queue) >= self.max_queued:
-            self._metrics.admission_refused.labels("queue_full").inc()
-            raise APIError(
-                503,
-                f"the server is overloaded: {len(self._queue)} requests are already waiting for KV cache space",
-                "server_overloaded",
-                code="queue_full",
-                retry_after_s=1,
-            )
+        if self.num_queued >= self.max_queued:
+            self._make_room(priority)
         waiter = self._join(priority, tenant)
-        self._metrics.queued_requests.set(len(self._queue))
+        self._metrics.queued_requests.set(self.num_queued)
         started = time.monotonic()
         is_admitted = False
         try:
@@ -128,11 +124,33 @@ class Admission:
             return result
         finally:
             self._leave(waiter, is_admitted)
-            self._metrics.queued_requests.set(len(self._queue))
+            self._metrics.queued_requests.set(self.num_queued)
             self._metrics.queue_wait.observe(time.monotonic() - started)
+
+    def _make_room(self, priority: int) -> None:
+        """The queue is full: evict its least preferred waiter if it ranks below `priority`, else
+        raise the full queue's 503."""
+        waiting = [w for w in self._queue if not w.is_evicted]
+        worst = max(waiting, key=lambda w: (w.priority, w.seq), default=None)
+        if worst is None or worst.priority <= priority:
+            raise self._queue_full()
+        worst.is_evicted = True
+        worst.turn.set()  # it wakes, sees it was evicted and leaves with the 503
+
+    def _queue_full(self) -> APIError:
+        self._metrics.admission_refused.labels("queue_full").inc()
+        return APIError(
+            503,
+            f"the server is overloaded: {self.num_queued} requests are already waiting for KV cache space",
+            "server_overloaded",
+            code="queue_full",
+            retry_after_s=1,
+        )
 
     async def _wait_and_reserve(self, waiter: _Waiter, deadline: float, reserve: Callable[[], Awaitable[T]]) -> T:
         while True:
+            if waiter.is_evicted:
+                raise self._queue_full()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self._metrics.admission_refused.labels("queue_timeout").inc()

@@ -122,3 +122,21 @@ def test_tenants_of_one_priority_take_turns_and_one_that_was_away_gets_no_credit
         assert len([await t for t in flood + few + late]) == 9 and admission.num_queued == 0
 
     asyncio.run(main())
+
+
+def test_a_better_priority_takes_the_place_of_the_least_preferred_waiter_in_a_full_queue() -> None:
+    async def main() -> None:
+        admission, pool, order = Admission(2, 30.0, GatewayMetrics()), _Pool(free=0), []
+        low_old, low_new = await _queue(admission, pool, order, ("low-old", 5, ""), ("low-new", 5, ""))
+        with pytest.raises(APIError) as same:   # no better than the worst waiter: refused
+            await admission.admit(lambda: pool.reserve("same", order), 5, "")
+        assert same.value.code == "queue_full"
+        [urgent] = await _queue(admission, pool, order, ("urgent", 0, ""))
+        with pytest.raises(APIError) as evicted:   # the worst priority, then the newest, made room
+            await low_new
+        assert (evicted.value.status, evicted.value.code) == (503, "queue_full") and admission.num_queued == 2
+        await _release_one_at_a_time(admission, pool, 2)
+        assert order == ["urgent", "low-old"] and await urgent == "urgent" and await low_old == "low-old"
+        assert admission.num_queued == 0
+
+    asyncio.run(main())
