@@ -103,7 +103,12 @@ class Worker:
     def record_failure(self, error: WorkerError) -> None:
         """A call failed because of the worker (unreachable, refused, reset, draining, stalled): it gets
         no new request until a probe finds it serving again, and after several failures in a row it is
-        skipped for a while even then."""
+        skipped for a while even then. Only a failure while it was taken for ready counts: the calls in
+        flight when it went down fail together, one incident (a crash and a restart must not keep a
+        worker that serves again out of the routing), and a worker that fails again each time a probe
+        brings it back is the one to skip."""
+        if not self.is_ready:
+            return
         self._num_failures += 1
         if self._num_failures >= _FAILURES_BEFORE_SKIP:
             skip_s = min(_MAX_SKIP_S, 2.0 ** (self._num_failures - _FAILURES_BEFORE_SKIP))

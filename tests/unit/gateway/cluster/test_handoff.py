@@ -125,7 +125,7 @@ def test_a_decode_worker_that_answers_has_its_failures_in_a_row_cleared(tmp_path
         decode = pool.workers["decode"][0]
         for _ in range(2):
             decode.record_failure(stalled_error(Role.DECODE, decode.address, 1.0))
-        await pool.probe_all()   # serving again, with two failures in a row counted
+            await pool.probe_all()   # serving again, with two failures in a row counted
         assert [e.token_ids async for e in _trip(pool, config)][-1] == [2]
         decode.record_failure(stalled_error(Role.DECODE, decode.address, 1.0))
         await pool.probe_all()

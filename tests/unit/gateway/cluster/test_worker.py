@@ -1,6 +1,7 @@
 """A worker that fails calls: unready at once (the next probe may bring it back), skipped for a growing
 while after several failures in a row even if it answers probes, and back in once the while is over and
-a probe finds it serving; one success clears the count. Its load counts this gateway's requests exactly
+a probe finds it serving; one success clears the count, and the calls that fail together while it is
+down are one failure. Its load counts this gateway's requests exactly
 and others' from its last report."""
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def test_a_worker_that_keeps_failing_is_skipped_a_while_then_probed_back_in(monk
                 assert not worker.is_ready                            # no new request until a probe
                 assert await worker.probe() and worker.is_routable    # one failure: back at the next probe
                 worker.record_failure(_failure())
+                worker.record_failure(_failure())                     # failed together while down: one
+                assert await worker.probe() and worker.is_routable
                 worker.record_failure(_failure())                     # the third in a row: skipped 1 s
                 assert await worker.probe() and not worker.is_routable
                 now[0] += 1.5
