@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -41,18 +42,26 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
+@contextlib.contextmanager
+def _call_span(name: str, caller: tracing.Context) -> Iterator[None]:
+    """The call's root span, current inside the block; ended failed if the block raises (a cancelled
+    call is no failure of ours)."""
+    span = tracing.start_root_span(name, caller, {"rpc.system": "grpc", "rpc.method": name})
+    error: BaseException | None = None
+    try:
+        with tracing.attached(tracing.context_of(span, caller)):
+            yield
+    except Exception as exc:
+        error = exc
+        raise
+    finally:
+        tracing.end_span(span, error=error)
+
+
 def _traced_unary(behavior: Callable[..., Any], name: str, caller: tracing.Context) -> Callable[..., Any]:
     async def traced(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        span = tracing.start_root_span(name, caller, {"rpc.system": "grpc", "rpc.method": name})
-        error: BaseException | None = None
-        try:
-            with tracing.attached(tracing.context_of(span, caller)):
-                return await behavior(request, context)
-        except Exception as exc:  # a cancelled call is no failure of ours
-            error = exc
-            raise
-        finally:
-            tracing.end_span(span, error=error)
+        with _call_span(name, caller):
+            return await behavior(request, context)
 
     return traced
 
@@ -61,20 +70,12 @@ def _traced_stream(behavior: Callable[..., Any], name: str, caller: tracing.Cont
     async def traced(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         # grpc.aio iterates a call's stream in the call's own task, so the context attached here is
         # that task's alone between the yields.
-        span = tracing.start_root_span(name, caller, {"rpc.system": "grpc", "rpc.method": name})
-        error: BaseException | None = None
-        try:
-            with tracing.attached(tracing.context_of(span, caller)):
-                produced = behavior(request, context)
-                if inspect.isasyncgen(produced):
-                    async for message in produced:
-                        yield message
-                else:  # a servicer that writes with context.write()
-                    await produced
-        except Exception as exc:  # a cancelled call is no failure of ours
-            error = exc
-            raise
-        finally:
-            tracing.end_span(span, error=error)
+        with _call_span(name, caller):
+            produced = behavior(request, context)
+            if inspect.isasyncgen(produced):
+                async for message in produced:
+                    yield message
+            else:  # a servicer that writes with context.write()
+                await produced
 
     return traced
