@@ -1,0 +1,81 @@
+"""Draft-token proposers for speculative decoding; no torch.
+
+A proposer guesses the next few tokens of a request; the target model then checks every guess in
+one forward pass (`kernels.rejection_sampling.verify`), so a good guess saves decode steps and a bad
+one costs only the wasted rows.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class Proposer(ABC):
+    """Guesses the tokens that follow a request's text."""
+
+    @abstractmethod
+    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """Draft tokens to follow `token_ids` (the prompt then the output so far), at most
+        `max_tokens` of them (zero or less: none); [] when there is no guess. `token_ids` is only
+        read. A proposer that samples its drafts must also give the probabilities it drew them from
+        to the verifier; one that returns [] or fixed guesses gives none (the verifier then treats
+        each draft as drawn with probability one)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NgramProposer(Proposer):
+    """Prompt lookup: the last n tokens are looked up earlier in the text, and the tokens that
+    followed them there are the guess (vLLM's and SGLang's n-gram speculation).
+
+    The longest n in [min_n, max_n] that matches wins; among the earlier occurrences of that
+    n-gram, the most recent one (it may overlap the suffix itself, as in a run of one token). At
+    most `num_draft_tokens` tokens are proposed, fewer when the text ends sooner after the match.
+    """
+
+    num_draft_tokens: int
+    min_n: int = 1
+    max_n: int = 4
+
+    def __post_init__(self) -> None:
+        if self.num_draft_tokens <= 0:
+            raise ValueError(f"num_draft_tokens must be positive, got {self.num_draft_tokens}")
+        if self.min_n <= 0:
+            raise ValueError(f"min_n must be positive, got {self.min_n}")
+        if self.max_n < self.min_n:
+            raise ValueError(f"max_n ({self.max_n}) must be at least min_n ({self.min_n})")
+
+    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        num_wanted = min(self.num_draft_tokens, max_tokens)
+        seq_len = len(token_ids)
+        if num_wanted <= 0 or seq_len <= self.min_n:
+            return []
+        match_len, match_end = _longest_earlier_suffix(token_ids, min(self.max_n, seq_len - 1))
+        if match_len < self.min_n:
+            return []
+        return list(token_ids[match_end + 1 : match_end + 1 + num_wanted])
+
+
+def _longest_earlier_suffix(token_ids: Sequence[int], max_n: int) -> tuple[int, int]:
+    """(n, end): the longest n <= max_n such that the last n tokens also end at index `end` <
+    len - 1, with the largest such `end`; (0, -1) when the last token occurs nowhere earlier.
+
+    Walks the earlier occurrences of the last token from the most recent back, found by
+    `list.index` on the reversed text (C speed), and stops at the first one matching `max_n`.
+    """
+    backwards = list(reversed(token_ids))
+    seq_len = len(backwards)
+    best_len, best_at = 0, -1
+    at = 0
+    while best_len < max_n:
+        try:
+            at = backwards.index(backwards[0], at + 1)
+        except ValueError:
+            break
+        length = 1
+        while length < max_n and at + length < seq_len and backwards[at + length] == backwards[length]:
+            length += 1
+        if length > best_len:
+            best_len, best_at = length, at
+    return best_len, (seq_len - 1 - best_at if best_len else -1)

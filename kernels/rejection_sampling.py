@@ -1,0 +1,216 @@
+"""Verification of draft tokens (speculative decoding) by rejection sampling, which keeps the target
+model's distribution exactly (Leviathan et al., "Fast Inference from Transformers via Speculative
+Decoding", 2023).
+
+Request i of a batch feeds its last token and `k_i` draft tokens, so it owns `k_i + 1` consecutive
+rows of target logits; row j is the target distribution p_j of the token after its j-th fed token.
+Draft j is accepted with probability min(1, p_j(d) / q_j(d)), q_j being the distribution the draft
+was drawn from (one-hot on the draft for a deterministic proposer such as n-gram lookup). At the
+first rejection, the request's next token is drawn from norm(max(p_j - q_j, 0)) instead; when all
+drafts are accepted, a bonus token is drawn from p_k. A request thus emits between 1 and k_i + 1
+tokens per step, each distributed exactly as step-by-step sampling would draw it.
+
+p is the processed distribution `kernels.sampling.sample` draws from (temperature, top-k, top-p,
+min-p); greedy rows compare drafts with the argmax and emit exactly what greedy decoding would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels.sampling import _SEED_MIX, SamplingBatch
+
+
+@dataclass(frozen=True, slots=True)
+class Verified:
+    """Per request, the tokens a verification step emits: the accepted draft prefix, then one more
+    token (the correction at the first rejection, or the bonus after the last draft); `logprobs`
+    are log_softmax of the raw logits of the row each token was emitted from."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+
+    @property
+    def num_accepted(self) -> list[int]:
+        """Draft tokens accepted, per request."""
+        return [len(tokens) - 1 for tokens in self.token_ids]
+
+
+def verify(
+    logits: torch.Tensor,
+    draft_token_ids: Sequence[Sequence[int]],
+    draft_probs: torch.Tensor | None,
+    batch: SamplingBatch,
+) -> Verified:
+    """Accept or reject each request's drafts against the target logits.
+
+    logits: [R, V] fp32, R = sum(k_i + 1), request i's rows consecutive and in batch order, k_i =
+    len(draft_token_ids[i]) (0 is allowed: the request then samples one token as `sample` would).
+    draft_probs: [sum(k_i), V] fp32 on the logits' device, row t the distribution draft t (requests'
+    drafts concatenated in order) was drawn from; None when the proposer is deterministic.
+    batch: one entry per request ([N] tensors on the logits' device); `steps[i]` is the output
+    position of request i's row 0, so row j of a seeded request draws from (seed, steps[i] + j) and
+    gives the same tokens wherever it runs. Reads its arguments only. Raises ValueError when the
+    shapes do not agree.
+    """
+    num_drafts = [len(drafts) for drafts in draft_token_ids]
+    _check_shapes(logits, num_drafts, draft_probs, batch)
+    rows = expand_to_rows(batch, num_drafts)
+    firsts = _first_rows(num_drafts)
+    draft_rows = [first + j for first, k in zip(firsts, num_drafts) for j in range(k)]
+    flat_drafts = [token for drafts in draft_token_ids for token in drafts]
+    argmax = logits.argmax(dim=-1)
+    if rows.all_greedy:
+        is_accepted = [a == d for a, d in zip(argmax[draft_rows].tolist(), flat_drafts)]
+        next_tokens = argmax.tolist()
+    else:
+        is_accepted, next_tokens = _sample_rows(logits, rows, draft_rows, flat_drafts, draft_probs, argmax)
+    emitted_rows: list[int] = []
+    token_ids: list[list[int]] = []
+    draft_at = 0  # index of the request's first draft in `flat_drafts`
+    for first, drafts in zip(firsts, draft_token_ids):
+        num_accepted = 0
+        while num_accepted < len(drafts) and is_accepted[draft_at + num_accepted]:
+            num_accepted += 1
+        draft_at += len(drafts)
+        token_ids.append([*drafts[:num_accepted], next_tokens[first + num_accepted]])
+        emitted_rows.extend(range(first, first + num_accepted + 1))
+    flat_emitted = torch.tensor([t for tokens in token_ids for t in tokens], device=logits.device)
+    logprobs = torch.log_softmax(logits[emitted_rows], dim=-1).gather(1, flat_emitted.unsqueeze(1)).squeeze(1)
+    return Verified(token_ids, _split(logprobs.tolist(), [len(tokens) for tokens in token_ids]))
+
+
+def expand_to_rows(batch: SamplingBatch, num_drafts: Sequence[int]) -> SamplingBatch:
+    """Per-request settings repeated over each request's `num_drafts[i] + 1` rows, with steps
+    `steps[i] + j` for row j (the output position that row's token takes)."""
+    repeats = torch.tensor([k + 1 for k in num_drafts], device=batch.temperatures.device)
+    return SamplingBatch(
+        temperatures=batch.temperatures.repeat_interleave(repeats),
+        top_ps=batch.top_ps.repeat_interleave(repeats),
+        top_ks=batch.top_ks.repeat_interleave(repeats),
+        min_ps=batch.min_ps.repeat_interleave(repeats),
+        is_greedy=batch.is_greedy.repeat_interleave(repeats),
+        seeds=tuple(seed for seed, k in zip(batch.seeds, num_drafts) for _ in range(k + 1)),
+        steps=tuple(step + j for step, k in zip(batch.steps, num_drafts) for j in range(k + 1)),
+    )
+
+
+def target_probs(logits: torch.Tensor, rows: SamplingBatch) -> torch.Tensor:
+    """logits: [R, V] fp32, `rows` one entry per row. Returns [R, V] fp32: the distribution
+    `kernels.sampling.sample` draws each row's token from (one-hot on the argmax for greedy rows)."""
+    weights, sorted_ids = _truncated_sorted(logits, rows)
+    probs = torch.zeros_like(logits).scatter_(1, sorted_ids, weights / weights.sum(dim=-1, keepdim=True))
+    greedy = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(rows.is_greedy.unsqueeze(1), greedy, probs)
+
+
+def _sample_rows(
+    logits: torch.Tensor,
+    rows: SamplingBatch,
+    draft_rows: list[int],
+    flat_drafts: list[int],
+    draft_probs: torch.Tensor | None,
+    argmax: torch.Tensor,
+) -> tuple[list[bool], list[int]]:
+    """(whether each draft is accepted, the token each row emits if it is the first rejected or the
+    bonus row), for a batch with sampled rows; greedy rows compare with and emit the argmax."""
+    weights, sorted_ids = _truncated_sorted(logits, rows)
+    p_sorted = weights / weights.sum(dim=-1, keepdim=True)
+    p = torch.zeros_like(logits).scatter_(1, sorted_ids, p_sorted)
+    noise, uniforms = _row_draws(rows, logits.shape[-1], logits.device)
+
+    drafts = torch.tensor(flat_drafts, dtype=torch.int64, device=logits.device)
+    q = torch.zeros(len(draft_rows), logits.shape[-1], device=logits.device)
+    if draft_probs is None:
+        q.scatter_(1, drafts.unsqueeze(1), 1.0)
+    else:
+        q.copy_(draft_probs)
+    p_draft = p[draft_rows].gather(1, drafts.unsqueeze(1)).squeeze(1)
+    q_draft = q.gather(1, drafts.unsqueeze(1)).squeeze(1)
+    is_greedy_draft = rows.is_greedy[draft_rows]
+    # u < p/q, written without the division: q may be 0 where the draft model was sure it was not
+    is_accepted = torch.where(is_greedy_draft, drafts == argmax[draft_rows], uniforms[draft_rows] * q_draft < p_draft)
+
+    # Draft rows race on the residual max(p - q, 0); the others (each request's last row) on the
+    # weights `sample` races on, so a request with no drafts gets exactly the token `sample` gives.
+    race = weights.clone()
+    residual = (p_sorted[draft_rows] - q.gather(1, sorted_ids[draft_rows])).clamp(min=0.0)
+    # A rejection implies some residual mass; an all-zero residual is rounding, where p is right.
+    has_residual = residual.sum(dim=-1, keepdim=True) > 0
+    race[draft_rows] = torch.where(has_residual, residual, p_sorted[draft_rows])
+    choice = (race / noise).argmax(dim=-1)  # exponential race: picks i with probability race[i] / sum
+    sampled = sorted_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
+    next_tokens = torch.where(rows.is_greedy, argmax, sampled)
+    return is_accepted.tolist(), next_tokens.tolist()
+
+
+def _truncated_sorted(logits: torch.Tensor, rows: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, sorted_ids), both [R, V]: the tempered, truncated and unnormalised probabilities of
+    each row in descending order, and their token ids. The same operations as
+    `kernels.sampling._sample_random` (to be merged with it), so both draw from the same p."""
+    scaled = logits / rows.temperatures.clamp(min=1e-5).unsqueeze(1)
+    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    top_ks = torch.where(rows.top_ks > 0, rows.top_ks, vocab).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_ks, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = (mass_before > rows.top_ps.unsqueeze(1)) | (probs < rows.min_ps.unsqueeze(1) * probs[:, :1])
+    drop[:, 0] = False  # the most likely token always survives
+    return probs.masked_fill(drop, 0.0), sorted_ids
+
+
+def _row_draws(rows: SamplingBatch, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(noise [R, V] Exp(1), uniforms [R] U[0, 1)) on `device`. A seeded row takes both from a CPU
+    generator seeded from (seed, step), the exponentials first, as `kernels.sampling` draws them:
+    the same numbers on every device, and the same race as `sample` for the same (seed, step)."""
+    num_rows = len(rows.steps)
+    noise = torch.empty(num_rows, vocab, device=device).exponential_()
+    uniforms = torch.rand(num_rows, device=device)
+    seeded_rows = [row for row, seed in enumerate(rows.seeds) if seed is not None]
+    mixed_seeds = [
+        (seed * _SEED_MIX + step) % (2**63) for seed, step in zip(rows.seeds, rows.steps) if seed is not None
+    ]
+    if seeded_rows:
+        seeded_noise = torch.empty(len(seeded_rows), vocab)
+        seeded_uniforms = torch.empty(len(seeded_rows))
+        for at, mixed_seed in enumerate(mixed_seeds):
+            gen = torch.Generator().manual_seed(mixed_seed)
+            seeded_noise[at].exponential_(generator=gen)
+            seeded_uniforms[at : at + 1].uniform_(generator=gen)
+        noise[seeded_rows] = seeded_noise.to(device)
+        uniforms[seeded_rows] = seeded_uniforms.to(device)
+    return noise, uniforms
+
+
+def _first_rows(num_drafts: Sequence[int]) -> list[int]:
+    """Index of each request's row 0."""
+    firsts, at = [], 0
+    for k in num_drafts:
+        firsts.append(at)
+        at += k + 1
+    return firsts
+
+
+def _split(values: list[float], lengths: Sequence[int]) -> list[list[float]]:
+    out, at = [], 0
+    for length in lengths:
+        out.append(values[at : at + length])
+        at += length
+    return out
+
+
+def _check_shapes(
+    logits: torch.Tensor, num_drafts: Sequence[int], draft_probs: torch.Tensor | None, batch: SamplingBatch
+) -> None:
+    num_rows = sum(num_drafts) + len(num_drafts)
+    if logits.dim() != 2 or logits.shape[0] != num_rows:
+        raise ValueError(f"logits must be [{num_rows}, V] for these drafts, got {list(logits.shape)}")
+    if len(batch.steps) != len(num_drafts) or len(batch.seeds) != len(num_drafts):
+        raise ValueError(f"the sampling batch has {len(batch.steps)} requests, the drafts {len(num_drafts)}")
+    if draft_probs is not None and draft_probs.shape != (sum(num_drafts), logits.shape[1]):
+        raise ValueError(f"draft_probs must be [{sum(num_drafts)}, {logits.shape[1]}], got {list(draft_probs.shape)}")
