@@ -147,6 +147,7 @@ class ModelConfig:
 
 _DTYPES = ("bfloat16", "float32", "float16")
 QUANTIZATIONS = ("none", "gguf", "q8_0", "q4_0", "q4_1")  # what each means: engine/weight_loader.py
+SPECULATIVE_ALGORITHMS = ("ngram",)  # draft proposers: engine/proposers.py
 # "meta" (shapes without data) lets tests run the whole forward pass with no memory and no GPU
 _DEVICE = re.compile(r"cpu|meta|cuda(:\d+)?")
 
@@ -161,6 +162,11 @@ class EngineConfig:
     chunking a longer prompt still runs whole, alone. `chunked_prefill_size` (None: off) caps a
     step at that many prompt tokens too and splits the prompt that would cross the cap, so it is
     prefilled over several steps (0 is accepted as off, as SGLang's users write it).
+    `max_num_batched_tokens` (None: no cap beyond those) caps every step's tokens, decode and prompt
+    together: decode tokens go first, prompts get what is left (engine/scheduler.py).
+    `speculative_algorithm` "ngram" (None: off) has each decoding request feed up to
+    `speculative_num_draft_tokens` guessed tokens (prompt lookup, engine/proposers.py) and verify them
+    in the same step; output follows the target distribution exactly either way.
 
     `device` is where the weights, the KV pool and every per-step tensor live ("cpu", "cuda",
     "cuda:<n>"; the entry point resolves "auto"). Quantized weights compute in a CPU kernel, so a
@@ -181,6 +187,9 @@ class EngineConfig:
     max_running_requests: int = 64
     max_prefill_tokens: int = 8192
     chunked_prefill_size: int | None = None
+    max_num_batched_tokens: int | None = None
+    speculative_algorithm: str | None = None  # one of SPECULATIVE_ALGORITHMS
+    speculative_num_draft_tokens: int = 4
     context_len: int | None = None
     device: str = "cpu"
     attention_backend: str = "auto"
@@ -190,6 +199,11 @@ class EngineConfig:
     kv_cache_dtype: str | None = None
     enable_prefix_cache: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens a decoding request may feed per step (0: no speculation)."""
+        return self.speculative_num_draft_tokens if self.speculative_algorithm else 0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -212,6 +226,20 @@ class EngineConfig:
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 0:
             raise ConfigError(
                 f"chunked_prefill_size must be positive, or None or 0 (no chunking), got {self.chunked_prefill_size}"
+            )
+        if self.speculative_algorithm not in (None, *SPECULATIVE_ALGORITHMS):
+            raise ConfigError(
+                f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS} or None, "
+                f"got {self.speculative_algorithm!r}"
+            )
+        if self.speculative_num_draft_tokens < 1:
+            raise ConfigError(f"speculative_num_draft_tokens must be positive, got {self.speculative_num_draft_tokens}")
+        decode_tokens = self.max_running_requests * (1 + self.num_draft_tokens)
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < decode_tokens:
+            raise ConfigError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least {decode_tokens}: a step "
+                f"schedules every running request's token{' and drafts' if self.num_draft_tokens else ''} "
+                f"(max_running_requests {self.max_running_requests})"
             )
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")

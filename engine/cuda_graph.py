@@ -32,7 +32,7 @@ from engine.kv_pool import KVPool
 from engine.models.layers import CausalLM
 from engine.models.registry import implementation_of
 from engine.request import Request
-from engine.step_inputs import StepInputs, paged_step_inputs, step_tokens
+from engine.step_inputs import StepInputs, decode_tokens, paged_step_inputs
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.layers import RotaryEmbedding
 
@@ -76,7 +76,7 @@ def padded_decode_inputs(
     0 on page `scratch_page` (which they write). ValueError when `requests` do not fit."""
     if len(requests) > batch_size:
         raise ValueError(f"{len(requests)} requests do not fit a batch of {batch_size}")
-    new_token_ids, starts = step_tokens(list(requests), is_decode=True)
+    new_token_ids, starts = decode_tokens(requests)
     num_dummies = batch_size - len(requests)
     return paged_step_inputs(
         new_token_ids + [[DUMMY_TOKEN_ID]] * num_dummies,

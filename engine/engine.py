@@ -15,26 +15,25 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Literal, overload
 
 from engine.config import ConfigError, EngineConfig
 from engine.errors import CapacityError, InvalidRequestError, RequestAbortedError, RequestNotFoundError
 from engine.grammar import GrammarBackend, accept_token
-from engine.outputs import append_token, finish_output, prefill_only_output, record_token, token_output
+from engine.outputs import append_token, finish_output
 from engine.page_allocator import PageAllocator, pages_needed
 from engine.page_pool import NoPrefixCache
 from engine.prefix_cache import PrefixCache
-from engine.request import FinishReason, PromptLimits, Request, SamplingParams, StepOutput, join_prompt_logprobs
+from engine.proposers import NgramProposer
+from engine.request import FinishReason, PromptLimits, Request, SamplingParams, StepOutput
 from engine.reservations import Reservation, Reservations
-from engine.runner import FaultHooks, ModelRunner, SampledToken
+from engine.runner import FaultHooks, ModelRunner
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats
+from engine.step_records import ModelOutput, SampledToken
 from engine.weights import Checkpoint
 from engine.weights.names import shape_changes
 
 logger = logging.getLogger(__name__)
-
-NON_FINITE_LOGITS_MESSAGE = "the model produced non-finite logits (NaN or inf) for this request"
 
 
 class Engine:
@@ -57,7 +56,14 @@ class Engine:
         self.allocator = PageAllocator(self.runner.kv_pool.num_pages)
         self.pages = (PrefixCache if config.enable_prefix_cache else NoPrefixCache)(self.allocator, config.page_size)
         self.scheduler = Scheduler(
-            self.pages, config.max_running_requests, config.max_prefill_tokens, config.chunked_prefill_size
+            self.pages,
+            config.max_running_requests,
+            config.max_prefill_tokens,
+            config.chunked_prefill_size,
+            config.max_num_batched_tokens,
+            self.eos_token_ids,
+            self.context_len,
+            NgramProposer(config.speculative_num_draft_tokens) if config.speculative_algorithm == "ngram" else None,
         )
         self._requests: dict[str, Request] = {}
         self._held: dict[str, Request] = {}
@@ -147,7 +153,12 @@ class Engine:
         )
         self._requests[request_id] = req
         self.scheduler.add_running(req)
-        return self._append_token(req, SampledToken(first_token, first_logprob), emit_token=False)
+        reason = append_token(req, SampledToken(first_token, first_logprob), self.eos_token_ids, self.context_len)
+        if reason is None:
+            return None
+        self.scheduler.finish(req, reason)
+        del self._requests[request_id]
+        return finish_output(req)
 
     def abort(self, request_id: str, message: str = "aborted", write_settled: bool = False) -> StepOutput | None:
         """End a request or drop a reservation, freeing its pages. None if nothing was held.
@@ -232,6 +243,8 @@ class Engine:
             num_total_pages=self.allocator.num_pages,
             num_cached_pages=self.num_cached_pages,
             num_preemptions=self.scheduler.num_preemptions,
+            num_draft_tokens=self.scheduler.num_draft_tokens,
+            num_accepted_tokens=self.scheduler.num_accepted_tokens,
         )
 
     # ---- the step ------------------------------------------------------------------------
@@ -241,65 +254,14 @@ class Engine:
         return self.scheduler.has_work
 
     def step(self) -> list[StepOutput]:
-        """Run one batch. A prefill step that computes only a chunk of a prompt gives that request
-        no output; its first token (with its prompt logprobs, gathered over the chunks) comes with
-        the step that computes the prompt's last chunk."""
-        batch, evicted = self.scheduler.schedule()
-        outputs = [finish_output(self._requests.pop(r.request_id)) for r in evicted]
-        if batch is None:
-            return outputs
-        if not batch.is_decode:
-            started = time.perf_counter()
-            for req in batch.requests:
-                if req.prefill_started_at is None:  # a later chunk keeps the first chunk's start
-                    req.prefill_started_at = started
-        sampled = self.runner.run(batch.requests, batch.is_decode, self.grammar)
-        for row, req in enumerate(batch.requests):
-            if row in sampled.non_finite_rows:  # this request alone fails; the rest of the batch goes on
-                outputs.append(self._fail(req, NON_FINITE_LOGITS_MESSAGE))
-                continue
-            if not batch.is_decode:
-                if sampled.prompt is not None:  # the piece this chunk scored joins those before it
-                    req.prompt_logprobs = join_prompt_logprobs(req.prompt_logprobs, sampled.prompt[row])
-                if not self.scheduler.after_prefill(req):
-                    continue  # a non-final chunk: the token sampled from its last row means nothing
-            token = sampled.token(row)
-            if req.is_prefill_only:
-                outputs.append(self._finish_prefill_only(req, token))
-            else:
-                outputs.append(self._append_token(req, token, emit_token=True))
+        """Run one step: schedule -> execute -> update. A request whose step computed only a chunk of
+        its prompt gives no output; its first token (with its prompt logprobs, gathered over the
+        chunks) comes with the step that computes the prompt's last chunk."""
+        scheduled = self.scheduler.schedule()
+        output = self.runner.execute(scheduled, self.grammar) if not scheduled.is_empty else ModelOutput((), ())
+        outputs = self.scheduler.update_from_output(scheduled, output, self.weights_id)
+        for req in scheduled.aborted + scheduled.requests:
+            if req.is_finished and self._requests.pop(req.request_id, None) is not None:
+                if req.is_prefill_only and req.finish_reason is None:  # its KV awaits the transfer
+                    self._held[req.request_id] = req
         return outputs
-
-    # ---- internals -----------------------------------------------------------------------
-
-    def _fail(self, req: Request, message: str) -> StepOutput:
-        """End `req` with FinishReason.ERROR (its pages freed) and say why."""
-        logger.error("request %s failed: %s", req.request_id, message)
-        self.scheduler.finish(req, FinishReason.ERROR, message)
-        del self._requests[req.request_id]
-        return finish_output(req)
-
-    def _finish_prefill_only(self, req: Request, token: SampledToken) -> StepOutput:
-        record_token(req, token)
-        self.scheduler.finish(req, None, keep_pages=True)
-        self._held[req.request_id] = self._requests.pop(req.request_id)
-        return prefill_only_output(req, token, self.weights_id)
-
-    @overload
-    def _append_token(self, req: Request, token: SampledToken, emit_token: Literal[True]) -> StepOutput: ...
-    @overload
-    def _append_token(self, req: Request, token: SampledToken, emit_token: bool) -> StepOutput | None: ...
-
-    def _append_token(self, req: Request, token: SampledToken, emit_token: bool) -> StepOutput | None:
-        """Record `token` as `req`'s next output, finishing `req` when it ends it. With `emit_token`
-        (a sampled token) an output always comes back; without (the first token `admit` is given,
-        sampled by the prefill worker) one comes back only when the token finished it."""
-        if emit_token and req.grammar_matcher is not None:
-            accept_token(req.grammar_matcher, token.token_id)
-        reason = append_token(req, token, self.eos_token_ids, self.context_len)
-        if reason is not None:
-            self.scheduler.finish(req, reason)
-            del self._requests[req.request_id]
-        if emit_token:
-            return token_output(req, token, reason)
-        return None if reason is None else finish_output(req)

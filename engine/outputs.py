@@ -7,12 +7,9 @@ No torch here.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from engine.errors import InvalidRequestError
 from engine.request import FinishReason, Request, StepOutput
-
-if TYPE_CHECKING:
-    from engine.runner import SampledToken
+from engine.step_records import SampledToken
 
 
 def finish_reason(req: Request, token_id: int, eos_token_ids: frozenset[int], context_len: int) -> FinishReason | None:
@@ -25,6 +22,13 @@ def finish_reason(req: Request, token_id: int, eos_token_ids: frozenset[int], co
     if len(req.output_ids) >= params.max_new_tokens or req.seq_len >= context_len:
         return FinishReason.LENGTH
     return None
+
+
+def accept_grammar_token(req: Request, token_id: int) -> None:
+    """Advance `req`'s grammar matcher (if any) past a sampled token; a token outside the grammar is an
+    engine bug (the step's mask allowed only tokens that continue it)."""
+    if req.grammar_matcher is not None and not req.grammar_matcher.accept_token(token_id):
+        raise InvalidRequestError(f"token {token_id} does not continue the requested grammar")
 
 
 def record_token(req: Request, token: SampledToken) -> None:

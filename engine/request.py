@@ -78,18 +78,20 @@ class Request:
     """One sequence in the engine.
 
     `prompt_ids` + `output_ids` is the sequence; KV is held in `page_ids` for the first
-    `num_computed` tokens. A long prompt may be prefilled over several steps (chunked prefill):
-    each prefill step computes `num_new_tokens` more prompt tokens from `num_computed` on, and
-    the request samples its first token only after the last chunk. A prefill-only request
+    `num_computed` tokens. Each step computes some of the rest (the scheduler says how many) and
+    samples the next token once it reaches the last one: a long prompt may take several steps
+    (chunked prefill), a decoding request computes its newest token each step. A prefill-only request
     (`is_prefill_only`) finishes after its first sampled token and keeps its pages until the
     server releases them (after the KV transfer).
     With `prompt_logprob_start` set, prefill also scores the prompt's own tokens from that position
     on (`prompt_logprobs`), so the prefix cache may serve at most the tokens before it.
     A running request preempted for lack of pages (`is_resuming`) gave its pages back; it waits to
-    be prefilled again over its whole sequence so far, and the token sampled at the end of that
-    prefill is its next output token, as a decode step would have sampled it.
+    be computed again over its whole sequence so far, and the token sampled at the end of that
+    is its next output token, as a decode step would have sampled it.
     `priority` orders the waiting queue and the choice of whom to preempt (lower value: first served,
     last preempted).
+    `draft_ids`: tokens a proposer guessed to follow the sequence (speculative decoding), fed with
+    the newest token in one step and verified there; the scheduler sets them, the step clears them.
     """
 
     request_id: str
@@ -100,9 +102,6 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     num_computed: int = 0
-    # Set by the scheduler for each prefill step: the runner computes prompt_ids[num_computed:
-    # num_computed + num_new_tokens] (fewer than the rest of the prompt for a non-final chunk).
-    num_new_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     grammar_matcher: Any = None  # runtime state of `sampling.grammar` (engine.grammar)
     status: RequestStatus = RequestStatus.WAITING
@@ -112,21 +111,27 @@ class Request:
     prompt_logprob_start: int | None = None  # score the prompt from this position (None: don't)
     prompt_logprobs: PromptLogprobs | None = None
     prefill_started_at: float | None = None  # time.perf_counter() when its (first chunk's) prefill began
-    is_resuming: bool = False  # preempted: its KV is recomputed by a prefill of `prefill_ids`
+    is_resuming: bool = False  # preempted: its KV is recomputed over its whole sequence so far
     priority: int = 0  # lower is served first and preempted last (vLLM's convention)
+    draft_ids: list[int] = field(default_factory=list)
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
 
-    @property
-    def prefill_ids(self) -> list[int]:
-        """What a prefill computes: the prompt, or for a resuming request the whole sequence so far."""
-        return self.prompt_ids + self.output_ids if self.is_resuming else self.prompt_ids
-
-    @property
-    def prefill_len(self) -> int:
-        return self.seq_len if self.is_resuming else self.prompt_len
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens `start ... end - 1` of the sequence (prompt, then output, then drafts), without
+        copying the rest."""
+        if end > self.seq_len:
+            return (
+                self.token_ids(start, self.seq_len) + self.draft_ids[max(0, start - self.seq_len) : end - self.seq_len]
+            )
+        num_prompt = len(self.prompt_ids)
+        if end <= num_prompt:
+            return self.prompt_ids[start:end]
+        if start >= num_prompt:
+            return self.output_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_ids[start:] + self.output_ids[: end - num_prompt]
 
     @property
     def seq_len(self) -> int:

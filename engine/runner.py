@@ -1,7 +1,8 @@
 """ModelRunner: owns the model, the KV pool tensor, the attention backend and the sampler; runs one batch.
 
-It turns a list of scheduled requests into input tensors and attention metadata, runs one
-forward pass, samples one token per request and returns them. It never changes request state.
+It turns a step's `SchedulerOutput` into input tensors and attention metadata, runs one forward
+pass, samples the next token of each request that reaches its last known token and returns them as
+a `ModelOutput`. It never changes request state.
 
 Everything lives on `EngineConfig.device`, chosen once here: the weights (materialized there),
 the KV pool, the rotary tables, the expert counts. Each step's inputs are built on the host (in
@@ -12,7 +13,9 @@ the device without blocking.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -20,51 +23,19 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graph import capture_decode_graphs
 from engine.grammar import GrammarBackend
 from engine.kv_pool import KVLayout, KVPool
-from engine.logits import LogprobExtras, adjust_logits, logprob_extras, score_prompt
+from engine.logits import adjust_logits, logprob_extras, score_prompt
 from engine.model_setup import attention_backend, load_causal_lm, load_causal_lm_weights, rotary_embedding, torch_dtype
 from engine.moe import ExpertRecorder
 from engine.request import PromptLogprobs, Request
 from engine.step_inputs import StepInputs, build_step_inputs
+from engine.step_records import ModelOutput, SampledToken, SchedulerOutput
 from engine.weights import Checkpoint
 from kernels.attention import resolve_attention_backend
 from kernels.quant_linear import QuantizedEmbedding, QuantizedLinear
+from kernels.rejection_sampling import verify
 from kernels.sampling import SamplingBatch, create_sampler, resolve_sampler
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class SampledToken:
-    """One request's token from a step: its logprob, and its top / requested logprobs when asked."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-    requested: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class SampledTokens:
-    """One token per scheduled request, in batch order; `extras` when any request asked for them,
-    and `prompt` (per request, None where not asked) when a prefill request wanted prompt logprobs.
-    `non_finite_rows`: the rows whose logits held a NaN or +inf (or only -inf); their tokens mean
-    nothing and their requests must fail."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    extras: LogprobExtras | None = None
-    prompt: list[PromptLogprobs | None] | None = None
-    non_finite_rows: tuple[int, ...] = ()
-
-    def token(self, row: int) -> SampledToken:
-        """The token of the request in batch row `row`."""
-        extras = self.extras
-        return SampledToken(
-            self.token_ids[row],
-            self.logprobs[row],
-            extras.top[row] if extras else (),
-            extras.requested[row] if extras else (),
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,30 +117,85 @@ class ModelRunner:
         return max(1, int(config.kv_cache_gib * 2**30) // self.layout.page_bytes)
 
     @torch.inference_mode()
-    def run(self, requests: list[Request], is_decode: bool, grammar: GrammarBackend | None = None) -> SampledTokens:
-        """Run the new tokens of `requests` (pages already allocated) and sample one token each.
+    def execute(self, scheduled: SchedulerOutput, grammar: GrammarBackend | None = None) -> ModelOutput:
+        """Compute the step's tokens (writing their KV into the pool) and sample the next token of each
+        sampling request, verifying its draft tokens first when it has some (each accepted draft is
+        an output token too); score the prompt pieces asked for. Reads request state, changes none."""
+        requests = scheduled.requests
+        hidden, inputs = self._forward(requests, scheduled.num_new_tokens, scheduled.is_decode_only)
+        prompt: tuple[PromptLogprobs | None, ...] = ()
+        if any(r.prompt_logprob_start is not None for r in requests):
+            prompt = tuple(self._prompt_logprobs(hidden, requests, inputs.query_lens))
+        samplers = [i for i, is_sampling in enumerate(scheduled.is_sampling) if is_sampling]
+        sampled: list[tuple[SampledToken, ...]] = [() for _ in requests]
+        if not samplers:
+            return ModelOutput(tuple(sampled), prompt)
+        batch = [requests[i] for i in samplers]
+        num_rows = [len(r.draft_ids) + 1 for r in batch]  # logit rows per sampling request: its last ones
+        if len(samplers) == len(requests) and all(n == 1 for n in num_rows):
+            logit_rows = inputs.logit_rows
+        else:
+            ends = list(accumulate(inputs.query_lens))
+            rows = [row for i, n in zip(samplers, num_rows) for row in range(ends[i] - n, ends[i])]
+            logit_rows = torch.tensor(rows, device=hidden.device)
+        owners = [r for r, n in zip(batch, num_rows) for _ in range(n)]  # the request of each logit row
+        logits, non_finite_rows = self._finite_logits(self.model.compute_logits(hidden[logit_rows]), owners)
+        adjusted = adjust_logits(logits, owners, self.model_config.eos_token_ids)
+        if grammar is not None and any(r.grammar_matcher is not None for r in owners):
+            adjusted = grammar.mask_logits(adjusted, [r.grammar_matcher for r in owners])
+        tokens = self._sample(logits, adjusted, batch, owners, num_rows)
+        for i, request_tokens in zip(samplers, tokens):
+            sampled[i] = request_tokens
+        row_owners = [i for i, n in zip(samplers, num_rows) for _ in range(n)]  # each logit row's batch index
+        return ModelOutput(tuple(sampled), prompt, frozenset(row_owners[row] for row in non_finite_rows))
 
-        Writes the new tokens' KV into the pool. For prefill, the new tokens are
-        prompt_ids[num_computed:]; for decode, the last generated token.
-        """
-        hidden, inputs = self._forward(requests, is_decode)
-        logits, non_finite_rows = self._finite_logits(self.model.compute_logits(hidden[inputs.logit_rows]), requests)
-        prompt = None
-        if not is_decode and any(r.prompt_logprob_start is not None for r in requests):
-            prompt = self._prompt_logprobs(hidden, requests, inputs.query_lens)
-        adjusted = adjust_logits(logits, requests, self.model_config.eos_token_ids)
-        if grammar is not None and any(r.grammar_matcher is not None for r in requests):
-            adjusted = grammar.mask_logits(adjusted, [r.grammar_matcher for r in requests])
-        token_ids, logprobs = self.sampler.sample(adjusted, _sampling_batch(requests, self.device))
-        needs_raw = adjusted is not logits or any(
-            r.sampling.top_logprobs_num or r.sampling.token_ids_logprob for r in requests
-        )
-        extras = None
-        if needs_raw:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-            logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-            extras = logprob_extras(raw_logprobs, requests)
-        return SampledTokens(token_ids.tolist(), logprobs.tolist(), extras, prompt, non_finite_rows)
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        adjusted: torch.Tensor,
+        batch: list[Request],
+        owners: list[Request],
+        num_rows: list[int],
+    ) -> list[tuple[SampledToken, ...]]:
+        """Each request's tokens from its logit rows (raw `logits`, `adjusted` to sample from):
+        one sampled token, or, with drafts, the accepted drafts and one more (rejection sampling keeps
+        the target distribution). Logprobs are of the raw logits."""
+        sampling = _sampling_batch(batch, self.device)
+        needs_extras = any(r.sampling.top_logprobs_num or r.sampling.token_ids_logprob for r in batch)
+        if all(n == 1 for n in num_rows):
+            token_ids, logprobs = self.sampler.sample(adjusted, sampling)
+            emitted = [[t] for t in token_ids.tolist()]
+            if adjusted is not logits or needs_extras:
+                raw_logprobs = torch.log_softmax(logits, dim=-1)
+                logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+            emitted_logprobs = [[lp] for lp in logprobs.tolist()]
+            emitted_rows = list(range(len(batch)))
+        else:
+            verified = verify(adjusted, [r.draft_ids for r in batch], None, sampling)
+            emitted = verified.token_ids
+            firsts = [0, *accumulate(num_rows)]
+            emitted_rows = [first + j for first, tokens in zip(firsts, emitted) for j in range(len(tokens))]
+            flat = torch.tensor([t for tokens in emitted for t in tokens], device=logits.device)
+            raw_logprobs = torch.log_softmax(logits[emitted_rows], dim=-1)
+            flat_logprobs = raw_logprobs.gather(1, flat.unsqueeze(1)).squeeze(1).tolist()
+            emitted_logprobs, at = [], 0
+            for tokens in emitted:
+                emitted_logprobs.append(flat_logprobs[at : at + len(tokens)])
+                at += len(tokens)
+            if needs_extras:
+                raw_logprobs = torch.log_softmax(logits, dim=-1)
+        extras = logprob_extras(raw_logprobs, owners) if needs_extras else None
+        results: list[tuple[SampledToken, ...]] = []
+        row_at = 0
+        for tokens, logprob_list in zip(emitted, emitted_logprobs):
+            results.append(
+                tuple(
+                    SampledToken(t, lp, *((extras.top[row], extras.requested[row]) if extras else ((), ())))
+                    for t, lp, row in zip(tokens, logprob_list, emitted_rows[row_at:])
+                )
+            )
+            row_at += len(tokens)
+        return results
 
     def _finite_logits(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, tuple[int, ...]]:
         """`logits` [B, V], with every row that has no usable distribution (a NaN or +inf anywhere, or
@@ -186,19 +212,24 @@ class ModelRunner:
         return logits.masked_fill(~is_usable.unsqueeze(1), 0.0), rows
 
     @torch.inference_mode()
-    def forward_logits(self, requests: list[Request], is_decode: bool) -> torch.Tensor:
-        """One forward pass; fp32 logits [B, V] on the device at each request's last new token (KV written)."""
-        hidden, inputs = self._forward(requests, is_decode)
+    def forward_logits(self, requests: list[Request], num_new_tokens: list[int] | None = None) -> torch.Tensor:
+        """One forward pass in which request i computes `num_new_tokens[i]` tokens from `num_computed`
+        on (None: all it lacks); fp32 logits [B, V] on the device at each request's last new token
+        (KV written)."""
+        counts = num_new_tokens or [r.seq_len - r.num_computed for r in requests]
+        hidden, inputs = self._forward(requests, counts, is_decode_only=all(n == 1 for n in counts))
         return self.model.compute_logits(hidden[inputs.logit_rows])
 
-    def _forward(self, requests: list[Request], is_decode: bool) -> tuple[torch.Tensor, StepInputs]:
+    def _forward(
+        self, requests: Sequence[Request], num_new_tokens: Sequence[int], is_decode_only: bool
+    ) -> tuple[torch.Tensor, StepInputs]:
         """Final hidden states [T, hidden] of every new token, and the step's inputs on the device
-        (from a CUDA graph when the decode step fits one)."""
-        if is_decode and self.decode_graphs is not None:
+        (from a CUDA graph when a decode-only step fits one)."""
+        if is_decode_only and self.decode_graphs is not None:
             replayed = self.decode_graphs.replay(requests)
             if replayed is not None:
                 return replayed
-        host = build_step_inputs(requests, is_decode, self.page_size, pin=self._pin)
+        host = build_step_inputs(requests, num_new_tokens, self.page_size, pin=self._pin)
         self.attention.plan(host.meta)
         inputs = host.to(self.device)
         hidden = self.model(
@@ -213,7 +244,7 @@ class ModelRunner:
         return hidden, inputs
 
     def _prompt_logprobs(
-        self, hidden: torch.Tensor, requests: list[Request], query_lens: tuple[int, ...]
+        self, hidden: torch.Tensor, requests: Sequence[Request], query_lens: tuple[int, ...]
     ) -> list[PromptLogprobs | None]:
         """Score each asking request's prompt tokens from max(prompt_logprob_start, 1) on, as far as this
         step's rows reach: the row of position p predicts token p + 1, and a prefill chunk holds rows

@@ -1,42 +1,54 @@
-"""Chooses what runs each step and owns page bookkeeping for requests. No torch here.
+"""Chooses the tokens each step computes and owns page bookkeeping for requests. No torch here.
 
-Policy: new prompts are prefilled first (by priority, then first come first served, up to
-`max_prefill_tokens` per step, and only while their pages fit); otherwise every running request
-decodes together in one batch. A running request that needs a new page when none is free preempts
-running requests, the lowest priority (highest `priority` value) and then the newest first: they
-give their pages back and wait, ahead of new prompts of their priority, to be recomputed by a
-prefill of everything they had (their output so far included) once pages are free again, then
-decode on. A reservation that does not fit preempts running requests of a lower priority than its
-own the same way. Only a request that could not fit even alone in the whole pool is aborted.
+A request has `num_computed` tokens with KV and `seq_len` tokens it knows (prompt, then output); a
+step computes some of the rest. It samples its next token when the step reaches its last known
+token. A step is filled in this order, prefill and decode in one batch:
 
-Chunked prefill (`chunked_prefill_size`): a prefill step computes at most that many prompt tokens
-(and at most `max_prefill_tokens`) in all; the prompt that would cross the cap is split, and the
-rest of it stays at the head of `waiting`, holding every page of its prompt (allocated with its
-first chunk), to continue first in the next step. So one long prompt never holds a step for
-long; but prefill still comes first, so running requests decode only once no prompt is waiting,
-as without chunking.
+1. running requests that lack only their newest token (decoding): one token each, always, plus the
+   draft tokens a `proposer` guesses for them (speculative decoding: verified in the same step);
+2. running requests part-way through their prompt (chunked prefill): their next chunk;
+3. waiting prompts, by priority then first come first served, while their pages fit and fewer than
+   `max_running_requests` run; an admitted prompt holds the pages of its whole prompt from its first
+   chunk and runs from then on.
+
+Prompt tokens per step are capped by `max_prefill_tokens`, by `chunked_prefill_size` when chunking
+(the prompt crossing the cap is split), and by what `max_num_batched_tokens` leaves after the
+decode tokens. Without chunking a prompt is never split: one longer than the cap runs whole, alone.
+
+A decoding request that needs a new page when none is free preempts running requests, the lowest
+priority (highest `priority` value) and then the newest first: they give their pages back and wait,
+ahead of new prompts of their priority, to be recomputed over everything they had (their output
+so far included), then decode on. A reservation that does not fit preempts running requests of a
+lower priority than its own the same way. Only a request that could not fit even alone in the whole
+pool is aborted.
+
+`update_from_output` takes the step's `ModelOutput` and turns it into the requests' progress and
+their `StepOutput`s.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
-from dataclasses import dataclass
 
 from engine.errors import CapacityError
+from engine.outputs import accept_grammar_token, append_token, finish_output, prefill_only_output, token_output
 from engine.page_allocator import pages_needed
 from engine.page_pool import PagePool
-from engine.request import FinishReason, Request, RequestStatus
+from engine.proposers import Proposer
+from engine.request import FinishReason, Request, RequestStatus, StepOutput, join_prompt_logprobs
+from engine.step_records import ModelOutput, SchedulerOutput
 
+logger = logging.getLogger(__name__)
 
-@dataclass(frozen=True, slots=True)
-class ScheduledBatch:
-    requests: list[Request]
-    is_decode: bool
+NON_FINITE_LOGITS_MESSAGE = "the model produced non-finite logits (NaN or inf) for this request"
 
 
 class Scheduler:
     """Owns `waiting` and `running`; takes and returns every request page through `pages`, which
-    may or may not cache prefixes (the scheduler never needs to know)."""
+    may or may not cache prefixes (the scheduler never needs to know). `eos_token_ids` and
+    `context_len` decide when a sampled token ends its request."""
 
     def __init__(
         self,
@@ -44,15 +56,26 @@ class Scheduler:
         max_running_requests: int,
         max_prefill_tokens: int,
         chunked_prefill_size: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+        context_len: int = 2**31,
+        proposer: Proposer | None = None,
     ) -> None:
         self.pages = pages
         self.page_size = pages.page_size
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.chunked_prefill_size = chunked_prefill_size or None  # 0, like None, means no chunking
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = eos_token_ids
+        self.context_len = context_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.proposer = proposer
+        self.num_draft_tokens = 0  # proposed and verified, since start
+        self.num_accepted_tokens = 0  # of those, accepted
+        self._preempted: list[Request] = []  # this step's, for its SchedulerOutput
 
     @property
     def has_work(self) -> bool:
@@ -64,12 +87,9 @@ class Scheduler:
 
     def _waiting_slot(self, priority: int, is_ahead_of_equals: bool) -> int:
         """Where a request of `priority` joins `waiting`: before the first request of a worse priority
-        (or, `is_ahead_of_equals`, of the same one too), never before a prompt part-way through its
-        chunks, which holds its pages at the head."""
-        start = 1 if self.waiting and self.waiting[0].page_ids else 0
-        for i in range(start, len(self.waiting)):
-            other = self.waiting[i].priority
-            if other > priority or (is_ahead_of_equals and other == priority):
+        (or, `is_ahead_of_equals`, of the same one too)."""
+        for i, other in enumerate(self.waiting):
+            if other.priority > priority or (is_ahead_of_equals and other.priority == priority):
                 return i
         return len(self.waiting)
 
@@ -78,67 +98,111 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 
-    def schedule(self) -> tuple[ScheduledBatch | None, list[Request]]:
-        """Pick the next batch. Also returns requests aborted because they could never fit (already finished)."""
-        prefill = self._schedule_prefill()
-        if prefill:
-            return ScheduledBatch(prefill, is_decode=False), []
-        evicted = self._grow_decode_pages()
-        if not self.running:
-            return None, evicted
-        return ScheduledBatch(list(self.running), is_decode=True), evicted
+    # ---- the step ------------------------------------------------------------------------
 
-    def _schedule_prefill(self) -> list[Request]:
-        """Admit waiting prompts FCFS; set each one's `num_new_tokens` for this step.
-
-        A request already part-way through its prompt (a chunk ran, its pages are allocated) is
-        always first in `waiting` and continues regardless of `max_running_requests`, which
-        counted it when it was admitted.
-        """
-        batch: list[Request] = []
-        num_tokens = 0
-        budget = self._prefill_budget
-        while self.waiting and num_tokens < budget:
-            req = self.waiting[0]
-            is_continuing = bool(req.page_ids)  # only an admitted waiting request holds pages
-            if not is_continuing and len(self.running) + len(batch) >= self.max_running_requests:
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's tokens (see the module docstring). Requests that could never fit are
+        finished here and listed in `aborted`."""
+        self._preempted = []
+        decoding = [r for r in self.running if r.seq_len - r.num_computed == 1]
+        aborted = self._grow_decode_pages(decoding)
+        decoding = [r for r in decoding if r in self.running]
+        if self.proposer is not None:
+            for req in decoding:
+                self._propose(req, self.proposer)
+        requests: list[Request] = list(decoding)
+        counts = [1 + len(r.draft_ids) for r in decoding]
+        budget = self._prompt_budget(sum(counts))
+        num_prompt_tokens = 0
+        for req in [r for r in self.running if r.seq_len - r.num_computed > 1]:  # chunks to continue
+            if num_prompt_tokens >= budget:
                 break
-            if self.chunked_prefill_size is None and batch and num_tokens + req.prefill_len - req.num_computed > budget:
+            num_new = min(req.seq_len - req.num_computed, budget - num_prompt_tokens)
+            requests.append(req)
+            counts.append(num_new)
+            num_prompt_tokens += num_new
+        for req, num_new in self._admit_waiting(budget - num_prompt_tokens, is_first=num_prompt_tokens == 0):
+            requests.append(req)
+            counts.append(num_new)
+        is_sampling = tuple(r.num_computed + n == r.seq_len + len(r.draft_ids) for r, n in zip(requests, counts))
+        return SchedulerOutput(tuple(requests), tuple(counts), is_sampling, tuple(aborted), tuple(self._preempted))
+
+    def _propose(self, req: Request, proposer: Proposer) -> None:
+        """Give a decoding request the drafts `proposer` guesses, as many as its limits (max tokens,
+        context) and the pages it holds or can take without preempting allow. A request whose next
+        token depends on its earlier ones through more than the logits (a grammar, penalties, logit
+        bias, a minimum of new tokens still to reach) or that will not decode here gets none."""
+        params = req.sampling
+        if (
+            req.is_prefill_only
+            or req.grammar_matcher is not None
+            or params.has_penalties
+            or params.logit_bias
+            or len(req.output_ids) < params.min_new_tokens
+        ):
+            return
+        room = min(params.max_new_tokens - len(req.output_ids), self.context_len - req.seq_len) - 1
+        drafts = proposer.propose(req.token_ids(0, req.seq_len), room) if room > 0 else []
+        extra_pages = pages_needed(req.seq_len + len(drafts), self.page_size) - len(req.page_ids)
+        if extra_pages > 0:
+            if self.pages.can_allocate(extra_pages):
+                req.page_ids.extend(self.pages.allocate(extra_pages))
+            else:
+                drafts = drafts[: len(req.page_ids) * self.page_size - req.seq_len]
+        req.draft_ids = drafts
+
+    def _prompt_budget(self, num_decode_tokens: int) -> int:
+        """Prompt tokens this step may compute, after `num_decode_tokens` decode tokens."""
+        budget = self.max_prefill_tokens
+        if self.chunked_prefill_size is not None:
+            budget = min(budget, self.chunked_prefill_size)
+        if self.max_num_batched_tokens is not None:
+            budget = min(budget, self.max_num_batched_tokens - num_decode_tokens)
+        return budget
+
+    def _admit_waiting(self, budget: int, is_first: bool) -> list[tuple[Request, int]]:
+        """Admit waiting prompts in order within `budget` prompt tokens (`is_first`: no prompt token is
+        in the step yet, so an unchunked prompt over the budget may run alone): their pages are
+        allocated, they run, and each gets its number of new tokens for this step."""
+        admitted: list[tuple[Request, int]] = []
+        num_tokens = 0
+        is_chunking = self.chunked_prefill_size is not None
+        while self.waiting and len(self.running) < self.max_running_requests:
+            req = self.waiting[0]
+            room = budget - num_tokens
+            if is_chunking and room <= 0:
+                break
+            if not is_chunking and req.seq_len > room and (admitted or not is_first):
                 break
             matched = self._match_prefix(req)
-            needed = pages_needed(req.prefill_len, self.page_size) - len(req.page_ids)
+            needed = pages_needed(req.seq_len, self.page_size) - len(req.page_ids)
             # a preempted request comes back only with a page of room for each running one, or the
             # next decode step would preempt again at once
-            headroom = len(self.running) if req.is_resuming and not is_continuing else 0
+            headroom = len(self.running) if req.is_resuming else 0
             if not self.pages.can_allocate(needed + headroom):
                 if matched:  # give the matched pages back; the request retries the match later
                     self.release_pages(req)
                     req.num_computed = req.num_cached_tokens = 0
                 break
             req.page_ids.extend(self.pages.allocate(needed))
-            num_left = req.prefill_len - req.num_computed
-            is_split = self.chunked_prefill_size is not None and num_tokens + num_left > budget
-            req.num_new_tokens = budget - num_tokens if is_split else num_left
-            batch.append(req)
-            num_tokens += req.num_new_tokens
-            if is_split:
-                break  # the rest of its prompt stays at the head of `waiting` for the next step
             self.waiting.popleft()
-        return batch
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            if req.prefill_started_at is None:  # a recompute keeps its first prefill's start
+                req.prefill_started_at = time.perf_counter()
+            num_left = req.seq_len - req.num_computed
+            num_new = min(num_left, budget - num_tokens) if is_chunking else num_left
+            admitted.append((req, num_new))
+            num_tokens += num_new
+        return admitted
 
-    @property
-    def _prefill_budget(self) -> int:
-        """Prompt tokens one prefill step may compute (without chunking, a lone longer prompt may exceed it)."""
-        if self.chunked_prefill_size is None:
-            return self.max_prefill_tokens
-        return min(self.chunked_prefill_size, self.max_prefill_tokens)
-
-    def _grow_decode_pages(self) -> list[Request]:
-        """Give each running request room for the token it is about to write. When the pool has no
-        page left, the newest running requests are preempted (`preempt`) until one is free; a request
-        that could not fit even alone in the whole pool is aborted instead. Returns the aborted."""
+    def _grow_decode_pages(self, decoding: list[Request]) -> list[Request]:
+        """Give each decoding request room for the token it is about to write. When the pool has no
+        page left, running requests are preempted (`preempt`, the lowest priority and newest first)
+        until one is free; a request that could not fit even alone in the whole pool is aborted
+        instead. Returns the aborted."""
         aborted: list[Request] = []
-        for req in list(self.running):
+        for req in decoding:
             needed = pages_needed(req.seq_len, self.page_size)
             if req not in self.running or needed <= len(req.page_ids):
                 continue
@@ -156,15 +220,71 @@ class Scheduler:
                 req.page_ids.extend(self.pages.allocate(1))
         return aborted
 
+    def update_from_output(
+        self, scheduled: SchedulerOutput, output: ModelOutput, weights_id: str = ""
+    ) -> list[StepOutput]:
+        """Record what the step computed and sampled: each request's `num_computed` advances, a
+        completed prompt joins the prefix cache and decodes on, a sampled token is recorded (and may
+        finish its request: `finish`), a prefill-only request finishes keeping its pages, a request
+        with non-finite logits fails. Returns the step's outputs (those of `scheduled.aborted` first);
+        a request whose chunk was not its prompt's last gives none. `weights_id` names the weights
+        (for prefill-only outputs)."""
+        outputs = [finish_output(r) for r in scheduled.aborted]
+        for i, (req, num_new) in enumerate(zip(scheduled.requests, scheduled.num_new_tokens)):
+            if i in output.non_finite:  # this request alone fails; the rest of the batch goes on
+                logger.error("request %s failed: %s", req.request_id, NON_FINITE_LOGITS_MESSAGE)
+                self.finish(req, FinishReason.ERROR, NON_FINITE_LOGITS_MESSAGE)
+                outputs.append(finish_output(req))
+                continue
+            if output.prompt and output.prompt[i] is not None:  # the piece this chunk scored
+                req.prompt_logprobs = join_prompt_logprobs(req.prompt_logprobs, output.prompt[i])
+            was_prefilling = req.is_resuming or req.num_computed < req.prompt_len
+            req.num_computed += num_new
+            num_drafts, req.draft_ids = len(req.draft_ids), []
+            if not scheduled.is_sampling[i]:
+                continue
+            if was_prefilling:
+                self._complete_prefill(req)
+            if num_drafts:  # the rejected drafts' KV is void: it is overwritten as the sequence grows
+                num_accepted = len(output.sampled[i]) - 1
+                self.num_draft_tokens += num_drafts
+                self.num_accepted_tokens += num_accepted
+                req.num_computed -= num_drafts - num_accepted
+            for token in output.sampled[i]:
+                if req.is_prefill_only:
+                    req.output_ids.append(token.token_id)
+                    req.output_logprobs.append(token.logprob)
+                    self.finish(req, None, keep_pages=True)
+                    outputs.append(prefill_only_output(req, token, weights_id))
+                    break
+                accept_grammar_token(req, token.token_id)
+                reason = append_token(req, token, self.eos_token_ids, self.context_len)
+                if reason is not None:
+                    self.finish(req, reason)
+                outputs.append(token_output(req, token, reason))
+                if reason is not None:
+                    break
+        return outputs
+
+    def _complete_prefill(self, req: Request) -> None:
+        """`req`'s prompt (or, resuming, its whole sequence) now has KV: its full prompt pages join the
+        prefix cache and it is no longer resuming."""
+        req.is_resuming = False
+        self.pages.insert(req.prompt_ids, req.page_ids, req.num_cached_tokens // self.page_size)
+
+    # ---- pages, preemption, finishing ----------------------------------------------------
+
     def preempt(self, req: Request) -> None:
         """Pause a running request: free its pages and queue it to be recomputed (ahead of new
-        prompts of its priority, behind a prompt part-way through its chunks), keeping what it generated."""
+        prompts of its priority), keeping what it generated."""
         self.running.remove(req)
         self.release_pages(req)
         req.num_computed = req.num_cached_tokens = 0
+        req.draft_ids = []
         req.is_resuming = True
         req.status = RequestStatus.WAITING
         self.num_preemptions += 1
+        self._preempted.append(req)
         self.waiting.insert(self._waiting_slot(req.priority, is_ahead_of_equals=True), req)
 
     @staticmethod
@@ -182,22 +302,6 @@ class Scheduler:
         """A preempted request of `priority` or a better one waits to come back: a new reservation of
         `priority` must not take its pages first."""
         return any(r.is_resuming and r.priority <= priority for r in self.waiting)
-
-    def after_prefill(self, req: Request) -> bool:
-        """The step wrote `req.num_new_tokens` more prompt tokens. Returns whether the prompt is now
-        complete: then the request decodes (or, prefill-only, awaits its finish) and its full
-        prompt pages join the prefix cache. Otherwise it stays at the head of `waiting` for its
-        next chunk, and the token sampled this step must be ignored."""
-        req.num_computed += req.num_new_tokens
-        req.num_new_tokens = 0
-        if req.num_computed < req.prefill_len:
-            return False
-        req.is_resuming = False
-        self.pages.insert(req.prompt_ids, req.page_ids, req.num_cached_tokens // self.page_size)
-        if not req.is_prefill_only:
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-        return True
 
     def finish(self, req: Request, reason: FinishReason | None, message: str = "", keep_pages: bool = False) -> None:
         """Mark finished and drop from the queues; frees pages unless `keep_pages`."""
@@ -232,7 +336,7 @@ class Scheduler:
         return self.pages.allocate(needed)
 
     def _match_prefix(self, req: Request) -> list[int]:
-        """On a request's first scheduling, take the cached pages of its longest cached prefix.
+        """On a request's admission, take the cached pages of its longest cached prefix.
         A request scoring its prompt from `prompt_logprob_start` needs the hidden state of position
         start - 1, so only the tokens before that may come from the cache."""
         if req.page_ids or req.num_computed:

@@ -15,3 +15,5 @@ class EngineStats:
     num_total_pages: int
     num_cached_pages: int  # kept only by the prefix cache (reusable)
     num_preemptions: int  # running requests paused for lack of pages, since start
+    num_draft_tokens: int = 0  # speculative draft tokens verified, since start
+    num_accepted_tokens: int = 0  # of those, accepted as output

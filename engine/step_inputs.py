@@ -48,31 +48,20 @@ class StepInputs:
         )
 
 
-def build_step_inputs(requests: list[Request], is_decode: bool, page_size: int, pin: bool = False) -> StepInputs:
-    """Host tensors (pinned when `pin`) for one step of `requests`, whose pages are allocated.
-
-    Prefill computes `num_new_tokens` tokens of `req.prefill_ids` from `num_computed` on (the rest
-    when 0); decode feeds only the newest token."""
-    new_token_ids, starts = step_tokens(requests, is_decode)
+def build_step_inputs(
+    requests: Sequence[Request], num_new_tokens: Sequence[int], page_size: int, pin: bool = False
+) -> StepInputs:
+    """Host tensors (pinned when `pin`) for one step in which request i computes `num_new_tokens[i]`
+    tokens of its sequence from `num_computed` on; their pages are allocated."""
+    new_token_ids = [r.token_ids(r.num_computed, r.num_computed + n) for r, n in zip(requests, num_new_tokens)]
+    starts = [r.num_computed for r in requests]
     return paged_step_inputs(new_token_ids, starts, [r.page_ids for r in requests], page_size, pin)
 
 
-def step_tokens(requests: list[Request], is_decode: bool) -> tuple[list[list[int]], list[int]]:
-    """Each request's new token ids this step and the position of the first (its tokens before it
-    have KV already), as `build_step_inputs` feeds them."""
-    new_token_ids: list[list[int]] = []
-    starts: list[int] = []
-    for req in requests:
-        if is_decode:  # only the newest token is fed; copying the whole sequence would be O(length)
-            start = req.seq_len - 1
-            new = [req.output_ids[-1]] if req.output_ids else req.prompt_ids[-1:]
-        else:
-            start = req.num_computed
-            end = start + req.num_new_tokens if req.num_new_tokens else req.prefill_len
-            new = req.prefill_ids[start:end]
-        new_token_ids.append(new)
-        starts.append(start)
-    return new_token_ids, starts
+def decode_tokens(requests: Sequence[Request]) -> tuple[list[list[int]], list[int]]:
+    """Each request's newest token (as a one-token list) and its position: a decode step's feed,
+    as `paged_step_inputs` takes it."""
+    return [r.token_ids(r.seq_len - 1, r.seq_len) for r in requests], [r.seq_len - 1 for r in requests]
 
 
 def paged_step_inputs(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from engine.config import EngineConfig
+from engine.config import SPECULATIVE_ALGORITHMS, EngineConfig
 from engine.graph_batches import DEFAULT_MAX_GRAPH_BATCH_SIZE
 from kv_transfer import TransportConfig
 from launcher.defaults import field_default
@@ -112,6 +112,28 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "aborts and other requests wait. -1 or 0: off. The default leaves typical prompts (a "
         "256-token benchmark prompt, a chat turn) whole, since each chunk costs another pass over "
         "the weights on a CPU, and splits only the long prompts that would stall a step",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=field_default(EngineConfig, "max_num_batched_tokens"),
+        help="tokens one step computes at most, decode and prompt together (vLLM's flag): running "
+        "requests' decode tokens go first and prompt chunks get what is left. Unset: prompt tokens "
+        "are capped only by --max-prefill-tokens and --chunked-prefill-size",
+    )
+    p.add_argument(
+        "--speculative-algorithm",
+        choices=SPECULATIVE_ALGORITHMS,
+        default=field_default(EngineConfig, "speculative_algorithm"),
+        help="speculative decoding on decode workers: ngram guesses each request's next tokens from "
+        "its own text (prompt lookup, no second model) and verifies them in the same step; the output "
+        "follows the model's distribution exactly (greedy output is unchanged). Unset: off",
+    )
+    p.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=field_default(EngineConfig, "speculative_num_draft_tokens"),
+        help="draft tokens a request may verify per step with --speculative-algorithm",
     )
     p.add_argument(
         "--quantization",

@@ -96,6 +96,19 @@ class WorkerMetrics:
             "Running requests paused for lack of KV pages (recomputed later) since start",
             registry=r,
         )
+        self.draft_tokens = Gauge(
+            "tandem_worker_spec_draft_tokens",
+            "Speculative draft tokens verified since start (--speculative-algorithm)",
+            registry=r,
+        )
+        self.accepted_tokens = Gauge(
+            "tandem_worker_spec_accepted_tokens", "Of the draft tokens verified, those accepted as output", registry=r
+        )
+        self.acceptance_rate = Gauge(
+            "tandem_worker_spec_acceptance_rate",
+            "Accepted draft tokens over draft tokens verified, since start",
+            registry=r,
+        )
         self._num_prompt_tokens = 0
         self._num_cached_tokens = 0
 
@@ -115,6 +128,9 @@ class WorkerMetrics:
         self.kv_pages.labels("cached").set(stats.num_cached_pages)
         self.kv_pages.labels("used").set(stats.num_total_pages - stats.num_free_pages - stats.num_cached_pages)
         self.preemptions.set(stats.num_preemptions)
+        self.draft_tokens.set(stats.num_draft_tokens)
+        self.accepted_tokens.set(stats.num_accepted_tokens)
+        self.acceptance_rate.set(stats.num_accepted_tokens / max(1, stats.num_draft_tokens))
 
     def record_prefill(
         self, num_prompt_tokens: int, num_cached_tokens: int, kv_bytes: int, transfer_seconds: float

@@ -121,7 +121,7 @@ def assert_logits_match_hf(engine: Engine, hf: PreTrainedModel, lengths: tuple[i
                 for n in lengths]
     for req in requests:
         req.page_ids = engine.allocator.allocate(pages_needed(req.prompt_len, page_size))
-    logits = engine.runner.forward_logits(requests, is_decode=False)
+    logits = engine.runner.forward_logits(requests)
     for _ in range(num_decode_steps):
         for row, req in enumerate(requests):
             expected = hf_last_logits(hf, req.prompt_ids + req.output_ids)
@@ -131,7 +131,7 @@ def assert_logits_match_hf(engine: Engine, hf: PreTrainedModel, lengths: tuple[i
             req.output_ids.append(int(logits[row].argmax()))
             if pages_needed(req.seq_len, page_size) > len(req.page_ids):
                 req.page_ids += engine.allocator.allocate(1)
-        logits = engine.runner.forward_logits(requests, is_decode=True)
+        logits = engine.runner.forward_logits(requests)
 
 
 @functools.cache

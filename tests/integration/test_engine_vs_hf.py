@@ -78,7 +78,7 @@ def test_smollm2_bf16_logits_stay_close_to_fp32(smollm2_path: Path) -> None:
         engine = Engine(checkpoint, EngineConfig(dtype=dtype, max_total_tokens=512), progress=False)
         req = Request("r", list(ids), SamplingParams())
         req.page_ids = engine.allocator.allocate(pages_needed(len(ids), 16))
-        results[dtype] = engine.runner.forward_logits([req], is_decode=False)[0]
+        results[dtype] = engine.runner.forward_logits([req])[0]
     ref, low = results["float32"], results["bfloat16"]
     assert int(ref.argmax()) == int(low.argmax())
     probs_ref, probs_low = ref.softmax(-1), low.softmax(-1)

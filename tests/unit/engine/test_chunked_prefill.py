@@ -15,6 +15,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.engine import Engine
 from engine.page_allocator import pages_needed
 from engine.request import FinishReason, PromptLogprobs, Request, SamplingParams, StepOutput
+from engine.step_records import ModelOutput, SampledToken
 from engine.weights import open_checkpoint
 from tests.tiny_models import save_tiny_llama
 
@@ -63,16 +64,12 @@ def _forward_logits(engine: Engine, prompt: list[int], num_decode: int) -> list[
     engine.add_request(req)
     seen: list[tuple[int, torch.Tensor]] = []
     while len(req.output_ids) <= num_decode:
-        batch, evicted = engine.scheduler.schedule()
-        assert batch is not None and batch.requests == [req] and evicted == []
-        logits = engine.runner.forward_logits(batch.requests, batch.is_decode)[0]
-        if batch.is_decode:
-            seen.append((req.seq_len, logits))
-        else:
-            seen.append((req.num_computed + req.num_new_tokens, logits))
-            if not engine.scheduler.after_prefill(req):
-                continue
-        req.output_ids.append(int(logits.argmax()))
+        scheduled = engine.scheduler.schedule()
+        assert scheduled.requests == (req,) and scheduled.aborted == ()
+        logits = engine.runner.forward_logits([req], list(scheduled.num_new_tokens))[0]
+        seen.append((req.num_computed + scheduled.num_new_tokens[0], logits))
+        sampled = (SampledToken(int(logits.argmax()), 0.0),) if scheduled.is_sampling[0] else ()
+        engine.scheduler.update_from_output(scheduled, ModelOutput((sampled,), ()))
     engine.abort("probe")
     _assert_idle(engine)
     return seen

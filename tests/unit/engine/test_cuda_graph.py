@@ -65,13 +65,13 @@ def _decoding_requests() -> list[Request]:
     first = Request("a", [5, 6, 7, 8, 9, 10], SamplingParams(), page_ids=[3, 1], output_ids=[11])
     second = Request("b", list(range(20, 29)), SamplingParams(), page_ids=[7, 2, 5], output_ids=[30, 31])
     for req in (first, second):
-        req.num_computed = req.prompt_len
+        req.num_computed = req.seq_len - 1
     return [first, second]
 
 
 def test_padding_keeps_the_real_rows_and_sends_the_dummies_to_the_scratch_page() -> None:
     requests = _decoding_requests()
-    plain = build_step_inputs(requests, is_decode=True, page_size=PAGE_SIZE)
+    plain = build_step_inputs(requests, [1] * len(requests), page_size=PAGE_SIZE)
     padded = padded_decode_inputs(requests, 5, SCRATCH, PAGE_SIZE)
     meta, plain_meta = padded.meta, plain.meta
     assert padded.input_ids.tolist() == plain.input_ids.tolist() + [DUMMY_TOKEN_ID] * 3
@@ -96,7 +96,7 @@ def _prefilled_pool(runner: ModelRunner, requests: list[Request]) -> KVPool:
     pool = KVPool(runner.layout, NUM_PAGES, "cpu", num_scratch_pages=1)
     for req in requests:
         host = build_step_inputs([Request(req.request_id, req.prompt_ids + req.output_ids[:-1], SamplingParams(),
-                                          page_ids=req.page_ids)], is_decode=False, page_size=PAGE_SIZE)
+                                          page_ids=req.page_ids)], [req.seq_len - 1], page_size=PAGE_SIZE)
         runner.attention.plan(host.meta)
         runner.model(host.input_ids, host.positions, runner.rotary, runner.attention, pool.tensor, host.meta)
     return pool
@@ -110,7 +110,7 @@ def test_the_graph_body_over_its_fixed_buffers_equals_the_unpadded_eager_step(ru
     eager_pool, graph_pool = _prefilled_pool(runner, requests), _prefilled_pool(runner, requests)
     assert torch.equal(eager_pool.tensor, graph_pool.tensor)
 
-    plain = build_step_inputs(requests, is_decode=True, page_size=PAGE_SIZE)
+    plain = build_step_inputs(requests, [1] * len(requests), page_size=PAGE_SIZE)
     expected = runner.model(plain.input_ids, plain.positions, runner.rotary, runner.attention, eager_pool.tensor,
                             plain.meta)
 

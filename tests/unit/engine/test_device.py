@@ -53,15 +53,14 @@ def test_the_runner_puts_weights_pool_and_tables_on_the_device(runner: ModelRunn
 def test_a_prefill_and_a_decode_step_run_entirely_on_the_device(runner: ModelRunner) -> None:
     # two prompts that cross page boundaries, one resumed after a first chunk, then a decode step
     first = Request("a", list(range(3, 12)), SamplingParams(), page_ids=[0, 1, 2])
-    second = Request("b", [5, 6, 7, 8, 9, 10], SamplingParams(), page_ids=[3, 4], num_computed=2,
-                     num_new_tokens=4)
-    logits = runner.forward_logits([first, second], is_decode=False)
+    second = Request("b", [5, 6, 7, 8, 9, 10], SamplingParams(), page_ids=[3, 4], num_computed=2)
+    logits = runner.forward_logits([first, second], [9, 4])
     assert logits.device == META
     assert logits.shape == (2, TINY["vocab_size"]) and logits.dtype == torch.float32
 
     first.num_computed, first.output_ids = first.prompt_len, [42]
     second.num_computed, second.output_ids = second.prompt_len, [17]
-    logits = runner.forward_logits([first, second], is_decode=True)
+    logits = runner.forward_logits([first, second])
     assert logits.device == META and logits.shape == (2, TINY["vocab_size"])
 
 
@@ -73,7 +72,7 @@ def test_the_backend_plans_once_from_host_metadata_and_the_model_gets_device_inp
     monkeypatch.setattr(runner.attention, "plan", planned.append)
     hook = runner.model.register_forward_pre_hook(lambda module, args: calls.append(args))
     try:
-        runner.forward_logits([Request("c", [1, 2, 3, 4, 5], SamplingParams(), page_ids=[5, 6])], is_decode=False)
+        runner.forward_logits([Request("c", [1, 2, 3, 4, 5], SamplingParams(), page_ids=[5, 6])])
     finally:
         hook.remove()
     assert len(planned) == 1 and planned[0].qo_indptr.device.type == "cpu"
@@ -118,8 +117,8 @@ def test_a_cuda_runner_pins_its_step_inputs_and_matches_the_cpu(model_dir: Path)
     cuda = ModelRunner(checkpoint, _meta_config(device="cuda"), context_len=128, progress=False)
     assert cuda._pin
     requests = lambda: [Request("a", list(range(3, 12)), SamplingParams(), page_ids=[0, 1, 2])]   # noqa: E731
-    expected = cpu.forward_logits(requests(), is_decode=False)
-    got = cuda.forward_logits(requests(), is_decode=False)
+    expected = cpu.forward_logits(requests())
+    got = cuda.forward_logits(requests())
     assert got.device.type == "cuda"
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-4, atol=1e-4)
 

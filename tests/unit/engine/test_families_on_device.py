@@ -44,10 +44,10 @@ def test_a_prefill_past_the_window_and_a_decode_step_stay_on_the_device(family_d
     assert {p.device for p in runner.model.parameters()} == {META}
     prompt = list(range(3, 3 + 2 * TINY_WINDOW + 1))
     request = Request("a", prompt, SamplingParams(), page_ids=list(range(6)))
-    logits = runner.forward_logits([request], is_decode=False)
+    logits = runner.forward_logits([request])
     assert logits.device == META and logits.shape == (1, 256)
     request.num_computed, request.output_ids = request.prompt_len, [7]
-    assert runner.forward_logits([request], is_decode=True).device == META
+    assert runner.forward_logits([request]).device == META
 
 
 def _config_of(save: Callable[[Path], Path], directory: Path) -> ModelConfig:

@@ -11,6 +11,7 @@ from engine.page_allocator import PageAllocator
 from engine.page_pool import NoPrefixCache
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler
+from engine.step_records import ModelOutput, SampledToken
 
 PAGE_SIZE = 4
 
@@ -26,14 +27,13 @@ def _request(request_id: str, prompt_len: int, priority: int = 0) -> Request:
 
 
 def _run(scheduler: Scheduler, *reqs: Request) -> None:
-    """Prefill `reqs` in one batch (in this order) and give each a first token: all running."""
+    """Prefill `reqs` in one step (in this order, after the decode rows of those running) and give every
+    request of the step a token: all running."""
     for req in reqs:
         scheduler.add_waiting(req)
-    batch, _ = scheduler.schedule()
-    assert batch is not None and batch.requests == list(reqs)
-    for req in reqs:
-        scheduler.after_prefill(req)
-        req.output_ids.append(0)
+    scheduled = scheduler.schedule()
+    assert list(scheduled.requests[-len(reqs):]) == list(reqs) and all(scheduled.is_sampling)
+    scheduler.update_from_output(scheduled, ModelOutput(tuple((SampledToken(0, 0.0),) for _ in scheduled.requests), ()))
 
 
 def test_waiting_prompts_are_served_by_priority_then_arrival() -> None:
@@ -42,30 +42,31 @@ def test_waiting_prompts_are_served_by_priority_then_arrival() -> None:
     for req in (a, b, c, d):
         scheduler.add_waiting(req)
     assert list(scheduler.waiting) == [c, a, d, b]
-    batch, _ = scheduler.schedule()
-    assert batch is not None and batch.requests == [c, a]   # two may run
+    assert list(scheduler.schedule().requests) == [c, a]   # two may run
 
 
 def test_a_better_prompt_never_jumps_a_prompt_part_way_through_its_chunks() -> None:
     scheduler = _scheduler(chunked_prefill_size=8)
     long = _request("long", 12, priority=3)
     scheduler.add_waiting(long)
-    batch, _ = scheduler.schedule()
-    assert batch is not None and batch.requests == [long] and not scheduler.after_prefill(long)
+    scheduled = scheduler.schedule()
+    assert scheduled.requests == (long,) and scheduled.is_sampling == (False,)
+    scheduler.update_from_output(scheduled, ModelOutput(((),), ()))
     urgent = _request("urgent", 4, priority=-5)
     scheduler.add_waiting(urgent)
-    assert list(scheduler.waiting) == [long, urgent]   # the head holds its pages; it finishes first
+    scheduled = scheduler.schedule()   # the running prompt holds its pages; its chunk goes first
+    assert scheduled.requests == (long, urgent) and scheduled.num_new_tokens == (4, 4)
 
 
 def test_the_lowest_priority_running_request_is_preempted_before_a_newer_better_one() -> None:
-    scheduler = _scheduler(num_pages=6)
+    scheduler = _scheduler(num_pages=7)
     low, high, newest = _request("low", 8, priority=1), _request("high", 8), _request("newest", 4)
     _run(scheduler, low)
-    _run(scheduler, high, newest)               # 5 pages in all; each now needs one more
+    _run(scheduler, high, newest)               # 3 + 2 + 1 pages; high and newest now need one more
     scheduler.pages.allocator.allocate(1)       # the last page is someone else's
-    batch, aborted = scheduler.schedule()
-    assert aborted == [] and low.is_resuming and low.status is RequestStatus.WAITING
-    assert batch is not None and batch.requests == [high, newest] and len(high.page_ids) == 3
+    scheduled = scheduler.schedule()
+    assert scheduled.aborted == () and low.is_resuming and low.status is RequestStatus.WAITING
+    assert scheduled.requests == (high, newest) and len(high.page_ids) == 3
 
 
 def test_among_equals_the_newest_is_preempted() -> None:

@@ -52,11 +52,11 @@ def _logits(engine: Engine) -> torch.Tensor:
                 for n in (7, 12)]
     for req in requests:
         req.page_ids = engine.allocator.allocate(pages_needed(req.prompt_len + 1, 4))
-    first = engine.runner.forward_logits(requests, is_decode=False)
+    first = engine.runner.forward_logits(requests)
     for row, req in enumerate(requests):
         req.num_computed = req.prompt_len
         req.output_ids.append(int(first[row].argmax()))
-    second = engine.runner.forward_logits(requests, is_decode=True)
+    second = engine.runner.forward_logits(requests)
     for req in requests:
         engine.allocator.free(req.page_ids)
     return torch.cat([first, second])

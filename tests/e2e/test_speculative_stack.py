@@ -1,0 +1,57 @@
+"""N-gram speculative decoding through the three processes: the decode worker started with
+`--speculative-algorithm ngram` gives exactly the greedy text of the shared stack (the same settings
+without it) for prompts from the edit workload, accepts drafts, and says so in `/metrics`."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+
+from launcher.defaults import default_model_path
+from tests.e2e.conftest import CONTEXT_LEN, MODEL
+from tests.e2e.stack import Stack, start_stack
+
+WORKLOAD = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "edit_workload.jsonl"
+MAX_TOKENS = 48
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def speculative_stack(tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    weights_dirs = ("--weights-dir", str(Path(default_model_path()).parent))
+    stack = start_stack(tmp_path_factory.mktemp("speculative-stack"), *weights_dirs, "--dtype", "float32",
+                        "--quantization", "none", "--context-length", str(CONTEXT_LEN), "--max-total-tokens", "8192",
+                        "--torch-threads", "1", "--speculative-algorithm", "ngram",
+                        "--speculative-num-draft-tokens", "4")
+    yield stack
+    stack.stop()
+
+
+def _greedy_text(url: str, messages: list[dict]) -> str:
+    body = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+    reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    reply.raise_for_status()
+    return reply.json()["choices"][0]["message"]["content"]
+
+
+def _metric(text: str, name: str) -> float:
+    match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} missing from /metrics"
+    return float(match.group(1))
+
+
+def test_ngram_speculation_keeps_the_greedy_text_and_accepts_drafts(stack: Stack, speculative_stack: Stack) -> None:
+    prompts = [json.loads(line)["messages"] for line in WORKLOAD.read_text().splitlines()[:2]]
+    for messages in prompts:
+        expected = _greedy_text(stack.url, messages)
+        assert _greedy_text(speculative_stack.url, messages) == expected
+    metrics = speculative_stack.worker_metrics("decode")
+    drafts, accepted = _metric(metrics, "tandem_worker_spec_draft_tokens"), _metric(metrics, "tandem_worker_spec_accepted_tokens")
+    assert drafts > 0 and 0 < accepted <= drafts
+    assert _metric(metrics, "tandem_worker_spec_acceptance_rate") == pytest.approx(accepted / drafts)
+    speculative_stack.assert_no_pages_held()
