@@ -40,8 +40,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode worker is shutting down")
         ttl_s, grace_s = self.ctx.config.reservation_ttl_s, self.ctx.config.write_grace_s
         try:
-            page_ids = await self.ctx.loop.call(
-                lambda engine: engine.reserve(request.request_id, request.prompt_len, ttl_s, grace_s, request.priority)
+            page_ids = await self.ctx.loop.reserve(
+                request.request_id, request.prompt_len, ttl_s, grace_s, request.priority
             )
         except EngineError as exc:
             await abort_with(context, exc)

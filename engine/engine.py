@@ -1,7 +1,8 @@
 """Engine: one model on one KV pool. `step()` is schedule -> run -> postprocess.
 
 Single-threaded by contract: every method must be called from the same thread (the server
-runtime's engine loop). Three ways in:
+runtime's engine loop), with one exception: while `execute` computes a step on another thread, that
+thread may call `reserve(..., may_preempt=False)` and nothing else. Three ways in:
 - `add_request`: a prompt to prefill (and decode, unless `is_prefill_only`);
 - `reserve` + `admit`: a decode server takes a request whose prompt KV another process wrote
   into the reserved pages;
@@ -29,7 +30,7 @@ from engine.reservations import Reservation, Reservations
 from engine.runner import FaultHooks, ModelRunner
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats
-from engine.step_records import ModelOutput, SampledToken
+from engine.step_records import ModelOutput, SampledToken, SchedulerOutput
 from engine.weights import Checkpoint
 from engine.weights.names import shape_changes
 
@@ -84,10 +85,17 @@ class Engine:
         self.scheduler.add_waiting(req)
 
     def reserve(
-        self, request_id: str, prompt_len: int, ttl_s: float, grace_s: float = 0.0, priority: int = 0
+        self,
+        request_id: str,
+        prompt_len: int,
+        ttl_s: float,
+        grace_s: float = 0.0,
+        priority: int = 0,
+        may_preempt: bool = True,
     ) -> list[int]:
         """Hold pages for a prompt whose KV will be written from outside; dropped after `ttl_s`.
-        Running requests of a worse `priority` may be preempted for them (`Scheduler.reserve`).
+        Running requests of a worse `priority` may be preempted for them (`Scheduler.reserve`);
+        without `may_preempt` (a step is computing them), WouldPreemptError instead.
 
         If dropped before `admit`, the pages are reused only `grace_s` seconds later.
         """
@@ -101,7 +109,7 @@ class Engine:
             )
         if self.scheduler.has_resuming_at(priority):
             raise CapacityError("requests paused for lack of KV pages are resumed before new ones are reserved")
-        page_ids = self.scheduler.reserve(prompt_len, priority)
+        page_ids = self.scheduler.reserve(prompt_len, priority, may_preempt)
         self._reservations.add(request_id, Reservation(page_ids, prompt_len, time.monotonic() + ttl_s, grace_s))
         return page_ids
 
@@ -257,8 +265,23 @@ class Engine:
         """Run one step: schedule -> execute -> update. A request whose step computed only a chunk of
         its prompt gives no output; its first token (with its prompt logprobs, gathered over the
         chunks) comes with the step that computes the prompt's last chunk."""
-        scheduled = self.scheduler.schedule()
-        output = self.runner.execute(scheduled, self.grammar) if not scheduled.is_empty else ModelOutput((), ())
+        scheduled = self.schedule()
+        return self.update(scheduled, self.execute(scheduled))
+
+    def schedule(self) -> SchedulerOutput:
+        """The next step's batch (`Scheduler.schedule`)."""
+        return self.scheduler.schedule()
+
+    def execute(self, scheduled: SchedulerOutput) -> ModelOutput:
+        """Compute `scheduled` (`ModelRunner.execute`). It reads the scheduled requests and writes
+        only the KV pool, so it may run on another thread while this one answers reservations that
+        preempt nobody (see the module docstring)."""
+        if scheduled.is_empty:
+            return ModelOutput((), ())
+        return self.runner.execute(scheduled, self.grammar)
+
+    def update(self, scheduled: SchedulerOutput, output: ModelOutput) -> list[StepOutput]:
+        """Record what `execute` computed for `scheduled`; the step's `StepOutput`s."""
         outputs = self.scheduler.update_from_output(scheduled, output, self.weights_id)
         for req in scheduled.aborted + scheduled.requests:
             if req.is_finished and self._requests.pop(req.request_id, None) is not None:

@@ -27,3 +27,8 @@ class RequestAbortedError(EngineError):
 
 class EngineDeadError(EngineError):
     """The engine loop stopped after an unrecoverable error; nothing more will run."""
+
+
+class WouldPreemptError(Exception):
+    """A call that may not preempt running requests (a step is computing them) would have to: the
+    server runtime runs it again after the step. Never reaches a client."""

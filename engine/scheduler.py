@@ -32,7 +32,7 @@ import logging
 import time
 from collections import deque
 
-from engine.errors import CapacityError
+from engine.errors import CapacityError, WouldPreemptError
 from engine.outputs import accept_grammar_token, append_token, finish_output, prefill_only_output, token_output
 from engine.page_allocator import pages_needed
 from engine.page_pool import PagePool
@@ -321,14 +321,17 @@ class Scheduler:
             self.pages.release(req.page_ids)
             req.page_ids = []
 
-    def reserve(self, num_tokens: int, priority: int = 0) -> list[int]:
+    def reserve(self, num_tokens: int, priority: int = 0, may_preempt: bool = True) -> list[int]:
         """Pages for `num_tokens` tokens arriving from elsewhere, for a request of `priority`. When
         they are not free, running requests of a worse priority are preempted for them (lowest
-        priority, then newest first), but only if their pages would be enough; else CapacityError."""
+        priority, then newest first), but only if their pages would be enough; else CapacityError.
+        Without `may_preempt`, WouldPreemptError where it would preempt (and CapacityError as before)."""
         needed = pages_needed(num_tokens, self.page_size)
         if not self.pages.can_allocate(needed):
             victims = [r for r in self._victims(self.running) if r.priority > priority]
             if self.pages.can_allocate(max(0, needed - sum(len(r.page_ids) for r in victims))):
+                if not may_preempt:
+                    raise WouldPreemptError("the reservation needs running requests' pages")
                 for victim in victims:
                     if self.pages.can_allocate(needed):
                         break

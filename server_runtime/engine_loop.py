@@ -6,6 +6,11 @@ commands with `call()`; per-request `StepOutput`s come back through an asyncio.Q
 `submit()` / `admit()`. A command or step that raises never kills the thread: commands return
 the exception to their caller, a failing step aborts the requests it held.
 
+Each step's forward pass runs on a compute thread (the kernels release the GIL) while the engine
+thread waits for it: meanwhile it answers the commands that may run during a step (`reserve`, which
+then preempts nobody) and keeps the others, in order, for the step's end. So a decode worker answers
+a reservation in the time of the call, not of the step it arrived in.
+
 Blocking calls that are not the engine's (opening a checkpoint, compiling a grammar, the
 embedder's batches) run on `BlockingWork`'s executor; what they produce for the engine enters it
 through `call()`. A KV write runs on the transport's own terms and is awaited with `write_pages`.
@@ -20,13 +25,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
 from engine.engine import Engine
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, WouldPreemptError
 from engine.request import FinishReason, Request, SamplingParams, StepOutput
+from engine.step_records import ModelOutput, SchedulerOutput
 from kv_transfer import KVTransferTimeout, KVTransport, RemotePages, TransferStats, check_timeout
 from server_runtime.metrics import WorkerMetrics
 from server_runtime.threads import ThreadTuner
@@ -37,6 +44,20 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _EXPIRY_INTERVAL_S = 0.25
 _BLOCKING_THREADS = 4  # a grammar compile, an embedder batch and checkpoint opens at once, with room
+
+
+@dataclass(frozen=True, slots=True)
+class _Command:
+    """`run(engine, is_in_step)` on the engine thread; its result or exception goes to `future` (None:
+    nobody waits). With `is_during_step`, it may run while a step computes (`is_in_step` True); it
+    raises WouldPreemptError to run again after the step instead."""
+
+    run: Callable[[Engine, bool], Any]
+    future: asyncio.Future | None
+    is_during_step: bool = False
+
+
+_STEP_DONE = _Command(lambda engine, is_in_step: None, None)  # the compute thread's signal
 
 
 class BlockingWork:
@@ -139,8 +160,11 @@ class EngineLoop:
         self.metrics = metrics or WorkerMetrics("unknown")  # steps and pool state: written on the engine thread
         self.work = BlockingWork(loop)
         self._loop = loop
-        # (command, future for its result); None: nobody waits for it
-        self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future | None]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._deferred: list[_Command] = []  # arrived during the last step, to run before the queue
+        self._compute = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="engine-compute", initializer=use_device, initargs=(engine.config.device,)
+        )
         self._sinks: dict[str, asyncio.Queue] = {}  # touched only on the engine thread
         self._stopped = threading.Event()
         self._grammar = engine.grammar  # its load and compile may run off the engine thread
@@ -153,8 +177,9 @@ class EngineLoop:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stopped.set()
-        self._commands.put((lambda engine: None, None))
+        self._commands.put(_Command(lambda engine, is_in_step: None, None))
         self._thread.join(timeout_s)
+        self._compute.shutdown(wait=False)
         self.work.close()
 
     # ---- asyncio side --------------------------------------------------------------------
@@ -162,7 +187,18 @@ class EngineLoop:
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` on the engine thread and return its result (or raise its exception)."""
         future = self._loop.create_future()
-        self._commands.put((fn, future))
+        self._commands.put(_Command(lambda engine, is_in_step: fn(engine), future))
+        return await future
+
+    async def reserve(self, request_id: str, prompt_len: int, ttl_s: float, grace_s: float, priority: int) -> list[int]:
+        """`Engine.reserve`, answered even while a step computes (then preempting nobody: one that
+        would preempt waits for the step's end)."""
+        future = self._loop.create_future()
+
+        def reserve(engine: Engine, is_in_step: bool) -> list[int]:
+            return engine.reserve(request_id, prompt_len, ttl_s, grace_s, priority, may_preempt=not is_in_step)
+
+        self._commands.put(_Command(reserve, future, is_during_step=True))
         return await future
 
     async def prepare_grammar(self, spec: GrammarSpec, timeout_s: float) -> None:
@@ -185,7 +221,7 @@ class EngineLoop:
                 "(--grammar-compile-timeout)"
             ) from None
         # Not awaited: commands run in order, so the request this grammar is for, submitted next, finds it.
-        self._commands.put((lambda engine: engine.grammar.store(spec, compiled), None))
+        self._commands.put(_Command(lambda engine, is_in_step: engine.grammar.store(spec, compiled), None))
 
     async def submit(self, req: Request) -> asyncio.Queue:
         """Queue a prompt; its outputs arrive on the returned queue."""
@@ -272,33 +308,58 @@ class EngineLoop:
                 self._step()
 
     def _drain_commands(self, block: bool) -> None:
+        deferred, self._deferred = self._deferred, []
+        for command in deferred:
+            self._execute(command, is_in_step=False)
         try:
-            item = self._commands.get(timeout=_EXPIRY_INTERVAL_S) if block else self._commands.get_nowait()
+            command = (
+                self._commands.get(timeout=_EXPIRY_INTERVAL_S)
+                if block and not deferred
+                else self._commands.get_nowait()
+            )
         except queue.Empty:
             return
         while True:
-            self._execute(*item)
+            self._execute(command, is_in_step=False)
             try:
-                item = self._commands.get_nowait()
+                command = self._commands.get_nowait()
             except queue.Empty:
                 return
 
-    def _execute(self, fn: Callable[[Engine], Any], future: asyncio.Future | None) -> None:
+    def _execute(self, command: _Command, is_in_step: bool) -> bool:
+        """Run `command`; False when it must wait for the step's end (it raised WouldPreemptError)."""
+        future = command.future
         try:
-            result = fn(self.engine)
+            result = command.run(self.engine, is_in_step)
         except Exception as exc:  # returned to the caller, which maps it to a status code
+            if is_in_step and isinstance(exc, WouldPreemptError):
+                return False
             if future is not None:
                 self._loop.call_soon_threadsafe(_set_exception, future, exc)
-            return
+            return True
         if future is not None:
             self._loop.call_soon_threadsafe(_set_result, future, result)
+        return True
+
+    def _execute_step(self, scheduled: SchedulerOutput) -> ModelOutput:
+        """`Engine.execute` on the compute thread; the engine thread meanwhile runs the commands that
+        may run during a step and keeps the others for after it. Raises what the step raised."""
+        if scheduled.is_empty:
+            return self.engine.execute(scheduled)
+        computing = self._compute.submit(self.engine.execute, scheduled)
+        computing.add_done_callback(lambda _: self._commands.put(_STEP_DONE))
+        while (command := self._commands.get()) is not _STEP_DONE:
+            if not (command.is_during_step and self._execute(command, is_in_step=True)):
+                self._deferred.append(command)
+        return computing.result()
 
     def _step(self) -> None:
         if self.threads is not None:
             self.threads.before_step(kv_on_its_way=self.engine.num_reservations > 0)
         started = time.perf_counter()
         try:
-            outputs = self.engine.step()
+            scheduled = self.engine.schedule()
+            outputs = self.engine.update(scheduled, self._execute_step(scheduled))
         except Exception:
             logger.exception("engine step failed; aborting the requests it held")
             for request_id in list(self._sinks):

@@ -1,0 +1,117 @@
+"""The engine loop answers reservations while a step computes: a step's forward pass runs on the
+compute thread, a `reserve` that preempts nobody is answered before the step ends, one that would
+preempt waits for the step's end and then preempts, and other commands keep their order after the
+step. Real engine (tiny random Llama) and real threads; the step is held open by gating the real
+`Engine.execute` on an event, so the timing is certain."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.request import Request, SamplingParams
+from engine.weights import open_checkpoint
+from server_runtime.engine_loop import EngineLoop
+from server_runtime.metrics import WorkerMetrics
+from tests.tiny_models import save_tiny_llama
+
+PAGE_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+class GatedEngine(Engine):
+    """The real engine whose `execute` (on the compute thread) waits for `release` after saying it began."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.began, self.release = threading.Event(), threading.Event()
+        self.compute_threads: set[str] = set()
+
+    def execute(self, scheduled):
+        if not scheduled.is_empty:
+            self.compute_threads.add(threading.current_thread().name)
+            self.began.set()
+            assert self.release.wait(30), "the test never released the step"
+        return super().execute(scheduled)
+
+
+def _engine(model_dir: Path, num_pages: int) -> GatedEngine:
+    config = EngineConfig(dtype="float32", page_size=PAGE_SIZE, max_total_tokens=num_pages * PAGE_SIZE)
+    return GatedEngine(open_checkpoint(str(model_dir)), config, progress=False)
+
+
+async def _wait(event: threading.Event) -> None:
+    while not event.is_set():
+        await asyncio.sleep(0.005)
+
+
+def test_a_reservation_is_answered_while_a_step_computes(model_dir: Path) -> None:
+    engine = _engine(model_dir, num_pages=32)
+
+    async def scenario() -> list[str]:
+        loop = EngineLoop(engine, asyncio.get_running_loop(), WorkerMetrics("decode", "m", "0"))
+        loop.start()
+        order: list[str] = []
+        try:
+            sink = await loop.submit(Request("r", [3, 17, 42, 99, 5], SamplingParams(max_new_tokens=1)))
+            await _wait(engine.began)
+
+            async def later(name: str, coro) -> None:
+                await coro
+                order.append(name)
+
+            tasks = [asyncio.create_task(later("count", loop.call(lambda e: len(e.scheduler.running)))),
+                     asyncio.create_task(later("reserve", loop.reserve("k", 9, 60.0, 0.0, 0)))]
+            await asyncio.wait_for(tasks[1], 10)   # answered with the step still held
+            order.append("step released")
+            engine.release.set()
+            await asyncio.wait_for(asyncio.gather(*tasks), 10)
+            output = await asyncio.wait_for(sink.get(), 10)
+            assert output.token_id is not None and output.finish_reason is not None
+            assert await loop.call(lambda e: e.holds("k") and e.allocator.num_used == 3)
+        finally:
+            engine.release.set()
+            loop.stop()
+        return order
+
+    order = asyncio.run(scenario())
+    assert order == ["reserve", "step released", "count"]   # the plain command waited for the step
+    assert engine.compute_threads and "engine-loop" not in engine.compute_threads
+
+
+def test_a_reservation_that_would_preempt_waits_for_the_step_and_then_preempts(model_dir: Path) -> None:
+    engine = _engine(model_dir, num_pages=6)
+
+    async def scenario() -> None:
+        loop = EngineLoop(engine, asyncio.get_running_loop(), WorkerMetrics("decode", "m", "0"))
+        loop.start()
+        try:
+            engine.release.set()
+            sink = await loop.submit(Request("low", list(range(3, 19)), SamplingParams(max_new_tokens=50, ignore_eos=True),
+                                             priority=5))
+            await asyncio.wait_for(sink.get(), 10)   # prefilled: 5 of 6 pages once it decodes
+            engine.release.clear()
+            engine.began.clear()
+            await _wait(engine.began)   # a decode step of "low" is held
+            reserving = asyncio.create_task(loop.reserve("high", 12, 60.0, 0.0, 0))   # 3 pages: only by preempting
+            await asyncio.sleep(0.2)
+            assert not reserving.done()   # it must not take pages the held step is writing
+            engine.release.set()
+            assert len(await asyncio.wait_for(reserving, 10)) == 3
+            assert await loop.call(lambda e: e.scheduler.num_preemptions == 1 and e.scheduler.has_resuming)
+            await loop.abort("high", write_settled=True)
+            await loop.abort("low")
+        finally:
+            engine.release.set()
+            loop.stop()
+
+    asyncio.run(scenario())
