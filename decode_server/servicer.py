@@ -180,6 +180,8 @@ def _response(rid: str, outputs: list[StepOutput]) -> decode_pb2.GenerateRespons
         tokens=[token_to_proto(o) for o in outputs if o.token_id is not None],
         finish_reason=finish_to_proto(last.finish_reason),
         message=last.abort_message,
+        spec_verify_ct=last.spec_verify_ct,
+        spec_accepted_tokens=last.spec_accepted_tokens,
     )
     if last.matched_token_id is not None:
         response.matched_token_id = last.matched_token_id

@@ -52,8 +52,9 @@ def append_token(
 def token_output(req: Request, token: SampledToken, reason: FinishReason | None) -> StepOutput:
     """The output carrying `req`'s newest token (already recorded) and `reason` if it ended `req`.
     A request's first token also carries what its prefill learned: cached tokens, prompt
-    logprobs, when the prefill began."""
+    logprobs, when the prefill began; its last, what speculation did for it."""
     is_first = len(req.output_ids) == 1
+    is_last = reason is not None
     return StepOutput(
         req.request_id,
         token.token_id,
@@ -65,6 +66,8 @@ def token_output(req: Request, token: SampledToken, reason: FinishReason | None)
         cached_tokens=req.num_cached_tokens if is_first else 0,
         prompt_logprobs=req.prompt_logprobs if is_first else None,
         prefill_started_at=req.prefill_started_at if is_first else None,
+        spec_verify_ct=req.num_spec_steps if is_last else 0,
+        spec_accepted_tokens=req.num_accepted_drafts if is_last else 0,
     )
 
 
@@ -93,4 +96,6 @@ def finish_output(req: Request) -> StepOutput:
         req.finish_reason,
         matched_token_id=req.matched_token_id,
         abort_message=req.abort_message,
+        spec_verify_ct=req.num_spec_steps,
+        spec_accepted_tokens=req.num_accepted_drafts,
     )

@@ -114,6 +114,8 @@ class Request:
     is_resuming: bool = False  # preempted: its KV is recomputed over its whole sequence so far
     priority: int = 0  # lower is served first and preempted last (vLLM's convention)
     draft_ids: list[int] = field(default_factory=list)
+    num_spec_steps: int = 0  # steps that verified drafts for it
+    num_accepted_drafts: int = 0  # of its drafts, those accepted as output
 
     @property
     def prompt_len(self) -> int:
@@ -231,3 +233,5 @@ class StepOutput:
     weights_id: str = ""  # the engine's `weights_id` when this output was computed
     prompt_logprobs: PromptLogprobs | None = None  # on the first token, when the request asked
     prefill_started_at: float | None = None  # on the first token: when its prefill forward began
+    spec_verify_ct: int = 0  # with the finish: the steps that verified drafts for it (speculative decoding)
+    spec_accepted_tokens: int = 0  # with the finish: its drafts accepted as output

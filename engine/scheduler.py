@@ -249,6 +249,8 @@ class Scheduler:
                 num_accepted = len(output.sampled[i]) - 1
                 self.num_draft_tokens += num_drafts
                 self.num_accepted_tokens += num_accepted
+                req.num_spec_steps += 1
+                req.num_accepted_drafts += num_accepted
                 req.num_computed -= num_drafts - num_accepted
             for token in output.sampled[i]:
                 if req.is_prefill_only:

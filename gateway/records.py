@@ -85,6 +85,8 @@ class TokenChunk:
     queue_ms: float | None = None
     prefill_compute_ms: float | None = None
     cached_tokens: int = 0
+    spec_verify_ct: int = 0  # the last chunk's: steps that verified drafts, and drafts accepted
+    spec_accepted_tokens: int = 0
 
     @property
     def token_ids(self) -> list[int]:

@@ -121,6 +121,8 @@ def chunk_from_proto(msg: decode_pb2.GenerateResponse) -> TokenChunk:
         queue_ms=msg.queue_ms if msg.HasField("queue_ms") else None,
         prefill_compute_ms=msg.prefill_compute_ms if msg.HasField("prefill_compute_ms") else None,
         cached_tokens=msg.cached_tokens,
+        spec_verify_ct=msg.spec_verify_ct,
+        spec_accepted_tokens=msg.spec_accepted_tokens,
     )
 
 

@@ -56,6 +56,8 @@ class GenerationResult:
     finish: Finish | None = None
     timings: HandoffTimings | None = None
     prompt_logprobs: list[GeneratedToken] = field(default_factory=list)
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def output_ids(self) -> list[int]:
@@ -67,6 +69,8 @@ class GenerationResult:
         self.finish = chunk.finish or self.finish
         self.timings = chunk.timings or self.timings
         self.prompt_logprobs = chunk.prompt_logprobs or self.prompt_logprobs
+        self.spec_verify_ct = chunk.spec_verify_ct or self.spec_verify_ct
+        self.spec_accepted_tokens = chunk.spec_accepted_tokens or self.spec_accepted_tokens
 
 
 class GenerationService:

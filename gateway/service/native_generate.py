@@ -175,6 +175,8 @@ def _response(
         cached_tokens=result.timings.cached_tokens if result.timings else 0,
         e2e_latency=time.perf_counter() - started,
         tandem_timings=_timings(result),
+        spec_verify_ct=result.spec_verify_ct or None,
+        spec_accepted_tokens=result.spec_accepted_tokens if result.spec_verify_ct else None,
         **dict(_logprobs(state, body, request, logprobs, result)),
     )
     if state.tokenizer is None:  # tokenizer-free servers answer ids only, as SGLang does

@@ -241,6 +241,11 @@ class _MetaInfoHead(BaseModel):
     cached_tokens: int
     e2e_latency: float  # seconds since the HTTP request arrived
     tandem_timings: TandemTimings | None = omitted_if_none()
+    # speculative decoding (SGLang's name): the decode steps that verified draft tokens for this
+    # request, and the drafts accepted; present once a step did (completion_tokens / spec_verify_ct
+    # is the tokens per such step)
+    spec_verify_ct: int | None = omitted_if_none()
+    spec_accepted_tokens: int | None = omitted_if_none()
 
 
 class MetaInfo(NativeLogprobs, _MetaInfoHead):

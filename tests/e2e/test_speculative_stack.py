@@ -55,3 +55,13 @@ def test_ngram_speculation_keeps_the_greedy_text_and_accepts_drafts(stack: Stack
     assert drafts > 0 and 0 < accepted <= drafts
     assert _metric(metrics, "tandem_worker_spec_acceptance_rate") == pytest.approx(accepted / drafts)
     speculative_stack.assert_no_pages_held()
+
+
+def test_generate_meta_info_says_how_many_steps_verified_drafts(stack: Stack, speculative_stack: Stack) -> None:
+    body = {"text": "Count: one two three one two three one two three one two three",
+            "sampling_params": {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}}
+    meta = httpx.post(f"{speculative_stack.url}/generate", json=body, timeout=300).json()["meta_info"]
+    assert meta["completion_tokens"] == 32
+    assert 0 < meta["spec_verify_ct"] < 32 and 0 <= meta["spec_accepted_tokens"] < 32
+    plain = httpx.post(f"{stack.url}/generate", json=body, timeout=300).json()["meta_info"]
+    assert "spec_verify_ct" not in plain and "spec_accepted_tokens" not in plain

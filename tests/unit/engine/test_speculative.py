@@ -73,6 +73,10 @@ def test_greedy_output_is_identical_with_speculation_and_drafts_are_accepted(mod
     scheduler = engine.scheduler
     assert scheduler.num_draft_tokens > 0 and 0 < scheduler.num_accepted_tokens <= scheduler.num_draft_tokens
     assert spec_steps < plain_steps  # accepted drafts are tokens without steps of their own
+    # each request's last output says what speculation did for it
+    lasts = [spec[rid][-1] for rid in ("a", "b")]
+    assert sum(o.spec_accepted_tokens for o in lasts) == scheduler.num_accepted_tokens
+    assert all(0 < o.spec_verify_ct < 40 for o in lasts) and plain["a"][-1].spec_verify_ct == 0
 
 
 def test_speculation_stops_at_eos_and_the_context_length_as_without(model_dir: Path) -> None:
