@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -88,17 +89,33 @@ class GrammarBackend:
 
         return xgrammar.GrammarMatcher(self.prepare(spec))
 
-    def mask_logits(self, logits: torch.Tensor, matchers: list[Any]) -> torch.Tensor:
-        """Return `logits` ([B, V] fp32, any device) with each constrained row limited to its grammar's
-        next tokens. The matchers fill a host bitmask, which is applied on the logits' device."""
+    def mask_logits(
+        self, logits: torch.Tensor, matchers: list[Any], drafts: list[list[int]] | None = None
+    ) -> torch.Tensor:
+        """Return `logits` ([R, V] fp32, any device) with each constrained row limited to its grammar's
+        next tokens. Request i (matcher `matchers[i]`, None: unconstrained) owns `len(drafts[i]) + 1`
+        consecutive rows (one without `drafts`): row j is masked for the state after its first j draft
+        tokens, which the grammar must accept (the scheduler keeps only such drafts); each matcher is
+        rolled back to where it was. The matchers fill a host bitmask, applied on the logits' device."""
         import xgrammar
 
-        rows = [i for i, m in enumerate(matchers) if m is not None]
+        drafts = drafts or [[] for _ in matchers]
+        firsts = [0, *accumulate(len(d) + 1 for d in drafts)]
+        rows = [row for i, m in enumerate(matchers) if m is not None for row in range(firsts[i], firsts[i + 1])]
         if not rows:
             return logits
         bitmask = xgrammar.allocate_token_bitmask(len(rows), self._vocab_size)
-        for slot, row in enumerate(rows):
-            matchers[row].fill_next_token_bitmask(bitmask, slot)
+        slot = 0
+        for matcher, request_drafts in zip(matchers, drafts):
+            if matcher is None:
+                continue
+            for j in range(len(request_drafts) + 1):
+                matcher.fill_next_token_bitmask(bitmask, slot)
+                slot += 1
+                if j < len(request_drafts):
+                    accept_token(matcher, request_drafts[j])
+            if request_drafts:
+                matcher.rollback(len(request_drafts))
         constrained = logits[rows].contiguous()
         xgrammar.apply_token_bitmask_inplace(constrained, bitmask.to(logits.device))
         logits = logits.clone()

@@ -141,8 +141,8 @@ class ModelRunner:
         owners = [r for r, n in zip(batch, num_rows) for _ in range(n)]  # the request of each logit row
         logits, non_finite_rows = self._finite_logits(self.model.compute_logits(hidden[logit_rows]), owners)
         adjusted = adjust_logits(logits, owners, self.model_config.eos_token_ids)
-        if grammar is not None and any(r.grammar_matcher is not None for r in owners):
-            adjusted = grammar.mask_logits(adjusted, [r.grammar_matcher for r in owners])
+        if grammar is not None and any(r.grammar_matcher is not None for r in batch):
+            adjusted = grammar.mask_logits(adjusted, [r.grammar_matcher for r in batch], [r.draft_ids for r in batch])
         tokens = self._sample(logits, adjusted, batch, owners, num_rows)
         for i, request_tokens in zip(samplers, tokens):
             sampled[i] = request_tokens

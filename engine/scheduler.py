@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from typing import Any
 
 from engine.errors import CapacityError, WouldPreemptError
 from engine.outputs import accept_grammar_token, append_token, finish_output, prefill_only_output, token_output
@@ -129,13 +130,13 @@ class Scheduler:
 
     def _propose(self, req: Request, proposer: Proposer) -> None:
         """Give a decoding request the drafts `proposer` guesses, as many as its limits (max tokens,
-        context) and the pages it holds or can take without preempting allow. A request whose next
-        token depends on its earlier ones through more than the logits (a grammar, penalties, logit
-        bias, a minimum of new tokens still to reach) or that will not decode here gets none."""
+        context), its grammar (the drafts up to the first one it refuses) and the pages it holds or
+        can take without preempting allow. A request whose next token's logits depend on its earlier
+        tokens (penalties, logit bias, a minimum of new tokens still to reach) or that will not decode
+        here gets none."""
         params = req.sampling
         if (
             req.is_prefill_only
-            or req.grammar_matcher is not None
             or params.has_penalties
             or params.logit_bias
             or len(req.output_ids) < params.min_new_tokens
@@ -143,6 +144,8 @@ class Scheduler:
             return
         room = min(params.max_new_tokens - len(req.output_ids), self.context_len - req.seq_len) - 1
         drafts = proposer.propose(req.token_ids(0, req.seq_len), room) if room > 0 else []
+        if drafts and req.grammar_matcher is not None:
+            drafts = _grammar_prefix(req.grammar_matcher, drafts)
         extra_pages = pages_needed(req.seq_len + len(drafts), self.page_size) - len(req.page_ids)
         if extra_pages > 0:
             if self.pages.can_allocate(extra_pages):
@@ -358,3 +361,20 @@ class Scheduler:
         needed = pages_needed(num_tokens, self.page_size)
         if needed > self.pages.num_pages:
             raise CapacityError(f"prompt needs {needed} KV pages but the pool has {self.pages.num_pages}")
+
+
+def _grammar_prefix(matcher: Any, drafts: list[int]) -> list[int]:
+    """The longest prefix of `drafts` the grammar `matcher` accepts from its state now, short of a token
+    that would end it (no row may follow a stop token); the matcher is left in that state (xgrammar's
+    `rollback`)."""
+    num_valid = 0
+    for token_id in drafts:
+        if matcher.is_terminated() or not matcher.accept_token(token_id):
+            break
+        if matcher.is_terminated():
+            matcher.rollback(1)
+            break
+        num_valid += 1
+    if num_valid:
+        matcher.rollback(num_valid)
+    return drafts[:num_valid]

@@ -91,3 +91,20 @@ def test_a_handed_off_request_keeps_its_grammar(setup) -> None:
     while decode.has_work:
         handed += [o.token_id for o in decode.step() if o.token_id is not None]
     assert handed == whole
+
+
+def test_speculation_under_a_grammar_keeps_the_constrained_greedy_output(setup) -> None:
+    """n-gram drafts a grammar refuses are cut before they run; the rest are verified against masked
+    rows, so the constrained output is the same with speculation on and off, and drafts are accepted."""
+    checkpoint, tokenizer = setup
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Repeat after me: red blue green red blue "
+                                                                        "green red blue green red blue green"}])
+    spec = GrammarSpec(GrammarKind.REGEX, "((red|blue|green) ){6,12}(red|blue|green)")
+    sampling = SamplingParams(temperature=0, max_new_tokens=40, grammar=spec)
+    plain = _run(_engine(checkpoint), "p", prompt, sampling)
+    speculative = Engine(checkpoint, EngineConfig(max_total_tokens=2048, quantization="gguf",
+                                                  speculative_algorithm="ngram"), progress=False)
+    assert _run(speculative, "s", prompt, sampling) == plain
+    assert speculative.scheduler.num_accepted_tokens > 0
+    words = tokenizer.decode(plain).split(" ")
+    assert 7 <= len(words) <= 13 and set(words) <= {"red", "blue", "green"}
