@@ -148,3 +148,27 @@ def test_bad_speculative_settings_are_config_errors() -> None:
         EngineConfig(speculative_algorithm="ngram", speculative_num_draft_tokens=0)
     with pytest.raises(ConfigError, match="max_num_batched_tokens"):
         EngineConfig(max_running_requests=8, max_num_batched_tokens=16, speculative_algorithm="ngram")
+
+
+def test_top_logprobs_are_the_same_with_speculation(model_dir: Path) -> None:
+    sampling = dict(max_new_tokens=30, top_logprobs_num=3, token_ids_logprob=(5, 7), **GREEDY)
+    plain, _ = _run(_engine(model_dir, speculative=False), _requests(**sampling))
+    engine = _engine(model_dir, speculative=True)
+    spec, _ = _run(engine, _requests(**sampling))
+    assert engine.scheduler.num_accepted_tokens > 0
+    for rid in ("a", "b"):
+        for got, expected in zip(spec[rid], plain[rid], strict=True):
+            assert [t for t, _ in got.top_logprobs] == [t for t, _ in expected.top_logprobs]
+            assert [lp for _, lp in got.top_logprobs] == pytest.approx([lp for _, lp in expected.top_logprobs], abs=1e-5)
+            assert [lp for _, lp in got.token_ids_logprobs] == pytest.approx(
+                [lp for _, lp in expected.token_ids_logprobs], abs=1e-5)
+
+
+def test_aborting_a_speculating_request_frees_every_page(model_dir: Path) -> None:
+    engine = _engine(model_dir, speculative=True)
+    engine.add_request(Request("a", list(REPEATING), SamplingParams(max_new_tokens=100, **GREEDY)))
+    while engine.scheduler.num_draft_tokens == 0:
+        engine.step()
+    final = engine.abort("a")
+    assert final is not None and final.finish_reason is FinishReason.ABORT
+    assert not engine.has_work and engine.allocator.num_free == engine.allocator.num_pages
