@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.sampling import _SEED_MIX, SamplingBatch
+from kernels.sampling import SEED_MIX, SamplingBatch, truncated_sorted
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +101,7 @@ def expand_to_rows(batch: SamplingBatch, num_drafts: Sequence[int]) -> SamplingB
 def target_probs(logits: torch.Tensor, rows: SamplingBatch) -> torch.Tensor:
     """logits: [R, V] fp32, `rows` one entry per row. Returns [R, V] fp32: the distribution
     `kernels.sampling.sample` draws each row's token from (one-hot on the argmax for greedy rows)."""
-    weights, sorted_ids = _truncated_sorted(logits, rows)
+    weights, sorted_ids = truncated_sorted(logits, rows)
     probs = torch.zeros_like(logits).scatter_(1, sorted_ids, weights / weights.sum(dim=-1, keepdim=True))
     greedy = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
     return torch.where(rows.is_greedy.unsqueeze(1), greedy, probs)
@@ -117,7 +117,7 @@ def _sample_rows(
 ) -> tuple[list[bool], list[int]]:
     """(whether each draft is accepted, the token each row emits if it is the first rejected or the
     bonus row), for a batch with sampled rows; greedy rows compare with and emit the argmax."""
-    weights, sorted_ids = _truncated_sorted(logits, rows)
+    weights, sorted_ids = truncated_sorted(logits, rows)
     p_sorted = weights / weights.sum(dim=-1, keepdim=True)
     p = torch.zeros_like(logits).scatter_(1, sorted_ids, p_sorted)
     noise, uniforms = _row_draws(rows, logits.shape[-1], logits.device)
@@ -147,23 +147,6 @@ def _sample_rows(
     return is_accepted.tolist(), next_tokens.tolist()
 
 
-def _truncated_sorted(logits: torch.Tensor, rows: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, sorted_ids), both [R, V]: the tempered, truncated and unnormalised probabilities of
-    each row in descending order, and their token ids. The same operations as
-    `kernels.sampling._sample_random` (to be merged with it), so both draw from the same p."""
-    scaled = logits / rows.temperatures.clamp(min=1e-5).unsqueeze(1)
-    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    top_ks = torch.where(rows.top_ks > 0, rows.top_ks, vocab).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(ranks >= top_ks, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop = (mass_before > rows.top_ps.unsqueeze(1)) | (probs < rows.min_ps.unsqueeze(1) * probs[:, :1])
-    drop[:, 0] = False  # the most likely token always survives
-    return probs.masked_fill(drop, 0.0), sorted_ids
-
-
 def _row_draws(rows: SamplingBatch, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(noise [R, V] Exp(1), uniforms [R] U[0, 1)) on `device`. A seeded row takes both from a CPU
     generator seeded from (seed, step), the exponentials first, as `kernels.sampling` draws them:
@@ -172,9 +155,7 @@ def _row_draws(rows: SamplingBatch, vocab: int, device: torch.device) -> tuple[t
     noise = torch.empty(num_rows, vocab, device=device).exponential_()
     uniforms = torch.rand(num_rows, device=device)
     seeded_rows = [row for row, seed in enumerate(rows.seeds) if seed is not None]
-    mixed_seeds = [
-        (seed * _SEED_MIX + step) % (2**63) for seed, step in zip(rows.seeds, rows.steps) if seed is not None
-    ]
+    mixed_seeds = [(seed * SEED_MIX + step) % (2**63) for seed, step in zip(rows.seeds, rows.steps) if seed is not None]
     if seeded_rows:
         seeded_noise = torch.empty(len(seeded_rows), vocab)
         seeded_uniforms = torch.empty(len(seeded_rows))

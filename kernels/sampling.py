@@ -15,7 +15,7 @@ import torch
 
 from kernels.registry import BackendRegistry, as_device, is_flashinfer_installed
 
-_SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step) pairs over the generator's seed space
+SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step) pairs over the generator's seed space
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +100,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     return token_ids, logprobs_all.gather(1, token_ids.unsqueeze(1)).squeeze(1)
 
 
-def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def truncated_sorted(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, sorted_ids), both [B, V]: each row's probabilities after temperature, top-k, top-p and
+    min-p, in descending order and unnormalised (dropped tokens 0), and their token ids. What a
+    sampled row draws from, here and in `kernels.rejection_sampling`."""
     scaled = logits / batch.temperatures.clamp(min=1e-5).unsqueeze(1)
     sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
@@ -111,13 +114,17 @@ def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     mass_before = probs.cumsum(dim=-1) - probs
     drop = (mass_before > batch.top_ps.unsqueeze(1)) | (probs < batch.min_ps.unsqueeze(1) * probs[:, :1])
     drop[:, 0] = False  # the most likely token always survives
-    probs = probs.masked_fill(drop, 0.0)
+    return probs.masked_fill(drop, 0.0), sorted_ids
+
+
+def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    probs, sorted_ids = truncated_sorted(logits, batch)
     noise = torch.empty_like(probs)
     for row, (seed, step) in enumerate(zip(batch.seeds, batch.steps)):
         if seed is None:
             noise[row].exponential_()
         else:
-            _seeded_exponential(noise[row], (seed * _SEED_MIX + step) % (2**63))
+            _seeded_exponential(noise[row], (seed * SEED_MIX + step) % (2**63))
     choice = (probs / noise).argmax(dim=-1)  # exponential race: picks i with probability probs[i]
     return sorted_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
 

@@ -20,7 +20,7 @@ import flashinfer.sampling  # noqa: E402
 from kernels import flashinfer_attention as fa  # noqa: E402
 from kernels import flashinfer_sampling as fs  # noqa: E402
 from kernels.attention import AttentionMetadata, create_attention_backend  # noqa: E402
-from kernels.sampling import _SEED_MIX, SamplingBatch, create_sampler  # noqa: E402
+from kernels.sampling import SEED_MIX, SamplingBatch, create_sampler  # noqa: E402
 
 PAGE_SIZE = 16
 Decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper
@@ -305,7 +305,7 @@ def test_row_filters_translate_settings() -> None:
 
 
 def test_philox_seed_mixes_as_the_torch_sampler_does() -> None:
-    assert fs.philox_seed(42, 3) == (42 * _SEED_MIX + 3) % 2**63
+    assert fs.philox_seed(42, 3) == (42 * SEED_MIX + 3) % 2**63
     assert 0 <= fs.philox_seed(-5, 0) < 2**63
 
 
