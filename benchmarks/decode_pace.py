@@ -33,8 +33,11 @@ sys.path.insert(0, str(ROOT))
 def stream_gaps(url: str, input_ids: list[int], max_new_tokens: int, started: threading.Event | None) -> list[float]:
     """Stream one greedy generation; the seconds between its consecutive tokens (an event carrying
     several tokens counts as that many gaps of equal share). `started` is set at the first token."""
-    body = {"input_ids": input_ids, "stream": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
+    body = {
+        "input_ids": input_ids,
+        "stream": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+    }
     gaps: list[float] = []
     last_time, last_count = None, 0
     with httpx.stream("POST", f"{url}/generate", json=body, timeout=600) as reply:
@@ -108,8 +111,13 @@ def main() -> int:
     if args.launch:
         from tests.e2e.stack import start_stack
 
-        flags = ("--local-prefill-threshold", str(args.long_prompt_len + 1), "--context-length", "4096",
-                 *args.serve_args.split())
+        flags = (
+            "--local-prefill-threshold",
+            str(args.long_prompt_len + 1),
+            "--context-length",
+            "4096",
+            *args.serve_args.split(),
+        )
         stack = start_stack(Path(tempfile.mkdtemp()), *flags)
     url = args.url or stack.url
     try:
@@ -119,7 +127,9 @@ def main() -> int:
     finally:
         if stack is not None:
             stack.stop()
-    ratios = {f"{key}_ratio": round(loaded[key] / quiet[key], 2) for key in ("median_tpot_ms", "p90_tpot_ms", "p90_itl_ms")}
+    ratios = {
+        f"{key}_ratio": round(loaded[key] / quiet[key], 2) for key in ("median_tpot_ms", "p90_tpot_ms", "p90_itl_ms")
+    }
     print(json.dumps({"quiet": quiet, "long_prompt": loaded, **ratios}))
     return 0
 
