@@ -341,25 +341,31 @@ class EngineLoop:
             self._loop.call_soon_threadsafe(_set_result, future, result)
         return True
 
-    def _execute_step(self, scheduled: SchedulerOutput) -> ModelOutput:
-        """`Engine.execute` on the compute thread; the engine thread meanwhile runs the commands that
-        may run during a step and keeps the others for after it. Raises what the step raised."""
+    def _execute_step(self, scheduled: SchedulerOutput, kv_on_its_way: bool) -> ModelOutput:
+        """`Engine.execute` on the compute thread, on the threads the tuner picks there (torch's count
+        is per thread); the engine thread meanwhile runs the commands that may run during a step and
+        keeps the others for after it. Raises what the step raised."""
         if scheduled.is_empty:
             return self.engine.execute(scheduled)
-        computing = self._compute.submit(self.engine.execute, scheduled)
+        computing = self._compute.submit(self._compute_step, scheduled, kv_on_its_way)
         computing.add_done_callback(lambda _: self._commands.put(_STEP_DONE))
         while (command := self._commands.get()) is not _STEP_DONE:
             if not (command.is_during_step and self._execute(command, is_in_step=True)):
                 self._deferred.append(command)
         return computing.result()
 
-    def _step(self) -> None:
+    def _compute_step(self, scheduled: SchedulerOutput, kv_on_its_way: bool) -> ModelOutput:
+        """On the compute thread."""
         if self.threads is not None:
-            self.threads.before_step(kv_on_its_way=self.engine.num_reservations > 0)
+            self.threads.before_step(kv_on_its_way=kv_on_its_way)
+        return self.engine.execute(scheduled)
+
+    def _step(self) -> None:
+        kv_on_its_way = self.engine.num_reservations > 0
         started = time.perf_counter()
         try:
             scheduled = self.engine.schedule()
-            outputs = self.engine.update(scheduled, self._execute_step(scheduled))
+            outputs = self.engine.update(scheduled, self._execute_step(scheduled, kv_on_its_way))
         except Exception:
             logger.exception("engine step failed; aborting the requests it held")
             for request_id in list(self._sinks):
@@ -373,8 +379,8 @@ class EngineLoop:
             return
         self.num_steps += 1
         seconds = time.perf_counter() - started
-        if self.threads is not None:
-            self.threads.after_step(seconds, len(outputs))
+        if self.threads is not None and not scheduled.is_empty:
+            self.threads.after_step(seconds, scheduled.num_tokens)  # the forward's rows: decode, drafts, chunks
             self.metrics.torch_threads.set(self.threads.threads)
         self.metrics.observe_step(seconds, len(outputs), sum(o.token_id is not None for o in outputs))
         for output in outputs:

@@ -49,9 +49,9 @@ class _Choice:
 
 
 class ThreadTuner:
-    """Picks between `low` and `high` torch threads for the engine thread's steps: call `before_step`
-    (saying whether KV is on its way) and `after_step` around each step, on the engine thread, since
-    torch's thread count is per thread."""
+    """Picks between `low` and `high` torch threads for the engine's steps: call `before_step` (saying
+    whether KV is on its way) on the thread that computes the step, since torch's thread count is per
+    thread, and `after_step` once the step is over, never at the same time."""
 
     def __init__(
         self,

@@ -115,3 +115,49 @@ def test_a_reservation_that_would_preempt_waits_for_the_step_and_then_preempts(m
             loop.stop()
 
     asyncio.run(scenario())
+
+
+def test_the_thread_tuner_sets_the_count_on_the_thread_that_computes(model_dir: Path) -> None:
+    """torch's thread count is per thread: a count set on the engine thread would not reach the
+    compute thread's kernels. Every step must compute on the count the tuner chose for it."""
+    import torch
+
+    from server_runtime.threads import ThreadTuner
+
+    engine = _engine(model_dir, num_pages=32)
+    engine.release.set()
+    calls: list[str] = []
+    seen: list[tuple[int, int]] = []   # (count the tuner chose, count the computing thread has)
+
+    def set_threads(count: int) -> None:
+        calls.append(threading.current_thread().name)
+        torch.set_num_threads(count)
+
+    tuner = ThreadTuner(1, 2, hold_steps=2, probe_steps=2, set_threads=set_threads)
+    real_execute = engine.execute
+
+    def execute(scheduled):
+        if not scheduled.is_empty:
+            seen.append((tuner.threads, torch.get_num_threads()))
+        return real_execute(scheduled)
+
+    engine.execute = execute
+
+    async def scenario() -> None:
+        loop = EngineLoop(engine, asyncio.get_running_loop(), WorkerMetrics("decode", "m", "0"), tuner)
+        loop.start()
+        try:
+            sink = await loop.submit(Request("r", [3, 17, 42, 99, 5], SamplingParams(max_new_tokens=20, ignore_eos=True)))
+            while (await asyncio.wait_for(sink.get(), 30)).finish_reason is None:
+                pass
+        finally:
+            loop.stop()
+
+    torch_threads = torch.get_num_threads()
+    try:
+        asyncio.run(scenario())
+    finally:
+        torch.set_num_threads(torch_threads)
+    assert calls and all(name.startswith("engine-compute") for name in calls)
+    assert len(seen) == 20 and {chosen for chosen, _ in seen} == {1, 2}   # it probed both counts
+    assert all(chosen == actual for chosen, actual in seen)
