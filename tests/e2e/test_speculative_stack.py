@@ -12,6 +12,8 @@ import httpx
 import pytest
 
 from launcher.defaults import default_model_path
+from tandem.api.v1 import generate_pb2
+from tests.e2e.grpc_client import inference_api
 from tests.e2e.conftest import CONTEXT_LEN, MODEL
 from tests.e2e.stack import Stack, start_stack
 
@@ -65,3 +67,10 @@ def test_generate_meta_info_says_how_many_steps_verified_drafts(stack: Stack, sp
     assert 0 < meta["spec_verify_ct"] < 32 and 0 <= meta["spec_accepted_tokens"] < 32
     plain = httpx.post(f"{stack.url}/generate", json=body, timeout=300).json()["meta_info"]
     assert "spec_verify_ct" not in plain and "spec_accepted_tokens" not in plain
+    # the gRPC API's MetaInfo says the same
+    request = generate_pb2.GenerateRequest(
+        text=[body["text"]], sampling_params=generate_pb2.SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True))
+    with inference_api(speculative_stack.grpc_target) as api:
+        (output,) = api.Generate(request, timeout=120).outputs
+    assert (output.meta_info.spec_verify_ct, output.meta_info.spec_accepted_tokens) == (
+        meta["spec_verify_ct"], meta["spec_accepted_tokens"])
