@@ -27,12 +27,12 @@ from collections.abc import Sequence
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.forward_batch import ForwardBatch, decode_tokens, paged_forward_batch
 from engine.graph_batches import default_graph_batch_sizes, graph_batch_size
 from engine.kv_pool import KVPool
 from engine.models.layers import CausalLM
 from engine.models.registry import implementation_of
 from engine.request import Request
-from engine.step_inputs import StepInputs, decode_tokens, paged_step_inputs
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.layers import RotaryEmbedding
 
@@ -68,17 +68,17 @@ def why_decode_runs_eagerly(
     return None
 
 
-def padded_decode_inputs(
+def padded_decode_batch(
     requests: Sequence[Request], batch_size: int, scratch_page: int, page_size: int, pin: bool = False
-) -> StepInputs:
-    """Host inputs (pinned when `pin`) of a decode step of `requests` padded to `batch_size` rows:
-    the requests' rows as `build_step_inputs` makes them, then dummy rows of one token at position
+) -> ForwardBatch:
+    """The host batch (pinned when `pin`) of a decode step of `requests` padded to `batch_size` rows:
+    the requests' rows as `build_forward_batch` makes them, then dummy rows of one token at position
     0 on page `scratch_page` (which they write). ValueError when `requests` do not fit."""
     if len(requests) > batch_size:
         raise ValueError(f"{len(requests)} requests do not fit a batch of {batch_size}")
     new_token_ids, starts = decode_tokens(requests)
     num_dummies = batch_size - len(requests)
-    return paged_step_inputs(
+    return paged_forward_batch(
         new_token_ids + [[DUMMY_TOKEN_ID]] * num_dummies,
         starts + [0] * num_dummies,
         [r.page_ids for r in requests] + [[scratch_page]] * num_dummies,
@@ -112,7 +112,7 @@ class DecodeGraphs:
         largest = self.batch_sizes[-1]
         max_num_pages = largest * max_pages_per_sequence
         attention.prepare_cuda_graphs(self.batch_sizes, max_num_pages)
-        self._static = _static_inputs(largest, max_num_pages, self.device)
+        self._static = _static_batch(largest, max_num_pages, self.device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._hidden: dict[int, torch.Tensor] = {}  # each graph's output, [batch size, hidden]
 
@@ -124,41 +124,39 @@ class DecodeGraphs:
             stream = torch.cuda.Stream()
             pool = None
             for size in reversed(self.batch_sizes):
-                host = padded_decode_inputs([], size, self._scratch_page, self._page_size, pin=True)
+                host = padded_decode_batch([], size, self._scratch_page, self._page_size, pin=True)
                 self._load(host)
-                inputs = self._view(size, host.meta)
+                batch = self._view(size, host.meta)
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):  # warm-up: lazy initialisation and kernel compiles, uncaptured
-                    self._forward(inputs)
+                    self._forward(batch)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._hidden[size] = self._forward(inputs)
+                    self._hidden[size] = self._forward(batch)
                 pool = graph.pool()
                 self._graphs[size] = graph
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    def replay(self, requests: Sequence[Request]) -> tuple[torch.Tensor, StepInputs] | None:
+    def replay(self, requests: Sequence[Request]) -> tuple[torch.Tensor, ForwardBatch] | None:
         """The final hidden states [n, hidden] of a decode step of the n `requests` (their KV written)
-        and its inputs on the device, from the graph of the smallest captured size >= n; None when
+        and its batch on the device, from the graph of the smallest captured size >= n; None when
         none is that large (the caller runs the step eagerly). Valid until the next replay."""
         size = graph_batch_size(self.batch_sizes, len(requests))
         if size is None:
             return None
-        host = padded_decode_inputs(requests, size, self._scratch_page, self._page_size, pin=True)
+        host = padded_decode_batch(requests, size, self._scratch_page, self._page_size, pin=True)
         self._load(host)
         with torch.cuda.device(self.device):
             self._graphs[size].replay()
         return self._hidden[size][: len(requests)], self._view(len(requests), host.meta)
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        return self._model(
-            inputs.input_ids, inputs.positions, self._rotary, self._attention, self._pool.tensor, inputs.meta, None
-        )
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self._model(batch, self._rotary, self._attention, self._pool.tensor)
 
-    def _load(self, host: StepInputs) -> None:
-        """Copy a padded step's host inputs into the fixed buffers (without blocking: they are pinned)
+    def _load(self, host: ForwardBatch) -> None:
+        """Copy a padded step's host batch into the fixed buffers (without blocking: they are pinned)
         and plan its attention into the backend's fixed buffers."""
         meta, static = host.meta, self._static
         size, num_pages = meta.num_sequences, meta.kv_indices.numel()
@@ -175,11 +173,12 @@ class DecodeGraphs:
             buffer.copy_(values, non_blocking=True)
         self._attention.plan_cuda_graph(meta)
 
-    def _view(self, size: int, meta: AttentionMetadata) -> StepInputs:
-        """The fixed buffers' first `size` rows as a decode step's device inputs (`meta`: its host copy)."""
+    def _view(self, size: int, meta: AttentionMetadata) -> ForwardBatch:
+        """The fixed buffers' first `size` rows as a decode step's device batch (`meta`: its host copy);
+        it counts no experts (MoE models decode eagerly)."""
         static = self._static
         num_pages = int(meta.kv_indptr[size])
-        return StepInputs(
+        return ForwardBatch(
             static.input_ids[:size],
             static.positions[:size],
             static.logit_rows[:size],
@@ -196,12 +195,12 @@ class DecodeGraphs:
         )
 
 
-def _static_inputs(batch_size: int, max_num_pages: int, device: torch.device) -> StepInputs:
+def _static_batch(batch_size: int, max_num_pages: int, device: torch.device) -> ForwardBatch:
     """Fixed device buffers for decode steps of up to `batch_size` rows and `max_num_pages` page ids.
     A decode row is one token: its logit row and query offsets are the row numbers, written once."""
     int32, int64 = torch.int32, torch.int64
     rows = torch.arange(batch_size + 1, device=device)
-    return StepInputs(
+    return ForwardBatch(
         input_ids=torch.zeros(batch_size, dtype=int64, device=device),
         positions=torch.zeros(batch_size, dtype=int64, device=device),
         logit_rows=rows[:batch_size].clone(),

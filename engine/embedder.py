@@ -34,11 +34,11 @@ from engine.bert import CLASSIFIER_ARCHITECTURE as BERT_CLASSIFIER_ARCHITECTURE
 from engine.bert import BertModel
 from engine.config import EngineConfig
 from engine.errors import ContextLengthExceededError, InvalidRequestError
+from engine.forward_batch import paged_forward_batch
 from engine.model_setup import attention_backend, load_causal_lm, materialize, rotary_embedding, torch_dtype
 from engine.models.layers import CausalLM
 from engine.page_allocator import pages_needed
 from engine.pooling import PoolingConfig, PoolingMode, pool, read_pooling_config, truncate
-from engine.step_inputs import paged_step_inputs
 from engine.weights import open_checkpoint
 from engine.weights.bert_checkpoint import is_bert_dir, open_bert_checkpoint, read_hf_config
 
@@ -138,13 +138,13 @@ class ScratchDecoder:
         num_pages = [pages_needed(len(tokens), size) for tokens in token_lists]
         first = accumulate(num_pages[:-1], initial=0)
         pages = [range(f, f + n) for f, n in zip(first, num_pages)]  # each sequence's own run of scratch pages
-        host = paged_step_inputs(token_lists, [0] * len(token_lists), pages, size)
+        host = paged_forward_batch(token_lists, [0] * len(token_lists), pages, size)
         self.attention.plan(host.meta)
-        inputs = host.to(self.device)
+        batch = host.to(self.device)
         scratch = torch.empty(
             sum(num_pages), mc.num_layers, 2, size, mc.num_kv_heads, mc.head_dim, dtype=self.dtype, device=self.device
         )
-        hidden = self.model(inputs.input_ids, inputs.positions, self.rotary, self.attention, scratch, inputs.meta)
+        hidden = self.model(batch, self.rotary, self.attention, scratch)
         return self.model.compute_logits(hidden) if self.apply_head else hidden
 
 

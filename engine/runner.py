@@ -5,9 +5,9 @@ pass, samples the next token of each request that reaches its last known token a
 a `ModelOutput`. It never changes request state.
 
 Everything lives on `EngineConfig.device`, chosen once here: the weights (materialized there),
-the KV pool, the rotary tables, the expert counts. Each step's inputs are built on the host (in
-pinned memory when the device is CUDA), handed to the attention backend's `plan`, then copied to
-the device without blocking.
+the KV pool, the rotary tables, the expert counts. Each step's `ForwardBatch` is built on the host
+(in pinned memory when the device is CUDA), handed to the attention backend's `plan`, then copied
+to the device without blocking.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graph import capture_decode_graphs
+from engine.forward_batch import ForwardBatch, build_forward_batch
 from engine.grammar import GrammarBackend
 from engine.kv_pool import KVLayout, KVPool
 from engine.logits import adjust_logits, logprob_extras, score_prompt
 from engine.model_setup import attention_backend, load_causal_lm, load_causal_lm_weights, rotary_embedding, torch_dtype
 from engine.moe import ExpertRecorder
 from engine.request import PromptLogprobs, Request
-from engine.step_inputs import StepInputs, build_step_inputs
 from engine.step_records import ModelOutput, SampledToken, SchedulerOutput
 from engine.weights import Checkpoint
 from kernels.attention import resolve_attention_backend
@@ -122,10 +122,10 @@ class ModelRunner:
         sampling request, verifying its draft tokens first when it has some (each accepted draft is
         an output token too); score the prompt pieces asked for. Reads request state, changes none."""
         requests = scheduled.requests
-        hidden, inputs = self._forward(requests, scheduled.num_new_tokens, scheduled.is_decode_only)
+        hidden, forward_batch = self._forward(requests, scheduled.num_new_tokens, scheduled.is_decode_only)
         prompt: tuple[PromptLogprobs | None, ...] = ()
         if any(r.prompt_logprob_start is not None for r in requests):
-            prompt = tuple(self._prompt_logprobs(hidden, requests, inputs.query_lens))
+            prompt = tuple(self._prompt_logprobs(hidden, requests, forward_batch.query_lens))
         samplers = [i for i, is_sampling in enumerate(scheduled.is_sampling) if is_sampling]
         sampled: list[tuple[SampledToken, ...]] = [() for _ in requests]
         if not samplers:
@@ -133,9 +133,9 @@ class ModelRunner:
         batch = [requests[i] for i in samplers]
         num_rows = [len(r.draft_ids) + 1 for r in batch]  # logit rows per sampling request: its last ones
         if len(samplers) == len(requests) and all(n == 1 for n in num_rows):
-            logit_rows = inputs.logit_rows
+            logit_rows = forward_batch.logit_rows
         else:
-            ends = list(accumulate(inputs.query_lens))
+            ends = list(accumulate(forward_batch.query_lens))
             rows = [row for i, n in zip(samplers, num_rows) for row in range(ends[i] - n, ends[i])]
             logit_rows = torch.tensor(rows, device=hidden.device)
         owners = [r for r, n in zip(batch, num_rows) for _ in range(n)]  # the request of each logit row
@@ -217,31 +217,23 @@ class ModelRunner:
         on (None: all it lacks); fp32 logits [B, V] on the device at each request's last new token
         (KV written)."""
         counts = num_new_tokens or [r.seq_len - r.num_computed for r in requests]
-        hidden, inputs = self._forward(requests, counts, is_decode_only=all(n == 1 for n in counts))
-        return self.model.compute_logits(hidden[inputs.logit_rows])
+        hidden, batch = self._forward(requests, counts, is_decode_only=all(n == 1 for n in counts))
+        return self.model.compute_logits(hidden[batch.logit_rows])
 
     def _forward(
         self, requests: Sequence[Request], num_new_tokens: Sequence[int], is_decode_only: bool
-    ) -> tuple[torch.Tensor, StepInputs]:
-        """Final hidden states [T, hidden] of every new token, and the step's inputs on the device
+    ) -> tuple[torch.Tensor, ForwardBatch]:
+        """Final hidden states [T, hidden] of every new token, and the step's batch on the device
         (from a CUDA graph when a decode-only step fits one)."""
         if is_decode_only and self.decode_graphs is not None:
             replayed = self.decode_graphs.replay(requests)
             if replayed is not None:
                 return replayed
-        host = build_step_inputs(requests, num_new_tokens, self.page_size, pin=self._pin)
+        counts = self.expert_recorder.step_counts()
+        host = build_forward_batch(requests, num_new_tokens, self.page_size, self._pin, counts)
         self.attention.plan(host.meta)
-        inputs = host.to(self.device)
-        hidden = self.model(
-            inputs.input_ids,
-            inputs.positions,
-            self.rotary,
-            self.attention,
-            self.kv_pool.tensor,
-            inputs.meta,
-            self.expert_recorder.step_counts(),
-        )
-        return hidden, inputs
+        batch = host.to(self.device)
+        return self.model(batch, self.rotary, self.attention, self.kv_pool.tensor), batch
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, requests: Sequence[Request], query_lens: tuple[int, ...]

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from kernels import native
-from kernels.layers import NATIVE_KV_CACHE_DTYPES
+from kernels.attention import AttentionMetadata
+from kernels.layers import NATIVE_KV_CACHE_DTYPES, RotaryEmbedding
 from kernels.quant_linear import QuantizedLinear, activation_qmax
 
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -57,20 +58,55 @@ class AttentionShape:
     window: int | None = None
 
 
+class FusedDecoderLayer:
+    """The C++ layer behind the step's parts as the engine's layer takes them: `forward` unpacks the
+    rotary tables and the page table into the tensors the C++ call takes, so that call's argument
+    order is known here only."""
+
+    __slots__ = ("_layer",)
+
+    def __init__(self, layer: Any) -> None:
+        self._layer = layer
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, residual) as `DecoderLayer.forward` returns them: x [T, hidden] contiguous float32,
+        `residual` (None for the first layer) updated in place, `positions` [T] int64, `rotary` the
+        layer's own tables; the tokens' K/V are written into `kv_cache` [P, 2, S, Hkv, D]."""
+        return self._layer.forward(  # type: ignore[no-any-return]
+            x,
+            residual,
+            positions,
+            rotary.cos,
+            rotary.sin,
+            kv_cache,
+            meta.write_pages,
+            meta.write_offsets,
+            meta.qo_indptr,
+            meta.kv_indptr,
+            meta.kv_indices,
+            meta.kv_last_page_len,
+        )
+
+
 def fused_decoder_layer(
     norms: LayerNorms,
     projections: Sequence[nn.Module],
     attention: AttentionShape,
     activation: str,
     kv_dtype: torch.dtype,
-) -> Any | None:
-    """The C++ layer (its `forward(x, residual, positions, cos, sin, kv_cache, write_pages,
-    write_offsets, qo_indptr, kv_indptr, kv_indices, kv_last_page_len)` returns (output, residual)
-    as `DecoderLayer.forward` does; cos/sin are the layer's own rotary tables), or None when a part is
-    not what it computes: `projections` (qkv, o, gate_up, down) must all be `QuantizedLinear` (any
-    formats, mixed ones included) with one activation rounding and float32 biases, the norms float32
-    CPU tensors, `activation` one of ACTIVATIONS, the KV pool (`kv_dtype`) one the kernels take, and
-    the kernels built."""
+) -> FusedDecoderLayer | None:
+    """The C++ layer, or None when a part is not what it computes: `projections` (qkv, o, gate_up,
+    down) must all be `QuantizedLinear` (any formats, mixed ones included) with one activation
+    rounding and float32 biases, the norms float32 CPU tensors, `activation` one of ACTIVATIONS, the
+    KV pool (`kv_dtype`) one the kernels take, and the kernels built."""
     if not native.is_available() or len(projections) != 4 or kv_dtype not in NATIVE_KV_CACHE_DTYPES:
         return None
     if activation not in ACTIVATIONS:
@@ -86,7 +122,7 @@ def fused_decoder_layer(
         return None if t is None else t.detach().contiguous()
 
     specs = [(p.quantized.data, p.quantized.table, weight(p.bias)) for p in linears]
-    return native.load().DecoderLayer(
+    layer = native.load().DecoderLayer(
         weight(norms.input),
         weight(norms.ffn),
         weight(norms.q),
@@ -103,3 +139,4 @@ def fused_decoder_layer(
         attention.window or 0,
         activation,
     )
+    return FusedDecoderLayer(layer)

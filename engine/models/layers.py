@@ -2,7 +2,7 @@
 
 Attention goes through a pluggable `AttentionBackend` (a dense layer fused into one C++ call,
 `DecoderLayer.fuse`, runs the `cpu` backend's kernel itself); the KV pool is passed into
-`forward`, and per-step layout travels in `AttentionMetadata`, so the modules hold no per-step state.
+`forward`, and everything per-step travels in one `ForwardBatch`, so the modules hold no per-step state.
 MoE layers (`engine/moe.py`) replace the dense MLP where the family's `ffn` factory says so; a
 sequence-classification config (`num_labels` > 0) gets HF's `score` head instead of `lm_head`.
 """
@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch
 from engine.weight_loader import MergedLinear, Value, load_into
-from kernels.attention import AttentionBackend, AttentionMetadata, CpuPagedAttention
-from kernels.fused_layer import AttentionShape, LayerNorms, fused_decoder_layer
+from kernels.attention import AttentionBackend, CpuPagedAttention
+from kernels.fused_layer import AttentionShape, FusedDecoderLayer, LayerNorms, fused_decoder_layer
 from kernels.layers import RotaryEmbedding, add_rms_norm, gelu_tanh_and_mul, plain_rms_norm, silu_and_mul
 
 FfnFactory = Callable[[ModelConfig, int], tuple[str, nn.Module]]
@@ -72,13 +72,14 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        batch: ForwardBatch,
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
+        """x [T, hidden] -> [T, hidden]; `rotary` is this layer's tables, and the tokens' K/V are written
+        into `kv_cache` [P, 2, S, Hkv, D] where `batch.meta` says."""
+        num_tokens, meta = x.shape[0], batch.meta
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -88,7 +89,7 @@ class Attention(nn.Module):
             q,
             k,
             v.view(num_tokens, self.num_kv_heads, self.head_dim),
-            positions,
+            batch.positions,
             kv_cache,
             meta.write_pages,
             meta.write_offsets,
@@ -145,6 +146,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, ffn: FfnFactory, fused_qkv: str | None = None) -> None:
         super().__init__()
         eps, hidden = config.rms_norm_eps, config.hidden_size
+        self.layer_id = layer_id
         self.self_attn = Attention(config, layer_id, fused_qkv)
         self.is_moe = config.is_moe_layer(layer_id)
         self.ffn_name, module = ffn(config, layer_id)
@@ -155,7 +157,7 @@ class DecoderLayer(nn.Module):
         if self.is_sandwich:
             self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
             self.post_feedforward_layernorm = RMSNorm(hidden, eps)
-        self.fused: Any = None  # the layer as one C++ call, when `fuse` found it can be
+        self.fused: FusedDecoderLayer | None = None  # the layer as one C++ call, when `fuse` found it can be
 
     def fuse(self, backend: AttentionBackend, kv_dtype: torch.dtype) -> bool:
         """Compute this layer as one C++ call (`kernels.fused_layer`) from now on, if it is a dense
@@ -194,42 +196,31 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        positions: torch.Tensor,
+        batch: ForwardBatch,
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        expert_counts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer on the residual stream: returns (this layer's output, the stream before it is added);
-        the stream `residual` (None for the first layer) is updated in place. `expert_counts`
-        ([num_experts] int64, MoE layers only) is added to as `SparseMoeBlock` says."""
-        is_sliding = self.self_attn.window is not None
+        the stream `residual` (None for the first layer) is updated in place, as is this layer's row
+        of `batch.expert_counts` (MoE layers only, as `SparseMoeBlock` says). `kv_cache` is this
+        layer's [P, 2, S, Hkv, D] of the pool."""
+        tables = rotary.for_layer(self.self_attn.window is not None)
         if self.fused is not None:
-            tables = rotary.for_layer(is_sliding)
-            return self.fused.forward(  # type: ignore[no-any-return]
-                x.contiguous(),
-                residual,
-                positions,
-                tables.cos,
-                tables.sin,
-                kv_cache,
-                meta.write_pages,
-                meta.write_offsets,
-                meta.qo_indptr,
-                meta.kv_indptr,
-                meta.kv_indices,
-                meta.kv_last_page_len,
-            )
+            return self.fused.forward(x.contiguous(), residual, batch.positions, tables, kv_cache, batch.meta)
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, rotary.for_layer(is_sliding), backend, kv_cache, meta)
+        h = self.self_attn(h, batch, tables, backend, kv_cache)
         if self.is_sandwich:
             h = self.post_attention_layernorm.plain(h)
             h, residual = self.pre_feedforward_layernorm(h, residual)
         else:
             h, residual = self.post_attention_layernorm(h, residual)
         ffn = getattr(self, self.ffn_name)
-        out = ffn(h, expert_counts) if self.is_moe else ffn(h)
+        if self.is_moe:
+            counts = batch.expert_counts
+            out = ffn(h, None if counts is None else counts[self.layer_id])
+        else:
+            out = ffn(h)
         return (self.post_feedforward_layernorm.plain(out) if self.is_sandwich else out), residual
 
 
@@ -263,26 +254,17 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
-        backend: AttentionBackend,
-        kv_pool: torch.Tensor,
-        meta: AttentionMetadata,
-        expert_counts: torch.Tensor | None = None,
+        self, batch: ForwardBatch, rotary: RotaryEmbedding, backend: AttentionBackend, kv_pool: torch.Tensor
     ) -> torch.Tensor:
-        """input_ids, positions: [T] int64; kv_pool: [P, num_layers, 2, S, Hkv, D] (written).
-
-        `expert_counts` ([num_layers, num_experts] int64): when given, each MoE layer adds to its row
-        the number of these tokens routed to each expert (T x num_experts_per_tok per layer).
-        """
-        x, residual = self.model.embed_tokens(input_ids), None
+        """The final hidden states [T, hidden] of `batch`'s T new tokens; their K/V are written into
+        `kv_pool` [P, num_layers, 2, S, Hkv, D]. When `batch.expert_counts` ([num_layers, num_experts]
+        int64) is given, each MoE layer adds to its row the number of these tokens routed to each
+        expert (T x num_experts_per_tok per layer)."""
+        x, residual = self.model.embed_tokens(batch.input_ids), None
         if self.embedding_scale is not None:
             x = x * torch.tensor(self.embedding_scale, dtype=x.dtype)
         for layer_id, layer in enumerate(self.model.layers):
-            counts = expert_counts[layer_id] if expert_counts is not None and layer.is_moe else None
-            x, residual = layer(x, residual, positions, rotary, backend, kv_pool[:, layer_id], meta, counts)
+            x, residual = layer(x, residual, batch, rotary, backend, kv_pool[:, layer_id])
         return self.model.norm(x, residual)[0]
 
     def fuse_layers(self, backend: AttentionBackend, kv_dtype: torch.dtype) -> int:

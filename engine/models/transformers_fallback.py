@@ -32,6 +32,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from engine.config import ConfigError, ModelConfig
+from engine.forward_batch import ForwardBatch
 from engine.models.config_readers import config_from_hf
 from engine.models.family import ModelFamily
 from engine.weight_loader import load_into
@@ -165,22 +166,16 @@ class TransformersCausalLM(nn.Module):
             raise ConfigError(f"{config.architecture} computes non-float buffers {fixed}, which Tandem cannot rebuild")
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
-        backend: AttentionBackend,
-        kv_pool: torch.Tensor,
-        meta: AttentionMetadata,
-        expert_counts: torch.Tensor | None = None,
+        self, batch: ForwardBatch, rotary: RotaryEmbedding, backend: AttentionBackend, kv_pool: torch.Tensor
     ) -> torch.Tensor:
-        """input_ids, positions: [T] int64; kv_pool: [P, num_layers, 2, S, Hkv, D] (written) -> the final
-        hidden states [T, hidden]. `rotary` is unused (transformers rotates), as is `expert_counts`."""
+        """The final hidden states [T, hidden] of `batch`'s T new tokens; their K/V are written into
+        `kv_pool` [P, num_layers, 2, S, Hkv, D]. `rotary` is unused (transformers rotates), as is
+        `batch.expert_counts`."""
         out = self._hf.base_model(
-            input_ids=input_ids.unsqueeze(0),
-            position_ids=positions.unsqueeze(0),
+            input_ids=batch.input_ids.unsqueeze(0),
+            position_ids=batch.positions.unsqueeze(0),
             use_cache=False,
-            **{_STEP: TandemStep(backend, kv_pool, meta)},
+            **{_STEP: TandemStep(backend, kv_pool, batch.meta)},
         )
         hidden: torch.Tensor = out.last_hidden_state[0]
         return hidden

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("flashinfer", reason="pip install -e '.[gpu]' installs FlashInfer")
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.cuda_graph import padded_decode_inputs  # noqa: E402
+from engine.cuda_graph import padded_decode_batch  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
 from engine.weights import open_checkpoint  # noqa: E402
@@ -67,10 +67,10 @@ def test_a_replay_equals_the_graph_body_run_eagerly_on_the_same_inputs(smollm2_p
     decoding = [engine._requests[f"r{i}"] for i in range(len(PROMPTS))]
     graphs = engine.runner.decode_graphs
     assert graphs is not None
-    replayed, inputs = graphs.replay(decoding)   # 5 requests: the graph of 8, three dummy rows
+    replayed, batch = graphs.replay(decoding)   # 5 requests: the graph of 8, three dummy rows
     replayed = replayed.clone()
-    assert replayed.shape[0] == 5 and inputs.logit_rows.tolist() == [0, 1, 2, 3, 4]
-    host = padded_decode_inputs(decoding, 8, graphs._scratch_page, graphs._page_size, pin=True)
+    assert replayed.shape[0] == 5 and batch.logit_rows.tolist() == [0, 1, 2, 3, 4]
+    host = padded_decode_batch(decoding, 8, graphs._scratch_page, graphs._page_size, pin=True)
     graphs._load(host)   # the same inputs and plan; the K/V it writes again are the values already there
     eager = graphs._forward(graphs._view(8, host.meta))[:5]
     assert torch.equal(replayed, eager)

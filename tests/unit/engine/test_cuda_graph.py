@@ -1,5 +1,5 @@
 """CUDA-graph decode on the CPU (engine/cuda_graph.py): everything but the capture and replay, which need
-a GPU (tests/gpu/test_cuda_graph.py). Padded step inputs; the graph's body run eagerly through its fixed
+a GPU (tests/gpu/test_cuda_graph.py). Padded decode batches; the graph's body run eagerly through its fixed
 buffers, equal to the unpadded step for the real rows and writing nothing outside their pages but the
 scratch page; the fallback to eager for a step larger than every graph; when decode stays eager."""
 
@@ -17,13 +17,13 @@ from engine.cuda_graph import (
     DecodeGraphs,
     capture_decode_graphs,
     configured_batch_sizes,
-    padded_decode_inputs,
+    padded_decode_batch,
     why_decode_runs_eagerly,
 )
+from engine.forward_batch import build_forward_batch
 from engine.kv_pool import KVPool
 from engine.request import Request, SamplingParams
 from engine.runner import ModelRunner
-from engine.step_inputs import build_step_inputs
 from engine.weights import open_checkpoint
 from kernels.attention import AttentionMetadata, TorchAttention
 from tests.tiny_models import save_tiny_llama, save_tiny_qwen2_moe
@@ -71,8 +71,8 @@ def _decoding_requests() -> list[Request]:
 
 def test_padding_keeps_the_real_rows_and_sends_the_dummies_to_the_scratch_page() -> None:
     requests = _decoding_requests()
-    plain = build_step_inputs(requests, [1] * len(requests), page_size=PAGE_SIZE)
-    padded = padded_decode_inputs(requests, 5, SCRATCH, PAGE_SIZE)
+    plain = build_forward_batch(requests, [1] * len(requests), page_size=PAGE_SIZE)
+    padded = padded_decode_batch(requests, 5, SCRATCH, PAGE_SIZE)
     meta, plain_meta = padded.meta, plain.meta
     assert padded.input_ids.tolist() == plain.input_ids.tolist() + [DUMMY_TOKEN_ID] * 3
     assert padded.positions.tolist() == plain.positions.tolist() + [0, 0, 0] == [6, 10, 0, 0, 0]
@@ -86,19 +86,19 @@ def test_padding_keeps_the_real_rows_and_sends_the_dummies_to_the_scratch_page()
     assert meta.kv_last_page_len.tolist() == [3, 3, 1, 1, 1]
     assert meta.write_pages.tolist() == [1, 5, SCRATCH, SCRATCH, SCRATCH]
     assert meta.write_offsets.tolist() == [2, 2, 0, 0, 0]
-    assert padded_decode_inputs(requests, 2, SCRATCH, PAGE_SIZE).input_ids.tolist() == plain.input_ids.tolist()
+    assert padded_decode_batch(requests, 2, SCRATCH, PAGE_SIZE).input_ids.tolist() == plain.input_ids.tolist()
     with pytest.raises(ValueError, match="2 requests do not fit a batch of 1"):
-        padded_decode_inputs(requests, 1, SCRATCH, PAGE_SIZE)
+        padded_decode_batch(requests, 1, SCRATCH, PAGE_SIZE)
 
 
 def _prefilled_pool(runner: ModelRunner, requests: list[Request]) -> KVPool:
     """A pool with a scratch page holding every request's KV up to its newest token."""
     pool = KVPool(runner.layout, NUM_PAGES, "cpu", num_scratch_pages=1)
     for req in requests:
-        host = build_step_inputs([Request(req.request_id, req.prompt_ids + req.output_ids[:-1], SamplingParams(),
+        host = build_forward_batch([Request(req.request_id, req.prompt_ids + req.output_ids[:-1], SamplingParams(),
                                           page_ids=req.page_ids)], [req.seq_len - 1], page_size=PAGE_SIZE)
         runner.attention.plan(host.meta)
-        runner.model(host.input_ids, host.positions, runner.rotary, runner.attention, pool.tensor, host.meta)
+        runner.model(host, runner.rotary, runner.attention, pool.tensor)
     return pool
 
 
@@ -110,13 +110,12 @@ def test_the_graph_body_over_its_fixed_buffers_equals_the_unpadded_eager_step(ru
     eager_pool, graph_pool = _prefilled_pool(runner, requests), _prefilled_pool(runner, requests)
     assert torch.equal(eager_pool.tensor, graph_pool.tensor)
 
-    plain = build_step_inputs(requests, [1] * len(requests), page_size=PAGE_SIZE)
-    expected = runner.model(plain.input_ids, plain.positions, runner.rotary, runner.attention, eager_pool.tensor,
-                            plain.meta)
+    plain = build_forward_batch(requests, [1] * len(requests), page_size=PAGE_SIZE)
+    expected = runner.model(plain, runner.rotary, runner.attention, eager_pool.tensor)
 
     graphs = DecodeGraphs(runner.model, runner.rotary, attention, graph_pool, (1, 2, 4, 8), max_pages_per_sequence=16)
     assert attention.prepared == ((1, 2, 4, 8), 8 * 16)
-    host = padded_decode_inputs(requests, 4, SCRATCH, PAGE_SIZE)
+    host = padded_decode_batch(requests, 4, SCRATCH, PAGE_SIZE)
     graphs._load(host)
     assert attention.graph_plans == [host.meta]   # planned once, from the host copy
     hidden = graphs._forward(graphs._view(4, host.meta))   # what the captured graph computes

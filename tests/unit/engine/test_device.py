@@ -1,6 +1,6 @@
 """The device plumbing: with `EngineConfig.device="meta"` the weights, the KV pool and every per-step
 tensor must be on the meta device, where mixing in a CPU tensor raises. So a tensor created on the
-wrong device anywhere in a forward pass (model, rotary, attention, step inputs) fails these tests."""
+wrong device anywhere in a forward pass (model, rotary, attention, forward batch) fails these tests."""
 
 from __future__ import annotations
 
@@ -77,8 +77,9 @@ def test_the_backend_plans_once_from_host_metadata_and_the_model_gets_device_inp
         hook.remove()
     assert len(planned) == 1 and planned[0].qo_indptr.device.type == "cpu"
     assert planned[0].query_lens == (5,) and planned[0].seq_lens == (5,)
-    input_ids, positions, _, _, kv_pool, meta, _ = calls[0]
-    step_tensors = [input_ids, positions, kv_pool, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
+    batch, _, _, kv_pool = calls[0]
+    meta = batch.meta
+    step_tensors = [batch.input_ids, batch.positions, batch.logit_rows, kv_pool, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
                     meta.kv_last_page_len, meta.write_pages, meta.write_offsets]
     assert [t.device for t in step_tensors] == [META] * len(step_tensors)
     assert meta.query_lens == (5,) and meta.seq_lens == (5,)
@@ -111,7 +112,7 @@ def test_quantized_weights_are_refused_off_the_cpu(quantization: str) -> None:
 
 
 @pytest.mark.gpu
-def test_a_cuda_runner_pins_its_step_inputs_and_matches_the_cpu(model_dir: Path) -> None:
+def test_a_cuda_runner_pins_its_forward_batch_and_matches_the_cpu(model_dir: Path) -> None:
     checkpoint = open_checkpoint(str(model_dir))
     cpu = ModelRunner(checkpoint, _meta_config(device="cpu"), context_len=128, progress=False)
     cuda = ModelRunner(checkpoint, _meta_config(device="cuda"), context_len=128, progress=False)

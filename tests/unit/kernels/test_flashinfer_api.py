@@ -150,12 +150,12 @@ def test_graph_wrapper_constructor_binds_with_its_fixed_buffers(num_heads: int, 
 def test_a_graph_decode_plan_is_the_eager_decode_plan_of_a_padded_step() -> None:
     """plan_cuda_graph passes decode_plan_kwargs unchanged: a padded step (dummy rows on one scratch
     page) binds, and nothing in it is graph-unsafe (`fixed_split_size` is not, per FlashInfer)."""
-    from engine.cuda_graph import padded_decode_inputs
+    from engine.cuda_graph import padded_decode_batch
     from engine.request import Request, SamplingParams
 
     request = Request("r", list(range(40)), SamplingParams(), page_ids=[7, 3, 9], output_ids=[1])
     request.num_computed = request.prompt_len
-    meta = padded_decode_inputs([request], 4, scratch_page=500, page_size=PAGE_SIZE).meta
+    meta = padded_decode_batch([request], 4, scratch_page=500, page_size=PAGE_SIZE).meta
     kwargs = fa.decode_plan_kwargs(meta, **_shapes())
     bound = _bind(Decode._plan_impl, object(), **kwargs).arguments
     assert "fixed_split_size" not in bound and not bound.get("disable_split_kv", False)

@@ -1,8 +1,10 @@
-"""The inputs of one forward pass, built on the host from the scheduled requests.
+"""`ForwardBatch`: everything one forward pass reads that changes from step to step, built on the host
+from the scheduled requests.
 
-They are built once per step in host memory, pinned when the device is CUDA so that `to` copies
-them without blocking; the attention backend plans from the host copy and the model computes
-with the device copy.
+It is the model's one per-step argument (`CausalLM.forward(batch, rotary, backend, kv_pool)`), so a
+new per-token field reaches every layer by being added here. It is built once per step in host
+memory, pinned when the device is CUDA so that `to` copies it without blocking; the attention backend
+plans from the host copy and the model computes with the device copy.
 """
 
 from __future__ import annotations
@@ -18,60 +20,71 @@ from kernels.attention import AttentionMetadata, host_tensor
 
 
 @dataclass(frozen=True, slots=True)
-class StepInputs:
+class ForwardBatch:
     """`input_ids`, `positions`: [T] int64, every new token of the batch, requests in order;
     `logit_rows`: [B] int64, the row of each request's last new token (whose logits pick its next
-    token); `meta`: the step's page table."""
+    token); `meta`: the step's page table; `expert_counts`: [num_layers, num_experts] int64 on the
+    model's device, which each MoE layer adds its routed tokens to (`ExpertRecorder.step_counts`),
+    or None to count nothing."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     logit_rows: torch.Tensor
     meta: AttentionMetadata
+    expert_counts: torch.Tensor | None = None
 
     @property
     def query_lens(self) -> tuple[int, ...]:
         """How many new tokens (rows) each request has."""
         return self.meta.query_lens
 
-    def to(self, device: torch.device | str, non_blocking: bool = True) -> StepInputs:
-        """The same inputs on `device` (itself when they are there already). With `non_blocking`
-        the copies from pinned memory are asynchronous: the host tensors must not be written again
-        (they never are: each step builds new ones)."""
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> ForwardBatch:
+        """The same batch on `device` (itself when it is there already); `expert_counts` is carried as
+        it is (it lives on the device). With `non_blocking` the copies from pinned memory are
+        asynchronous: the host tensors must not be written again (they never are: each step builds
+        new ones)."""
         device = torch.device(device)
         if self.input_ids.device == device:
             return self
-        return StepInputs(
+        return ForwardBatch(
             self.input_ids.to(device, non_blocking=non_blocking),
             self.positions.to(device, non_blocking=non_blocking),
             self.logit_rows.to(device, non_blocking=non_blocking),
             self.meta.to(device, non_blocking),
+            self.expert_counts,
         )
 
 
-def build_step_inputs(
-    requests: Sequence[Request], num_new_tokens: Sequence[int], page_size: int, pin: bool = False
-) -> StepInputs:
-    """Host tensors (pinned when `pin`) for one step in which request i computes `num_new_tokens[i]`
+def build_forward_batch(
+    requests: Sequence[Request],
+    num_new_tokens: Sequence[int],
+    page_size: int,
+    pin: bool = False,
+    expert_counts: torch.Tensor | None = None,
+) -> ForwardBatch:
+    """The host batch (pinned when `pin`) of one step in which request i computes `num_new_tokens[i]`
     tokens of its sequence from `num_computed` on; their pages are allocated."""
     new_token_ids = [r.token_ids(r.num_computed, r.num_computed + n) for r, n in zip(requests, num_new_tokens)]
     starts = [r.num_computed for r in requests]
-    return paged_step_inputs(new_token_ids, starts, [r.page_ids for r in requests], page_size, pin)
+    page_ids = [r.page_ids for r in requests]
+    return paged_forward_batch(new_token_ids, starts, page_ids, page_size, pin, expert_counts)
 
 
 def decode_tokens(requests: Sequence[Request]) -> tuple[list[list[int]], list[int]]:
     """Each request's newest token (as a one-token list) and its position: a decode step's feed,
-    as `paged_step_inputs` takes it."""
+    as `paged_forward_batch` takes it."""
     return [r.token_ids(r.seq_len - 1, r.seq_len) for r in requests], [r.seq_len - 1 for r in requests]
 
 
-def paged_step_inputs(
+def paged_forward_batch(
     new_token_ids: Sequence[Sequence[int]],
     starts: Sequence[int],
     page_ids: Sequence[Sequence[int]],
     page_size: int,
     pin: bool = False,
-) -> StepInputs:
-    """Host tensors (pinned when `pin`) for one forward pass over paged sequences: sequence i feeds
+    expert_counts: torch.Tensor | None = None,
+) -> ForwardBatch:
+    """The host batch (pinned when `pin`) of one forward pass over paged sequences: sequence i feeds
     `new_token_ids[i]` at positions `starts[i]` on, after `starts[i]` tokens whose KV is already in
     its pages `page_ids[i]`, which must have room for the new tokens too (their KV is written there)."""
     query_lens = [len(new) for new in new_token_ids]
@@ -81,6 +94,10 @@ def paged_step_inputs(
     meta = AttentionMetadata.build(page_ids, query_lens, seq_lens, page_size, pin=pin)
     logit_rows = [end - 1 for end in accumulate(query_lens)]
     int64 = torch.int64
-    return StepInputs(
-        host_tensor(ids, int64, pin), host_tensor(pos, int64, pin), host_tensor(logit_rows, int64, pin), meta
+    return ForwardBatch(
+        host_tensor(ids, int64, pin),
+        host_tensor(pos, int64, pin),
+        host_tensor(logit_rows, int64, pin),
+        meta,
+        expert_counts,
     )
