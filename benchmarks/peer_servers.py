@@ -33,6 +33,7 @@ class Server:
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
     stop_signal: int = signal.SIGTERM
+    decode_metrics_url: str | None = None  # Tandem's decode worker's /metrics, when started here
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -58,12 +59,14 @@ def free_port() -> int:
 
 def start_tandem(serve_args: list[str], run_dir: Path) -> Server:
     """`tandem serve` on free loopback ports, its output in run_dir/tandem.log."""
-    port = free_port()
+    port, decode_metrics_port = free_port(), free_port()
     cmd = [str(Path(sys.executable).with_name("tandem")), "serve", "--port", str(port),
            "--prefill-port", str(free_port()), "--decode-port", str(free_port()),
-           "--prefill-metrics-port", str(free_port()), "--decode-metrics-port", str(free_port()),
+           "--prefill-metrics-port", str(free_port()), "--decode-metrics-port", str(decode_metrics_port),
            "--grpc-port", str(free_port()), "--data-dir", str(run_dir / "tandem-data"), *serve_args]
-    return launch(TANDEM, cmd, port, run_dir / "tandem.log", signal.SIGINT)
+    server = launch(TANDEM, cmd, port, run_dir / "tandem.log", signal.SIGINT)
+    server.decode_metrics_url = f"http://127.0.0.1:{decode_metrics_port}/metrics"
+    return server
 
 
 def start_llama_server(binary: Path, gguf: Path, model_name: str, num_slots: int, extra_args: list[str],

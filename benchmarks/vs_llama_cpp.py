@@ -12,7 +12,7 @@ The client is SGLang's `python -m sglang.bench_serving` (OpenAI completions, `--
 random token-id prompts of --input-len tokens, --output-len tokens each with ignore_eos, at
 concurrency 1 and 16 (0 prompts: that concurrency is skipped). `--dataset edit` sends instead the
 prompts of benchmarks/data/edit_workload.jsonl (rewrite the given code: most of the answer is copied
-from the prompt, which n-gram speculation exploits) through the model's chat template, greedy.
+from the prompt, which n-gram speculation exploits), put through the model's chat template here, greedy.
 Before measuring, one non-streamed request checks on each server that
 ignore_eos yields exactly --output-len tokens (bench_serving itself counts requested tokens when a
 stream carries no usage). The servers run one after the other, never together: the machines have
@@ -26,6 +26,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -142,17 +143,22 @@ def dataset_args(workload: Workload) -> list[str]:
         return ["--dataset-name", "random-ids", "--random-input-len", str(workload.input_len),
                 "--random-output-len", str(workload.output_len), "--random-range-ratio", "1"]
     return ["--dataset-name", "sharegpt", "--dataset-path", str(workload.dataset_path),
-            "--sharegpt-output-len", str(workload.output_len), "--apply-chat-template"]
+            "--sharegpt-output-len", str(workload.output_len)]
 
 
-def edit_dataset(run_dir: Path) -> Path:
-    """The edit workload as the ShareGPT file bench_serving reads (the answer turn is a placeholder:
-    --sharegpt-output-len sets the length)."""
+def edit_dataset(run_dir: Path, tokenizer_dir: Path) -> Path:
+    """The edit workload as the ShareGPT file bench_serving reads, each prompt already through the
+    model's chat template (the same text reaches both servers' /v1/completions); the answer turn is a
+    placeholder: --sharegpt-output-len sets the length."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     path = run_dir / "edit_workload.sharegpt.json"
     conversations = []
     for line in EDIT_WORKLOAD.read_text().splitlines():
-        prompt = json.loads(line)["messages"][0]["content"]
-        conversations.append({"id": json.loads(line)["id"], "conversations": [
+        record = json.loads(line)
+        prompt = tokenizer.apply_chat_template(record["messages"], tokenize=False, add_generation_prompt=True)
+        conversations.append({"id": record["id"], "conversations": [
             {"from": "human", "value": prompt}, {"from": "gpt", "value": "the rewritten code " * 20}]})
     path.write_text(json.dumps(conversations))
     return path
@@ -172,10 +178,27 @@ def measure(server: Server, client_python: Path, tokenizer_dir: Path, workload: 
         wait_ready(server, startup_timeout_s)
         model = served_model(server)
         check_exact_lengths(server, model, prompt, workload.output_len)
-        return [run_client(client_python, server, model, tokenizer_dir, workload, concurrency, num_prompts, run_dir)
-                for concurrency, num_prompts in workload.runs if num_prompts]
+        results = [run_client(client_python, server, model, tokenizer_dir, workload, concurrency, num_prompts, run_dir)
+                   for concurrency, num_prompts in workload.runs if num_prompts]
+        say_acceptance(server)
+        return results
     finally:
         server.stop()
+
+
+def say_acceptance(server: Server) -> None:
+    """Tandem's speculative-decoding totals over the whole run, when it speculated (its decode worker's
+    /metrics; the warm-up and length checks included)."""
+    if server.decode_metrics_url is None:
+        return
+    text = httpx.get(server.decode_metrics_url, timeout=10).text
+    found = re.findall(r"^(tandem_worker_spec_\w+) (\S+)$", text, re.MULTILINE)
+    values = {name: float(value) for name, value in found}
+    drafts = values.get("tandem_worker_spec_draft_tokens", 0.0)
+    if drafts:
+        accepted = values.get("tandem_worker_spec_accepted_tokens", 0.0)
+        say(f"{server.name}: speculation: {accepted:.0f} of {drafts:.0f} draft tokens accepted "
+            f"(acceptance rate {accepted / drafts:.2f})")
 
 
 def ratio(ours: float | None, theirs: float | None) -> str:
@@ -309,8 +332,7 @@ def main() -> int:
         raise SystemExit(f"{gguf} is not a file: give a GGUF path to --model-path (`make models-bench` fetches Qwen)")
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=args.cache_dir))
-    workload = Workload(args.input_len, args.output_len, ((1, args.prompts_at_1), (16, args.prompts_at_16)),
-                        edit_dataset(run_dir) if args.dataset == "edit" else None)
+
     try:
         client_python = ensure_client_python(args.cache_dir)
         tokenizer_dir = ensure_tokenizer(args.cache_dir, gguf, model_name(gguf))
@@ -319,6 +341,8 @@ def main() -> int:
             binary = ensure_llama_server(args.cache_dir, args.llama_cpp_python_version, args.build_jobs)
     except StepFailed as error:
         raise SystemExit(str(error)) from None
+    workload = Workload(args.input_len, args.output_len, ((1, args.prompts_at_1), (16, args.prompts_at_16)),
+                        edit_dataset(run_dir, tokenizer_dir) if args.dataset == "edit" else None)
     prompt = probe_prompt(tokenizer_dir, workload.input_len)
 
     results: dict[str, list[RunResult]] = {}
