@@ -145,8 +145,10 @@ def use_device(device: str) -> None:
 
 
 class EngineLoop:
-    """The engine thread and the process's `BlockingWork` (`work`), owned together: `start()`
-    starts the thread, `stop()` ends both. Only the engine thread touches `engine` once started."""
+    """The engine thread, its compute thread and the process's `BlockingWork` (`work`), owned together:
+    `start()` starts the engine thread, `stop()` ends them all. Once started only the engine thread
+    touches `engine`, except `Engine.execute`, which the compute thread runs while the engine thread
+    answers reservations alone."""
 
     def __init__(
         self,
