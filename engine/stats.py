@@ -9,8 +9,8 @@ from dataclasses import dataclass
 class EngineStats:
     """Counts at one moment (`Engine.stats()`); a value, safe to hand to any thread."""
 
-    num_running: int  # requests in the running batch
-    num_waiting: int  # requests queued for prefill
+    num_running: int  # requests admitted: decoding, or part-way through their prompt's chunks
+    num_waiting: int  # requests not admitted yet (new prompts, preempted ones to recompute)
     num_free_pages: int
     num_total_pages: int
     num_cached_pages: int  # kept only by the prefix cache (reusable)

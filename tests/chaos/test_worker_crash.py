@@ -72,8 +72,8 @@ def test_a_killed_prefill_worker_fails_its_requests_fast_and_frees_their_decode_
             pool.submit(completion, services.url, f"{i}. {LONG_PROMPT}", 4, i % 2 == 1, replies[i])
             for i in range(num_requests)
         ]
-        wait_for(
-            lambda: worker_load(services.prefill_port).num_waiting == num_requests,
+        wait_for(  # waiting, or running their first chunks: a prompt runs from its first chunk on
+            lambda: (load := worker_load(services.prefill_port)).num_waiting + load.num_running == num_requests,
             60,
             "the prompts reaching the prefill worker",
         )
