@@ -1,6 +1,6 @@
 """N-gram speculative decoding through the three processes: the decode worker started with
 `--speculative-algorithm ngram` gives exactly the greedy text of the shared stack (the same settings
-without it) for prompts from the edit workload, accepts drafts, and says so in `/metrics`."""
+without it) for a prompt from the edit workload, accepts drafts, and says so in `/metrics`."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests.e2e.conftest import CONTEXT_LEN, MODEL
 from tests.e2e.stack import Stack, start_stack
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "edit_workload.jsonl"
-MAX_TOKENS = 48
+MAX_TOKENS = 32
 
 pytestmark = pytest.mark.slow
 
@@ -48,10 +48,8 @@ def _metric(text: str, name: str) -> float:
 
 
 def test_ngram_speculation_keeps_the_greedy_text_and_accepts_drafts(stack: Stack, speculative_stack: Stack) -> None:
-    prompts = [json.loads(line)["messages"] for line in WORKLOAD.read_text().splitlines()[:2]]
-    for messages in prompts:
-        expected = _greedy_text(stack.url, messages)
-        assert _greedy_text(speculative_stack.url, messages) == expected
+    messages = json.loads(WORKLOAD.read_text().splitlines()[0])["messages"]
+    assert _greedy_text(speculative_stack.url, messages) == _greedy_text(stack.url, messages)
     metrics = speculative_stack.worker_metrics("decode")
     drafts, accepted = _metric(metrics, "tandem_worker_spec_draft_tokens"), _metric(metrics, "tandem_worker_spec_accepted_tokens")
     assert drafts > 0 and 0 < accepted <= drafts
