@@ -19,8 +19,8 @@ import time
 
 from engine.config import ConfigError, EngineConfig
 from engine.errors import CapacityError, InvalidRequestError, RequestAbortedError, RequestNotFoundError
-from engine.grammar import GrammarBackend, accept_token
-from engine.outputs import append_token, finish_output
+from engine.grammar import GrammarBackend
+from engine.outputs import accept_token, append_token, finish_output
 from engine.page_allocator import PageAllocator, pages_needed
 from engine.page_pool import NoPrefixCache
 from engine.prefix_cache import PrefixCache

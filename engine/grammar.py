@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.outputs import accept_token
 from tandem.converted_tokenizer import load_hf_tokenizer
 from tandem.sampling import GrammarKind, GrammarSpec
 
@@ -132,12 +133,6 @@ class GrammarBackend:
             self._compiler = xgrammar.GrammarCompiler(info)
             logger.info("grammar backend ready (xgrammar, vocabulary %d)", self._vocab_size)
         return self._compiler
-
-
-def accept_token(matcher: Any, token_id: int) -> None:
-    """Advance a matcher past a sampled token; a token outside the grammar is an engine bug."""
-    if not matcher.accept_token(token_id):
-        raise InvalidRequestError(f"token {token_id} does not continue the requested grammar")
 
 
 def _load_hf_tokenizer(path: str) -> Any:

@@ -7,6 +7,8 @@ No torch here.
 
 from __future__ import annotations
 
+from typing import Any
+
 from engine.errors import InvalidRequestError
 from engine.request import FinishReason, Request, StepOutput
 from engine.step_records import SampledToken
@@ -24,11 +26,17 @@ def finish_reason(req: Request, token_id: int, eos_token_ids: frozenset[int], co
     return None
 
 
-def accept_grammar_token(req: Request, token_id: int) -> None:
-    """Advance `req`'s grammar matcher (if any) past a sampled token; a token outside the grammar is an
-    engine bug (the step's mask allowed only tokens that continue it)."""
-    if req.grammar_matcher is not None and not req.grammar_matcher.accept_token(token_id):
+def accept_token(matcher: Any, token_id: int) -> None:
+    """Advance an xgrammar matcher past a token; a token outside the grammar is an engine bug (the
+    step's mask allowed only tokens that continue it)."""
+    if not matcher.accept_token(token_id):
         raise InvalidRequestError(f"token {token_id} does not continue the requested grammar")
+
+
+def accept_grammar_token(req: Request, token_id: int) -> None:
+    """`accept_token` on `req`'s grammar matcher, if it has one."""
+    if req.grammar_matcher is not None:
+        accept_token(req.grammar_matcher, token_id)
 
 
 def record_token(req: Request, token: SampledToken) -> None:

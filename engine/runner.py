@@ -161,40 +161,34 @@ class ModelRunner:
         one sampled token, or, with drafts, the accepted drafts and one more (rejection sampling keeps
         the target distribution). Logprobs are of the raw logits."""
         sampling = _sampling_batch(batch, self.device)
-        needs_extras = any(r.sampling.top_logprobs_num or r.sampling.token_ids_logprob for r in batch)
+        logprobs: torch.Tensor | None = None
         if all(n == 1 for n in num_rows):
             token_ids, logprobs = self.sampler.sample(adjusted, sampling)
             emitted = [[t] for t in token_ids.tolist()]
-            if adjusted is not logits or needs_extras:
-                raw_logprobs = torch.log_softmax(logits, dim=-1)
-                logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-            emitted_logprobs = [[lp] for lp in logprobs.tolist()]
-            emitted_rows = list(range(len(batch)))
         else:
-            verified = verify(adjusted, [r.draft_ids for r in batch], None, sampling)
-            emitted = verified.token_ids
-            firsts = [0, *accumulate(num_rows)]
-            emitted_rows = [first + j for first, tokens in zip(firsts, emitted) for j in range(len(tokens))]
+            emitted = verify(adjusted, [r.draft_ids for r in batch], None, sampling).token_ids
+        firsts = accumulate(num_rows, initial=0)
+        rows = [first + j for first, tokens in zip(firsts, emitted) for j in range(len(tokens))]  # of each token
+        needs_extras = any(r.sampling.top_logprobs_num or r.sampling.token_ids_logprob for r in batch)
+        raw_logprobs = None
+        if logprobs is None or adjusted is not logits or needs_extras:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
             flat = torch.tensor([t for tokens in emitted for t in tokens], device=logits.device)
-            raw_logprobs = torch.log_softmax(logits[emitted_rows], dim=-1)
-            flat_logprobs = raw_logprobs.gather(1, flat.unsqueeze(1)).squeeze(1).tolist()
-            emitted_logprobs, at = [], 0
-            for tokens in emitted:
-                emitted_logprobs.append(flat_logprobs[at : at + len(tokens)])
-                at += len(tokens)
-            if needs_extras:
-                raw_logprobs = torch.log_softmax(logits, dim=-1)
-        extras = logprob_extras(raw_logprobs, owners) if needs_extras else None
+            logprobs = raw_logprobs[torch.tensor(rows, device=logits.device), flat]
+        flat_logprobs = logprobs.tolist()
+        extras = logprob_extras(raw_logprobs, owners) if needs_extras and raw_logprobs is not None else None
         results: list[tuple[SampledToken, ...]] = []
-        row_at = 0
-        for tokens, logprob_list in zip(emitted, emitted_logprobs):
+        at = 0
+        for tokens in emitted:
             results.append(
                 tuple(
-                    SampledToken(t, lp, *((extras.top[row], extras.requested[row]) if extras else ((), ())))
-                    for t, lp, row in zip(tokens, logprob_list, emitted_rows[row_at:])
+                    SampledToken(
+                        t, flat_logprobs[k], *((extras.top[rows[k]], extras.requested[rows[k]]) if extras else ((), ()))
+                    )
+                    for k, t in enumerate(tokens, start=at)
                 )
             )
-            row_at += len(tokens)
+            at += len(tokens)
         return results
 
     def _finite_logits(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, tuple[int, ...]]:
