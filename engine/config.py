@@ -148,6 +148,7 @@ class ModelConfig:
 _DTYPES = ("bfloat16", "float32", "float16")
 QUANTIZATIONS = ("none", "gguf", "q8_0", "q4_0", "q4_1")  # what each means: engine/weight_loader.py
 SPECULATIVE_ALGORITHMS = ("ngram",)  # draft proposers: engine/proposers.py
+DRAFT_POLICIES = ("auto", "always")
 # "meta" (shapes without data) lets tests run the whole forward pass with no memory and no GPU
 _DEVICE = re.compile(r"cpu|meta|cuda(:\d+)?")
 
@@ -167,6 +168,11 @@ class EngineConfig:
     `speculative_algorithm` "ngram" (None: off) has each decoding request feed up to
     `speculative_num_draft_tokens` guessed tokens (prompt lookup, engine/proposers.py) and verify them
     in the same step; output follows the target distribution exactly either way.
+    `speculative_draft_policy` "auto" verifies a draft only where the measured step times and the
+    request's acceptance so far say it pays (engine/step_costs.py); "always": every draft, every step.
+    `max_decode_slowdown` (None: off) holds a step that decodes and also computes prompt tokens to
+    about that many times a decode-only step's time, by its prompt tokens (engine/pacing.py); it
+    needs chunking to split a prompt.
 
     `device` is where the weights, the KV pool and every per-step tensor live ("cpu", "cuda",
     "cuda:<n>"; the entry point resolves "auto"). Quantized weights compute in a CPU kernel, so a
@@ -190,6 +196,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     speculative_algorithm: str | None = None  # one of SPECULATIVE_ALGORITHMS
     speculative_num_draft_tokens: int = 4
+    speculative_draft_policy: str = "auto"  # one of DRAFT_POLICIES
+    max_decode_slowdown: float | None = 1.5
     context_len: int | None = None
     device: str = "cpu"
     attention_backend: str = "auto"
@@ -232,8 +240,14 @@ class EngineConfig:
                 f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS} or None, "
                 f"got {self.speculative_algorithm!r}"
             )
+        if self.speculative_draft_policy not in DRAFT_POLICIES:
+            raise ConfigError(
+                f"speculative_draft_policy must be one of {DRAFT_POLICIES}, got {self.speculative_draft_policy!r}"
+            )
         if self.speculative_num_draft_tokens < 1:
             raise ConfigError(f"speculative_num_draft_tokens must be positive, got {self.speculative_num_draft_tokens}")
+        if self.max_decode_slowdown is not None and self.max_decode_slowdown <= 1:
+            raise ConfigError(f"max_decode_slowdown must be above 1, or None (off), got {self.max_decode_slowdown}")
         decode_tokens = self.max_running_requests * (1 + self.num_draft_tokens)
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < decode_tokens:
             raise ConfigError(

@@ -30,6 +30,7 @@ from engine.reservations import Reservation, Reservations
 from engine.runner import FaultHooks, ModelRunner
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats
+from engine.step_costs import DecodePacer, DecodeStepTimes, DraftBudget
 from engine.step_records import ModelOutput, SampledToken, SchedulerOutput
 from engine.weights import Checkpoint
 from engine.weights.names import shape_changes
@@ -56,6 +57,8 @@ class Engine:
         self.runner = ModelRunner(checkpoint, config, self.context_len, progress=progress, faults=faults)
         self.allocator = PageAllocator(self.runner.kv_pool.num_pages)
         self.pages = (PrefixCache if config.enable_prefix_cache else NoPrefixCache)(self.allocator, config.page_size)
+        self.step_times = DecodeStepTimes()
+        is_budgeted = config.speculative_algorithm is not None and config.speculative_draft_policy == "auto"
         self.scheduler = Scheduler(
             self.pages,
             config.max_running_requests,
@@ -65,6 +68,8 @@ class Engine:
             self.eos_token_ids,
             self.context_len,
             NgramProposer(config.speculative_num_draft_tokens) if config.speculative_algorithm == "ngram" else None,
+            DecodePacer(config.max_decode_slowdown, self.step_times) if config.max_decode_slowdown else None,
+            DraftBudget(config.speculative_num_draft_tokens, self.step_times) if is_budgeted else None,
         )
         self._requests: dict[str, Request] = {}
         self._held: dict[str, Request] = {}
@@ -278,7 +283,19 @@ class Engine:
         preempt nobody (see the module docstring)."""
         if scheduled.is_empty:
             return ModelOutput((), ())
-        return self.runner.execute(scheduled, self.grammar)
+        started = time.perf_counter()
+        output = self.runner.execute(scheduled, self.grammar)
+        if scheduled.num_decode_tokens:
+            self._observe_step_time(scheduled, time.perf_counter() - started)
+        return output
+
+    def _observe_step_time(self, scheduled: SchedulerOutput, seconds: float) -> None:
+        """What the pacer and the draft budget learn from a step that decoded (engine/step_costs.py)."""
+        num_prompt_tokens = scheduled.num_tokens - scheduled.num_decode_tokens
+        if num_prompt_tokens == 0:
+            self.step_times.observe(scheduled.num_decode_tokens, seconds)
+        if self.scheduler.pacer is not None:
+            self.scheduler.pacer.observe(scheduled.num_decode_tokens, num_prompt_tokens, seconds)
 
     def update(self, scheduled: SchedulerOutput, output: ModelOutput) -> list[StepOutput]:
         """Record what `execute` computed for `scheduled`; the step's `StepOutput`s."""

@@ -116,6 +116,7 @@ class Request:
     draft_ids: list[int] = field(default_factory=list)
     num_spec_steps: int = 0  # steps that verified drafts for it
     num_accepted_drafts: int = 0  # of its drafts, those accepted as output
+    num_rejecting_steps: int = 0  # of its verifying steps, those that rejected a draft
 
     @property
     def prompt_len(self) -> int:

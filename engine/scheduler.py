@@ -12,8 +12,11 @@ token. A step is filled in this order, prefill and decode in one batch:
    chunk and runs from then on.
 
 Prompt tokens per step are capped by `max_prefill_tokens`, by `chunked_prefill_size` when chunking
-(the prompt crossing the cap is split), and by what `max_num_batched_tokens` leaves after the
-decode tokens. Without chunking a prompt is never split: one longer than the cap runs whole, alone.
+(the prompt crossing the cap is split), by what `max_num_batched_tokens` leaves after the decode
+tokens and, while requests decode, by a `pacer` (engine/step_costs.py) that keeps the step close to
+a decode-only step's time. Without chunking a prompt is never split: one longer than the cap runs
+whole, alone. A `draft_budget` (same module) chooses how many drafts each decoding request may
+verify, from measured step times and its acceptance so far (None: as many as the proposer guesses).
 
 A decoding request that needs a new page when none is free preempts running requests, the lowest
 priority (highest `priority` value) and then the newest first: they give their pages back and wait,
@@ -39,6 +42,7 @@ from engine.page_allocator import pages_needed
 from engine.page_pool import PagePool
 from engine.proposers import Proposer
 from engine.request import FinishReason, Request, RequestStatus, StepOutput, join_prompt_logprobs
+from engine.step_costs import DecodePacer, DraftBudget
 from engine.step_records import ModelOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -61,6 +65,8 @@ class Scheduler:
         eos_token_ids: frozenset[int] = frozenset(),
         context_len: int = 2**31,
         proposer: Proposer | None = None,
+        pacer: DecodePacer | None = None,
+        draft_budget: DraftBudget | None = None,
     ) -> None:
         self.pages = pages
         self.page_size = pages.page_size
@@ -74,8 +80,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.proposer = proposer
+        self.pacer = pacer
+        self.draft_budget = draft_budget
         self.num_draft_tokens = 0  # proposed and verified, since start
         self.num_accepted_tokens = 0  # of those, accepted
+        self.num_rejecting_steps = 0  # request-steps that rejected a draft
         self._preempted: list[Request] = []  # this step's, for its SchedulerOutput
 
     @property
@@ -109,11 +118,13 @@ class Scheduler:
         aborted = self._grow_decode_pages(decoding)
         decoding = [r for r in decoding if r in self.running]
         if self.proposer is not None:
-            for req in decoding:
-                self._propose(req, self.proposer)
+            for req, limit in zip(decoding, self._draft_limits(decoding)):
+                if limit > 0:
+                    self._propose(req, self.proposer, limit)
         requests: list[Request] = list(decoding)
         counts = [1 + len(r.draft_ids) for r in decoding]
-        budget = self._prompt_budget(sum(counts))
+        num_decode_tokens = sum(counts)
+        budget = self._prompt_budget(num_decode_tokens)
         num_prompt_tokens = 0
         for req in [r for r in self.running if r.seq_len - r.num_computed > 1]:  # chunks to continue
             if num_prompt_tokens >= budget:
@@ -126,11 +137,25 @@ class Scheduler:
             requests.append(req)
             counts.append(num_new)
         is_sampling = tuple(r.num_computed + n == r.seq_len + len(r.draft_ids) for r, n in zip(requests, counts))
-        return SchedulerOutput(tuple(requests), tuple(counts), is_sampling, tuple(aborted), tuple(self._preempted))
+        return SchedulerOutput(
+            tuple(requests), tuple(counts), is_sampling, tuple(aborted), tuple(self._preempted), num_decode_tokens
+        )
 
-    def _propose(self, req: Request, proposer: Proposer) -> None:
-        """Give a decoding request the drafts `proposer` guesses, as many as its limits (max tokens,
-        context), its grammar (the drafts up to the first one it refuses) and the pages it holds or
+    def _draft_limits(self, decoding: list[Request]) -> list[int]:
+        """The most drafts each of `decoding` may get this step: the draft budget's choice, from each
+        request's acceptance so far (drawn toward the worker's, two drafts' worth, while it has few)."""
+        if self.draft_budget is None:
+            return [2**31] * len(decoding)
+        overall = (self.num_accepted_tokens + 1) / (self.num_accepted_tokens + self.num_rejecting_steps + 2)
+        acceptance = [
+            (r.num_accepted_drafts + 2 * overall) / (r.num_accepted_drafts + r.num_rejecting_steps + 2)
+            for r in decoding
+        ]
+        return self.draft_budget.num_drafts(acceptance)
+
+    def _propose(self, req: Request, proposer: Proposer, limit: int) -> None:
+        """Give a decoding request the drafts `proposer` guesses, at most `limit` and as many as its
+        limits (max tokens, context), its grammar (the drafts up to the first one it refuses) and the pages it holds or
         can take without preempting allow. A request whose next token's logits depend on its earlier
         tokens (penalties, logit bias, a minimum of new tokens still to reach) or that will not decode
         here gets none."""
@@ -142,7 +167,7 @@ class Scheduler:
             or len(req.output_ids) < params.min_new_tokens
         ):
             return
-        room = min(params.max_new_tokens - len(req.output_ids), self.context_len - req.seq_len) - 1
+        room = min(params.max_new_tokens - len(req.output_ids) - 1, self.context_len - req.seq_len - 1, limit)
         drafts = proposer.propose(req.token_ids(0, req.seq_len), room) if room > 0 else []
         if drafts and req.grammar_matcher is not None:
             drafts = _grammar_prefix(req.grammar_matcher, drafts)
@@ -161,6 +186,8 @@ class Scheduler:
             budget = min(budget, self.chunked_prefill_size)
         if self.max_num_batched_tokens is not None:
             budget = min(budget, self.max_num_batched_tokens - num_decode_tokens)
+        if self.pacer is not None and (paced := self.pacer.prompt_budget(num_decode_tokens)) is not None:
+            budget = min(budget, paced)
         return budget
 
     def _admit_waiting(self, budget: int, is_first: bool) -> list[tuple[Request, int]]:
@@ -254,6 +281,9 @@ class Scheduler:
                 self.num_accepted_tokens += num_accepted
                 req.num_spec_steps += 1
                 req.num_accepted_drafts += num_accepted
+                if num_accepted < num_drafts:
+                    req.num_rejecting_steps += 1
+                    self.num_rejecting_steps += 1
                 req.num_computed -= num_drafts - num_accepted
             for token in output.sampled[i]:
                 if req.is_prefill_only:

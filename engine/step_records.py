@@ -15,6 +15,8 @@ class SchedulerOutput:
     samples its next token from its last row. A request that is not sampling is part-way through its
     prompt (a chunk). Decode rows come first, then prompt chunks; prefill and decode share the batch.
 
+    `num_decode_tokens`: the decode rows' tokens (each decoding request's one and its drafts), the first
+    of `num_new_tokens`; the rest are prompt tokens.
     `aborted`: requests that could never fit the pool, already finished by the scheduler this step.
     `preempted`: requests that gave their pages back this step, to be recomputed later."""
 
@@ -23,6 +25,7 @@ class SchedulerOutput:
     is_sampling: tuple[bool, ...]
     aborted: tuple[Request, ...] = ()
     preempted: tuple[Request, ...] = ()
+    num_decode_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:

@@ -160,6 +160,8 @@ def engine_config(args: argparse.Namespace, role: str, is_embedding: bool) -> En
             max_num_batched_tokens=args.max_num_batched_tokens,
             speculative_algorithm=args.speculative_algorithm,
             speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+            speculative_draft_policy=args.speculative_draft_policy,
+            max_decode_slowdown=args.max_decode_slowdown,
             context_len=args.context_length,
             device=device,
             quantization=quantization,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from engine.config import SPECULATIVE_ALGORITHMS, EngineConfig
+from engine.config import DRAFT_POLICIES, SPECULATIVE_ALGORITHMS, EngineConfig
 from engine.graph_batches import DEFAULT_MAX_GRAPH_BATCH_SIZE
 from kv_transfer import TransportConfig
 from launcher.defaults import field_default
@@ -122,6 +122,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "are capped only by --max-prefill-tokens and --chunked-prefill-size",
     )
     p.add_argument(
+        "--max-decode-slowdown",
+        type=_max_decode_slowdown,
+        default=field_default(EngineConfig, "max_decode_slowdown"),
+        help="while requests decode, a step that also prefills (a prompt kept on its decode worker, a "
+        "preempted request's recompute) takes prompt tokens only up to about this many times a "
+        "decode-only step's measured time, so running streams keep their pace and the prompt takes "
+        "longer; needs --chunked-prefill-size to split a prompt. 0: off",
+    )
+    p.add_argument(
         "--speculative-algorithm",
         choices=SPECULATIVE_ALGORITHMS,
         default=field_default(EngineConfig, "speculative_algorithm"),
@@ -134,6 +143,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=field_default(EngineConfig, "speculative_num_draft_tokens"),
         help="draft tokens a request may verify per step with --speculative-algorithm",
+    )
+    p.add_argument(
+        "--speculative-draft-policy",
+        choices=DRAFT_POLICIES,
+        default=field_default(EngineConfig, "speculative_draft_policy"),
+        help="auto: a step verifies a request's drafts only while the decode steps' measured cost per "
+        "row is below what the drafts are expected to yield at the request's acceptance so far (none "
+        "where rows are dear, as K-quant weights on a CPU without AVX-512 make them); always: every "
+        "draft the proposer guesses, up to --speculative-num-draft-tokens",
     )
     p.add_argument(
         "--quantization",
@@ -291,6 +309,17 @@ def _chunked_prefill_size(text: str) -> int | None:
     if value < -1:
         raise argparse.ArgumentTypeError(f"must be positive, or -1 or 0 to turn chunking off, got {value}")
     return value if value > 0 else None
+
+
+def _max_decode_slowdown(text: str) -> float | None:
+    """--max-decode-slowdown: a factor above 1, or 0 for off (None)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value != 0 and not value > 1:
+        raise argparse.ArgumentTypeError(f"must be above 1, or 0 for off, got {value}")
+    return value or None
 
 
 def metrics_port(flag: int | None, grpc_port: int) -> int:

@@ -29,7 +29,7 @@ def speculative_stack(tmp_path_factory: pytest.TempPathFactory) -> Stack:
     stack = start_stack(tmp_path_factory.mktemp("speculative-stack"), *weights_dirs, "--dtype", "float32",
                         "--quantization", "none", "--context-length", str(CONTEXT_LEN), "--max-total-tokens", "8192",
                         "--torch-threads", "1", "--speculative-algorithm", "ngram",
-                        "--speculative-num-draft-tokens", "4")
+                        "--speculative-num-draft-tokens", "4", "--speculative-draft-policy", "always")
     yield stack
     stack.stop()
 

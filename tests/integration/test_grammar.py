@@ -102,8 +102,8 @@ def test_speculation_under_a_grammar_keeps_the_constrained_greedy_output(setup) 
     spec = GrammarSpec(GrammarKind.REGEX, "((red|blue|green) ){6,12}(red|blue|green)")
     sampling = SamplingParams(temperature=0, max_new_tokens=40, grammar=spec)
     plain = _run(_engine(checkpoint), "p", prompt, sampling)
-    speculative = Engine(checkpoint, EngineConfig(max_total_tokens=2048, quantization="gguf",
-                                                  speculative_algorithm="ngram"), progress=False)
+    speculative = Engine(checkpoint, EngineConfig(max_total_tokens=2048, quantization="gguf", speculative_algorithm="ngram",
+                                                  speculative_draft_policy="always"), progress=False)
     assert _run(speculative, "s", prompt, sampling) == plain
     assert speculative.scheduler.num_accepted_tokens > 0
     words = tokenizer.decode(plain).split(" ")

@@ -1,0 +1,138 @@
+"""What a step may take on, from the step times the engine measures: prompt tokens beside decoding
+streams (`DecodePacer`) and draft tokens to verify (`DraftBudget`). No torch; the engine feeds
+`observe` each step's time from the thread that computed it (`Engine.execute`).
+
+Both rest on `DecodeStepTimes`, a moving average of decode-only steps' seconds per number of decode
+rows (each decoding request's token and its drafts). On a memory-bound step (a small model's float
+weights on a CPU, most models on a GPU) a few dozen extra rows cost almost nothing; on a
+compute-bound one (K-quant weights on AVX2) each costs about a decode step's share. Which one holds
+is measured, never assumed from the hardware.
+
+**Decode pace.** A prompt prefilled by a worker that is decoding (a short prompt kept local, a long
+one while every prefill worker is busy, a preempted request's recompute) shares its steps with the
+running streams, and each of them waits for the whole step. The pacer holds one cap on a mixed
+step's prompt tokens; after each mixed step it moves the cap toward what would have kept the step
+within `max_slowdown` times a decode-only step of its decode rows, at the prompt tokens' measured
+cost per token (at most halving or doubling it). With no decode-only step measured near the batch's
+rows, or every `refresh_steps` mixed steps, it asks for a decode-only step (cap 0) to measure one.
+
+**Draft budget.** A draft costs a row and yields a token only if it and every draft before it are
+accepted. With a request's per-draft acceptance p, its j-th draft is worth p**j tokens; a step of
+cost a + b * rows over the decode-only steps' fit yields its tokens at (sum of worths) / (a + b *
+rows). Drafts are added in order of worth while one raises that rate (that is, while its worth is
+above b times the rate so far), so a step verifies drafts only where rows are cheaper than what they
+are expected to return. Without two row counts measured it allows every draft (which measures them);
+every `explore_steps` decode steps it allows every draft once more, so a stale fit is corrected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+_EMA_WEIGHT = 0.3  # of a new decode-only step in its moving average
+_NEAR = 0.25  # a decode-only time measured at rows within this fraction stands for the batch's
+
+
+class DecodeStepTimes:
+    """Seconds of decode-only steps, a moving average per number of decode rows."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}
+
+    def observe(self, num_rows: int, seconds: float) -> None:
+        old = self.seconds.get(num_rows)
+        self.seconds[num_rows] = seconds if old is None else old + _EMA_WEIGHT * (seconds - old)
+
+    def near(self, num_rows: int) -> float | None:
+        """The time measured at the rows nearest `num_rows`, if within a quarter of them."""
+        if not self.seconds:
+            return None
+        rows = min(self.seconds, key=lambda r: abs(r - num_rows))
+        return self.seconds[rows] if abs(rows - num_rows) <= _NEAR * num_rows else None
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b) of the least-squares line seconds = a + b * rows over the measured row counts
+        (b at least 0); None with fewer than two of them."""
+        if len(self.seconds) < 2:
+            return None
+        n = len(self.seconds)
+        mean_rows = sum(self.seconds) / n
+        mean_s = sum(self.seconds.values()) / n
+        spread = sum((r - mean_rows) ** 2 for r in self.seconds)
+        slope = sum((r - mean_rows) * (s - mean_s) for r, s in self.seconds.items()) / spread
+        slope = max(slope, 0.0)
+        return max(mean_s - slope * mean_rows, 0.0), slope
+
+
+class DecodePacer:
+    """Caps a step's prompt tokens while requests decode in it (see the module docstring)."""
+
+    def __init__(
+        self, max_slowdown: float, times: DecodeStepTimes, initial_cap: int = 16, refresh_steps: int = 32
+    ) -> None:
+        if max_slowdown <= 1:
+            raise ValueError(f"max_slowdown must be above 1, got {max_slowdown}")
+        if initial_cap < 1 or refresh_steps < 1:
+            raise ValueError("initial_cap and refresh_steps must be positive")
+        self.max_slowdown = max_slowdown
+        self.refresh_steps = refresh_steps
+        self.times = times
+        self.cap = float(initial_cap)
+        self._mixed_steps = 0  # since the last decode-only step
+
+    def prompt_budget(self, num_decode_tokens: int) -> int | None:
+        """Prompt tokens a step with `num_decode_tokens` decode rows may add (None: no cap, no row decodes)."""
+        if num_decode_tokens == 0:
+            return None
+        if self.times.near(num_decode_tokens) is None or self._mixed_steps >= self.refresh_steps:
+            return 0
+        return max(1, int(self.cap))
+
+    def observe(self, num_decode_tokens: int, num_prompt_tokens: int, seconds: float) -> None:
+        """Learn from a step that computed `num_decode_tokens` decode rows and `num_prompt_tokens`
+        prompt rows in `seconds` (after `times` has seen it)."""
+        if num_decode_tokens == 0:
+            return
+        if num_prompt_tokens == 0:
+            self._mixed_steps = 0
+            return
+        self._mixed_steps += 1
+        decode_s = self.times.near(num_decode_tokens)
+        if decode_s is None:
+            return
+        seconds_per_token = max(seconds - decode_s, 1e-9) / num_prompt_tokens
+        fitting = (self.max_slowdown - 1) * decode_s / seconds_per_token
+        self.cap = min(max(fitting, self.cap / 2, 1.0), self.cap * 2)
+
+
+class DraftBudget:
+    """How many drafts each decoding request of a step may verify (see the module docstring)."""
+
+    def __init__(self, max_drafts: int, times: DecodeStepTimes, explore_steps: int = 128) -> None:
+        if max_drafts < 1 or explore_steps < 1:
+            raise ValueError("max_drafts and explore_steps must be positive")
+        self.max_drafts = max_drafts
+        self.times = times
+        self.explore_steps = explore_steps
+        self._steps = 0  # decode steps since the last that allowed every draft
+
+    def num_drafts(self, acceptance: Sequence[float]) -> list[int]:
+        """Drafts for each of a step's decoding requests, given each one's per-draft acceptance
+        probability (in [0, 1]), in the same order."""
+        self._steps += 1
+        fit = self.times.fit()
+        if fit is None or self._steps >= self.explore_steps:
+            self._steps = 0
+            return [self.max_drafts] * len(acceptance)
+        a, b = fit
+        tokens, seconds = float(len(acceptance)), a + b * len(acceptance)
+        worths = sorted(
+            ((p**j, i) for i, p in enumerate(acceptance) for j in range(1, self.max_drafts + 1)), reverse=True
+        )
+        counts = [0] * len(acceptance)
+        for worth, i in worths:  # a request's j-th draft is worth less than its (j-1)-th: taken in order
+            if worth * seconds <= b * tokens:
+                break
+            counts[i] += 1
+            tokens, seconds = tokens + worth, seconds + b
+        return counts
