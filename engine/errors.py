@@ -17,6 +17,20 @@ class CapacityError(EngineError):
     """Not enough KV pages or queue slots to take the request now."""
 
 
+class LoraLoadError(InvalidRequestError, ValueError):
+    """A LoRA adapter cannot be served: unreadable or unsafe files, a PEFT feature Tandem does not serve,
+    shapes made for another base model, a rank over the limit, a path outside `--lora-dir`, or a name
+    already loaded. The servers answer it with 400."""
+
+
+class LoraNotFoundError(EngineError):
+    """No adapter of this name is loaded (or it is being unloaded). The servers answer 404 `model_not_found`."""
+
+
+class LoraInUseError(EngineError):
+    """An adapter could not be unloaded in the time given: requests still hold it. It stays loaded."""
+
+
 class RequestNotFoundError(EngineError):
     """No request or reservation with this id exists (it may have expired)."""
 
