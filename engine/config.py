@@ -149,6 +149,7 @@ _DTYPES = ("bfloat16", "float32", "float16")
 QUANTIZATIONS = ("none", "gguf", "q8_0", "q4_0", "q4_1")  # what each means: engine/weight_loader.py
 SPECULATIVE_ALGORITHMS = ("ngram",)  # draft proposers: engine/proposers.py
 DRAFT_POLICIES = ("auto", "always")
+MAX_LORA_RANK = 64  # the batched LoRA kernels' largest rank (kernels/lora.py)
 # "meta" (shapes without data) lets tests run the whole forward pass with no memory and no GPU
 _DEVICE = re.compile(r"cpu|meta|cuda(:\d+)?")
 
@@ -170,6 +171,8 @@ class EngineConfig:
     in the same step; output follows the target distribution exactly either way.
     `speculative_draft_policy` "auto" verifies a draft only where the measured step times and the
     request's acceptance so far say it pays (engine/step_costs.py); "always": every draft, every step.
+    `max_loras` (0: none) LoRA adapters of rank up to `max_lora_rank` can be held at once, each in a
+    slot a request names (`Request.lora_slot`; engine/lora_slots.py).
     `max_decode_slowdown` (None: off) holds a step that decodes and also computes prompt tokens to
     about that many times a decode-only step's time, by its prompt tokens (engine/pacing.py); it
     needs chunking to split a prompt.
@@ -198,6 +201,8 @@ class EngineConfig:
     speculative_num_draft_tokens: int = 4
     speculative_draft_policy: str = "auto"  # one of DRAFT_POLICIES
     max_decode_slowdown: float | None = 1.5
+    max_loras: int = 0
+    max_lora_rank: int = 16
     context_len: int | None = None
     device: str = "cpu"
     attention_backend: str = "auto"
@@ -246,6 +251,11 @@ class EngineConfig:
             )
         if self.speculative_num_draft_tokens < 1:
             raise ConfigError(f"speculative_num_draft_tokens must be positive, got {self.speculative_num_draft_tokens}")
+        if self.max_loras < 0 or not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise ConfigError(
+                f"max_loras must be >= 0 and max_lora_rank in [1, {MAX_LORA_RANK}], got {self.max_loras} and "
+                f"{self.max_lora_rank}"
+            )
         if self.max_decode_slowdown is not None and self.max_decode_slowdown <= 1:
             raise ConfigError(f"max_decode_slowdown must be above 1, or None (off), got {self.max_decode_slowdown}")
         decode_tokens = self.max_running_requests * (1 + self.num_draft_tokens)

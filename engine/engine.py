@@ -18,8 +18,16 @@ import logging
 import time
 
 from engine.config import ConfigError, EngineConfig
-from engine.errors import CapacityError, InvalidRequestError, RequestAbortedError, RequestNotFoundError
+from engine.errors import (
+    CapacityError,
+    InvalidRequestError,
+    LoraLoadError,
+    RequestAbortedError,
+    RequestNotFoundError,
+)
 from engine.grammar import GrammarBackend
+from engine.lora import LoraAdapter
+from engine.lora_slots import LoraSlots
 from engine.outputs import accept_token, append_token, finish_output
 from engine.page_allocator import PageAllocator, pages_needed
 from engine.page_pool import NoPrefixCache
@@ -84,10 +92,36 @@ class Engine:
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
         self.prompt_limits.check_prompt(req.prompt_ids, logprob_start=req.prompt_logprob_start)
         self.scheduler.check_capacity(req.prompt_len)
+        self._check_lora_slot(req.lora_slot)
         if req.sampling.grammar is not None:
             req.grammar_matcher = self.grammar.new_matcher(req.sampling.grammar)
         self._requests[req.request_id] = req
         self.scheduler.add_waiting(req)
+
+    def load_lora(self, slot_id: int, adapter: LoraAdapter) -> None:
+        """Put `adapter` in LoRA slot `slot_id` for the requests that name it from now on. The caller
+        (server_runtime/lora_registry.py) gives a slot only when no request still uses it."""
+        self._check_lora_slot(slot_id)
+        try:
+            self._lora_slots.write(slot_id, adapter)
+        except ValueError as exc:
+            raise LoraLoadError(str(exc)) from None
+
+    def unload_lora(self, slot_id: int) -> None:
+        """Empty LoRA slot `slot_id`."""
+        self._check_lora_slot(slot_id)
+        self._lora_slots.clear(slot_id)
+
+    @property
+    def _lora_slots(self) -> LoraSlots:
+        slots = self.runner.lora_slots
+        if slots is None:
+            raise InvalidRequestError("this worker serves no LoRA adapters (--max-loras 0)")
+        return slots
+
+    def _check_lora_slot(self, slot_id: int | None) -> None:
+        if slot_id is not None and not 0 <= slot_id < self._lora_slots.num_slots:
+            raise InvalidRequestError(f"LoRA slot {slot_id} is not one of this worker's {self._lora_slots.num_slots}")
 
     def reserve(
         self,

@@ -15,6 +15,7 @@ from itertools import accumulate
 
 import torch
 
+from engine.lora_slots import LoraBatch
 from engine.request import Request
 from kernels.attention import AttentionMetadata, host_tensor
 
@@ -25,13 +26,14 @@ class ForwardBatch:
     `logit_rows`: [B] int64, the row of each request's last new token (whose logits pick its next
     token); `meta`: the step's page table; `expert_counts`: [num_layers, num_experts] int64 on the
     model's device, which each MoE layer adds its routed tokens to (`ExpertRecorder.step_counts`),
-    or None to count nothing."""
+    or None to count nothing; `lora`: which LoRA adapter each row takes (None: no row takes one)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     logit_rows: torch.Tensor
     meta: AttentionMetadata
     expert_counts: torch.Tensor | None = None
+    lora: LoraBatch | None = None
 
     @property
     def query_lens(self) -> tuple[int, ...]:
@@ -52,6 +54,7 @@ class ForwardBatch:
             self.logit_rows.to(device, non_blocking=non_blocking),
             self.meta.to(device, non_blocking),
             self.expert_counts,
+            self.lora,
         )
 
 

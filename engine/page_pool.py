@@ -43,12 +43,13 @@ class PagePool(ABC):
         """Cached pages no request uses: reclaimed by `allocate` when the allocator runs short."""
 
     @abstractmethod
-    def match(self, token_ids: list[int]) -> list[int]:
-        """Pages holding the longest cached prefix of `token_ids`, each gaining a reference."""
+    def match(self, token_ids: list[int], namespace: str = "") -> list[int]:
+        """Pages holding the longest cached prefix of `token_ids` cached in `namespace` (a LoRA
+        adapter's id; "" for the base model), each gaining a reference."""
 
     @abstractmethod
-    def insert(self, token_ids: list[int], page_ids: list[int], num_matched_pages: int) -> None:
-        """Offer the full pages of a just-computed prompt to the cache (the first
+    def insert(self, token_ids: list[int], page_ids: list[int], num_matched_pages: int, namespace: str = "") -> None:
+        """Offer the full pages of a just-computed prompt to the cache, in `namespace` (the first
         `num_matched_pages` came from `match`). The caller keeps using every page either way."""
 
     @abstractmethod
@@ -91,10 +92,10 @@ class NoPrefixCache(PagePool):
     def num_evictable_pages(self) -> int:
         return 0
 
-    def match(self, token_ids: list[int]) -> list[int]:
+    def match(self, token_ids: list[int], namespace: str = "") -> list[int]:
         return []
 
-    def insert(self, token_ids: list[int], page_ids: list[int], num_matched_pages: int) -> None:
+    def insert(self, token_ids: list[int], page_ids: list[int], num_matched_pages: int, namespace: str = "") -> None:
         pass
 
     def release(self, page_ids: list[int]) -> None:

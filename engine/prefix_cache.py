@@ -1,7 +1,9 @@
 """Prefix cache at page granularity: a radix tree over full pages of prompt tokens. No torch.
 
 A node is one KV page holding `page_size` tokens; its key is (parent page, those tokens), so a
-match is exact (no hash collisions) and a page is reused only under the same prefix. Nodes count
+match is exact (no hash collisions) and a page is reused only under the same prefix. A prompt's
+first page hangs from its namespace's root: KV computed under a LoRA adapter (namespace: the
+adapter's id) is never matched by a prompt under another adapter or none (""). Nodes count
 the requests using them; unused nodes stay cached until the allocator needs their pages, then
 leaves go first, least recently used first, so a cached child never outlives its parent.
 
@@ -22,7 +24,7 @@ from engine.errors import CapacityError
 from engine.page_allocator import PageAllocator
 from engine.page_pool import PagePool
 
-_ROOT = -1
+_ROOT = -1  # the base model's root; each other namespace gets a root of its own below it (-2, -3, ...)
 
 
 @dataclass(slots=True)
@@ -51,6 +53,7 @@ class PrefixCache(PagePool):
         # (last_access, page_id) of every unused leaf, plus stale entries: those whose node is gone,
         # was touched since (its last_access moved on), or is no longer an unused leaf
         self._evictable: list[tuple[int, int]] = []
+        self._roots: dict[str, int] = {"": _ROOT}
 
     @property
     def num_cached_pages(self) -> int:
@@ -61,11 +64,15 @@ class PrefixCache(PagePool):
         """Cached pages no request uses (all reclaimable, leaves first). O(1): the scheduler asks often."""
         return self._num_unused
 
-    def match(self, token_ids: list[int]) -> list[int]:
-        """Pages holding the longest cached prefix of `token_ids` (at most len - 1 tokens, so one
-        token is always computed). Each returned page gains a reference; `release` drops it."""
+    def _root(self, namespace: str) -> int:
+        return self._roots.setdefault(namespace, _ROOT - len(self._roots))
+
+    def match(self, token_ids: list[int], namespace: str = "") -> list[int]:
+        """Pages holding the longest cached prefix of `token_ids` in `namespace` (at most len - 1
+        tokens, so one token is always computed). Each returned page gains a reference; `release`
+        drops it."""
         pages: list[int] = []
-        parent, now = _ROOT, next(self._clock)
+        parent, now = self._root(namespace), next(self._clock)
         for start in range(0, len(token_ids) - 1 - self.page_size + 1, self.page_size):
             page_id = self._by_key.get((parent, tuple(token_ids[start : start + self.page_size])))
             if page_id is None:
@@ -79,14 +86,14 @@ class PrefixCache(PagePool):
             parent = page_id
         return pages
 
-    def insert(self, token_ids: list[int], page_ids: list[int], num_matched_pages: int) -> None:
-        """Cache the full pages of a prompt whose KV has just been computed into `page_ids`.
+    def insert(self, token_ids: list[int], page_ids: list[int], num_matched_pages: int, namespace: str = "") -> None:
+        """Cache the full pages of a prompt whose KV has just been computed into `page_ids`, in `namespace`.
 
         The first `num_matched_pages` came from `match`; the caller's reference to each newly
         cached page becomes the node's first reference. A page whose key is already cached (the
         same prompt prefilled concurrently) stays private to the request.
         """
-        parent = page_ids[num_matched_pages - 1] if num_matched_pages else _ROOT
+        parent = page_ids[num_matched_pages - 1] if num_matched_pages else self._root(namespace)
         now = next(self._clock)
         for index in range(num_matched_pages, len(token_ids) // self.page_size):
             key = (parent, tuple(token_ids[index * self.page_size : (index + 1) * self.page_size]))
@@ -95,7 +102,7 @@ class PrefixCache(PagePool):
             page_id = page_ids[index]
             self._nodes[page_id] = _Node(page_id, key, parent, last_access=now)
             self._by_key[key] = page_id
-            if parent != _ROOT:
+            if parent >= 0:
                 self._nodes[parent].num_children += 1
             parent = page_id
 
@@ -137,7 +144,7 @@ class PrefixCache(PagePool):
             self._num_unused -= 1
             self.allocator.free([node.page_id])
             freed += 1
-            if node.parent != _ROOT:
+            if node.parent >= 0:
                 parent = self._nodes[node.parent]
                 parent.num_children -= 1
                 self._push_if_evictable(parent)
@@ -181,7 +188,7 @@ class PrefixCache(PagePool):
         children: dict[int, int] = {}
         for page_id, node in self._nodes.items():
             assert self._by_key[node.key] == page_id and node.ref_count >= 0
-            assert node.parent == _ROOT or node.parent in self._nodes, f"orphan page {page_id}"
+            assert node.parent < 0 or node.parent in self._nodes, f"orphan page {page_id}"
             children[node.parent] = children.get(node.parent, 0) + 1
         for page_id, node in self._nodes.items():
             assert node.num_children == children.get(page_id, 0), f"child count of page {page_id}"

@@ -117,6 +117,8 @@ class Request:
     num_spec_steps: int = 0  # steps that verified drafts for it
     num_accepted_drafts: int = 0  # of its drafts, those accepted as output
     num_rejecting_steps: int = 0  # of its verifying steps, those that rejected a draft
+    lora_id: str = ""  # the LoRA adapter it runs under, as loaded ("" for none): its prefix cache namespace
+    lora_slot: int | None = None  # where that adapter's weights are (engine/lora_slots.py); None: the base model
 
     @property
     def prompt_len(self) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 
 import torch
@@ -24,6 +24,7 @@ from engine.cuda_graph import capture_decode_graphs
 from engine.forward_batch import ForwardBatch, build_forward_batch
 from engine.grammar import GrammarBackend
 from engine.kv_pool import KVLayout, KVPool
+from engine.lora_slots import LoraBatch, LoraSlots
 from engine.logits import adjust_logits, logprob_extras, score_prompt
 from engine.model_setup import attention_backend, load_causal_lm, load_causal_lm_weights, rotary_embedding, torch_dtype
 from engine.moe import ExpertRecorder
@@ -31,6 +32,7 @@ from engine.request import PromptLogprobs, Request
 from engine.step_records import ModelOutput, SampledToken, SchedulerOutput
 from engine.weights import Checkpoint
 from kernels.attention import resolve_attention_backend
+from kernels.lora import NO_ADAPTER
 from kernels.quant_linear import QuantizedEmbedding, QuantizedLinear
 from kernels.rejection_sampling import verify
 from kernels.sampling import SamplingBatch, create_sampler, resolve_sampler
@@ -67,6 +69,9 @@ class ModelRunner:
             checkpoint, self.dtype, self.device, self.quantization, self.int8_activations, progress
         )
         self.expert_recorder = ExpertRecorder(mc, self.device)  # counts tokens per expert while recording
+        self.lora_slots = (
+            LoraSlots(mc, config.max_loras, config.max_lora_rank, self.device, self.dtype) if config.max_loras else None
+        )
         self.kv_dtype = torch_dtype(config.kv_cache_dtype or config.dtype)
         self.layout = KVLayout.for_model(mc, config.page_size, self.kv_dtype)
         num_pages = self._num_pages(config)
@@ -218,16 +223,27 @@ class ModelRunner:
         self, requests: Sequence[Request], num_new_tokens: Sequence[int], is_decode_only: bool
     ) -> tuple[torch.Tensor, ForwardBatch]:
         """Final hidden states [T, hidden] of every new token, and the step's batch on the device
-        (from a CUDA graph when a decode-only step fits one)."""
-        if is_decode_only and self.decode_graphs is not None:
+        (from a CUDA graph when a decode-only step with no LoRA adapter fits one)."""
+        lora = self._lora_batch(requests, num_new_tokens)
+        if is_decode_only and self.decode_graphs is not None and lora is None:
             replayed = self.decode_graphs.replay(requests)
             if replayed is not None:
                 return replayed
         counts = self.expert_recorder.step_counts()
         host = build_forward_batch(requests, num_new_tokens, self.page_size, self._pin, counts)
+        if lora is not None:
+            host = replace(host, lora=lora)
         self.attention.plan(host.meta)
         batch = host.to(self.device)
         return self.model(batch, self.rotary, self.attention, self.kv_pool.tensor), batch
+
+    def _lora_batch(self, requests: Sequence[Request], num_new_tokens: Sequence[int]) -> LoraBatch | None:
+        """Which adapter slot each new token's row takes, when any request runs under one."""
+        if self.lora_slots is None or all(r.lora_slot is None for r in requests):
+            return None
+        return self.lora_slots.batch(
+            [NO_ADAPTER if r.lora_slot is None else r.lora_slot for r, n in zip(requests, num_new_tokens) for _ in range(n)]
+        )
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, requests: Sequence[Request], query_lens: tuple[int, ...]

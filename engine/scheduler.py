@@ -305,7 +305,7 @@ class Scheduler:
         """`req`'s prompt (or, resuming, its whole sequence) now has KV: its full prompt pages join the
         prefix cache and it is no longer resuming."""
         req.is_resuming = False
-        self.pages.insert(req.prompt_ids, req.page_ids, req.num_cached_tokens // self.page_size)
+        self.pages.insert(req.prompt_ids, req.page_ids, req.num_cached_tokens // self.page_size, req.lora_id)
 
     # ---- pages, preemption, finishing ----------------------------------------------------
 
@@ -381,7 +381,7 @@ class Scheduler:
             return []
         start = req.prompt_logprob_start
         tokens = req.prompt_ids if start is None else req.prompt_ids[:start]
-        matched = self.pages.match(tokens)
+        matched = self.pages.match(tokens, req.lora_id)
         req.page_ids = list(matched)
         req.num_computed = req.num_cached_tokens = len(matched) * self.page_size
         return matched

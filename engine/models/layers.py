@@ -17,6 +17,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
+from engine.lora_slots import LoraBatch
 from engine.weight_loader import MergedLinear, Value, load_into
 from kernels.attention import AttentionBackend, CpuPagedAttention
 from kernels.fused_layer import AttentionShape, FusedDecoderLayer, LayerNorms, fused_decoder_layer
@@ -47,6 +48,7 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_id: int, fused_qkv: str | None = None) -> None:
         super().__init__()
+        self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         hidden, features = config.hidden_size, config.features
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
@@ -80,7 +82,10 @@ class Attention(nn.Module):
         """x [T, hidden] -> [T, hidden]; `rotary` is this layer's tables, and the tokens' K/V are written
         into `kv_cache` [P, 2, S, Hkv, D] where `batch.meta` says."""
         num_tokens, meta = x.shape[0], batch.meta
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        qkv = self.qkv_proj(x)
+        if batch.lora is not None:
+            batch.lora.apply(self.layer_id, "qkv", x, qkv)
+        q, k, v = qkv.split(self.sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
@@ -96,11 +101,15 @@ class Attention(nn.Module):
         )
         if isinstance(backend, CpuPagedAttention):  # takes the scale and window itself, as the fused layer
             out = backend.attend(q, kv_cache, meta, self.window, self.scale(backend))
-            return self.o_proj(out.reshape(num_tokens, -1))
-        if self.q_scale is not None:
-            q = q * (self.q_scale * math.sqrt(self.head_dim))
-        out = backend.attend(q, kv_cache, meta, self.window)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        else:
+            if self.q_scale is not None:
+                q = q * (self.q_scale * math.sqrt(self.head_dim))
+            out = backend.attend(q, kv_cache, meta, self.window)
+        out = out.reshape(num_tokens, -1)
+        y = self.o_proj(out)
+        if batch.lora is not None:
+            batch.lora.apply(self.layer_id, "o", out, y)
+        return y
 
 
 _ACTIVATIONS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
@@ -125,8 +134,16 @@ class MLP(nn.Module):
         self.activation = activation
         self._act = _ACTIVATIONS[activation]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self._act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None, layer_id: int = 0) -> torch.Tensor:
+        """With `lora`, each row's adapter update of layer `layer_id` is added to both projections."""
+        gate_up = self.gate_up_proj(x)
+        if lora is None:
+            return self.down_proj(self._act(gate_up))
+        lora.apply(layer_id, "gate_up", x, gate_up)
+        h = self._act(gate_up)
+        y = self.down_proj(h)
+        lora.apply(layer_id, "down", h, y)
+        return y
 
 
 def dense_ffn(fused_gate_up: str | None = None) -> FfnFactory:
@@ -206,7 +223,7 @@ class DecoderLayer(nn.Module):
         of `batch.expert_counts` (MoE layers only, as `SparseMoeBlock` says). `kv_cache` is this
         layer's [P, 2, S, Hkv, D] of the pool."""
         tables = rotary.for_layer(self.self_attn.window is not None)
-        if self.fused is not None:
+        if self.fused is not None and batch.lora is None:
             return self.fused.forward(x.contiguous(), residual, batch.positions, tables, kv_cache, batch.meta)
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, batch, tables, backend, kv_cache)
@@ -220,7 +237,7 @@ class DecoderLayer(nn.Module):
             counts = batch.expert_counts
             out = ffn(h, None if counts is None else counts[self.layer_id])
         else:
-            out = ffn(h)
+            out = ffn(h, batch.lora, self.layer_id)
         return (self.post_feedforward_layernorm.plain(out) if self.is_sandwich else out), residual
 
 

@@ -15,11 +15,11 @@ def _cache(num_pages: int = 16) -> PrefixCache:
     return PrefixCache(PageAllocator(num_pages), PS)
 
 
-def _prefill(cache: PrefixCache, tokens: list[int]) -> tuple[list[int], int]:
+def _prefill(cache: PrefixCache, tokens: list[int], namespace: str = "") -> tuple[list[int], int]:
     """What the scheduler does: match, allocate the rest, 'compute', insert. Returns (pages, matched)."""
-    matched = cache.match(tokens)
+    matched = cache.match(tokens, namespace)
     pages = matched + cache.allocate(-(-len(tokens) // PS) - len(matched))
-    cache.insert(tokens, pages, len(matched))
+    cache.insert(tokens, pages, len(matched), namespace)
     return pages, len(matched)
 
 
@@ -34,6 +34,22 @@ def test_a_repeated_prompt_reuses_its_full_pages_but_one_token_is_always_compute
     assert matched == 2 and again[:2] == pages[:2]
     exact = list(range(8))                       # two full pages: the last one must be recomputed
     assert cache.match(exact) == pages[:1]
+    cache.check_integrity()
+
+
+def test_kv_computed_under_one_adapter_is_never_matched_under_another_or_none() -> None:
+    cache = _cache(32)
+    prompt = list(range(13))
+    base, _ = _prefill(cache, prompt)
+    under_a, matched = _prefill(cache, prompt, "adapter-a#1")
+    assert matched == 0 and not set(under_a) & set(base)
+    under_b, matched = _prefill(cache, prompt, "adapter-b#1")
+    assert matched == 0 and not set(under_b) & (set(base) | set(under_a))
+    assert _prefill(cache, prompt, "adapter-a#1")[1] == 3  # its own namespace matches
+    assert _prefill(cache, prompt)[1] == 3
+    for pages in (base, under_a, under_b):
+        cache.release(pages)
+    assert cache.evict(100) > 0
     cache.check_integrity()
 
 
