@@ -14,9 +14,9 @@ alone and no compiler.
 
 The sources: `qmatmul.cpp` (quantized matmul), `attention.cpp` (paged attention), `layers.cpp`
 (norm, SiLU, rotary), `decoder.cpp` (a whole dense decoder layer in one call), `repack.cpp`
-(GGUF blocks -> matmul panels at load), each on raw pointers, and `bindings.cpp`, the only one
-that includes torch's extension headers (the slow part of a build), which checks the tensors and
-calls them.
+(GGUF blocks -> matmul panels at load), `lora.cpp` (batched LoRA shrink and expand), each on raw
+pointers, and `bindings.cpp`, the only one that includes torch's extension headers (the slow part
+of a build), which checks the tensors and calls them.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("bindings.cpp", "qmatmul.cpp", "attention.cpp", "layers.cpp", "decoder.cpp", "repack.cpp")
+_SOURCES = ("bindings.cpp", "qmatmul.cpp", "attention.cpp", "layers.cpp", "decoder.cpp", "repack.cpp", "lora.cpp")
 _HEADERS = ("common.h", "kernels.h", "vec.h")
 
 

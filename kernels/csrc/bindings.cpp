@@ -359,6 +359,66 @@ torch::Tensor repack_gguf(const py::buffer& raw, int64_t format, int64_t rows, i
   return out;
 }
 
+// The LoRA kernels' tensors are checked with ValueError (TORCH_CHECK_VALUE): kernels/lora.py's
+// torch path raises the same for the same mistakes.
+void check_lora_operand(const torch::Tensor& t, int64_t dim, const char* name) {
+  TORCH_CHECK_VALUE(t.dim() == dim && t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu(),
+                    name, " must be a contiguous ", dim, "-d float32 CPU tensor");
+}
+
+// The segment table: int32 starts [S + 1] from 0 to n rows, never decreasing, and slots [S], each
+// -1 (no adapter) or below num_slots.
+tandem::LoraSegments lora_segments(const torch::Tensor& starts, const torch::Tensor& slots, int64_t n,
+                                   int64_t num_slots) {
+  for (const auto& t : {starts, slots})
+    TORCH_CHECK_VALUE(t.scalar_type() == torch::kInt32 && t.dim() == 1 && t.is_contiguous() && t.device().is_cpu(),
+                      "seg_starts and seg_slots must be 1-d int32 CPU tensors");
+  const int64_t num_segments = slots.size(0);
+  TORCH_CHECK_VALUE(starts.size(0) == num_segments + 1, "seg_starts must hold one more entry than seg_slots");
+  const tandem::LoraSegments seg{starts.data_ptr<int32_t>(), slots.data_ptr<int32_t>(), num_segments};
+  TORCH_CHECK_VALUE(seg.starts[0] == 0 && seg.starts[num_segments] == n, "seg_starts must run from 0 to the ", n,
+                    " rows");
+  for (int64_t s = 0; s < num_segments; ++s) {
+    TORCH_CHECK_VALUE(seg.starts[s + 1] >= seg.starts[s], "seg_starts must not decrease");
+    TORCH_CHECK_VALUE(seg.slots[s] >= -1 && seg.slots[s] < num_slots, "segment ", s, ": slot ", seg.slots[s],
+                      " is neither -1 nor one of the ", num_slots, " slots");
+  }
+  return seg;
+}
+
+// t [n, R] = x [n, in] times a[slot] [R, in]^T per segment (a [slots, R, in]); rows of slot -1 get zeros.
+torch::Tensor lora_shrink(torch::Tensor x, torch::Tensor a, torch::Tensor seg_starts, torch::Tensor seg_slots) {
+  check_lora_operand(x, 2, "x");
+  check_lora_operand(a, 3, "a");
+  TORCH_CHECK_VALUE(a.size(2) == x.size(1), "a [slots, R, in] must have x's ", x.size(1), " inputs, not ", a.size(2));
+  const tandem::LoraSegments seg = lora_segments(seg_starts, seg_slots, x.size(0), a.size(0));
+  auto t = torch::empty({x.size(0), a.size(1)}, x.options());
+  tandem::lora_shrink(x.data_ptr<float>(), x.size(0), x.size(1), a.data_ptr<float>(), a.size(1), seg,
+                      t.data_ptr<float>());
+  return t;
+}
+
+// In place: y[rows, out_offset:+out] += scaling[slot] * t[rows, r_offset:+r] times b[slot] [out, r]^T
+// per segment (b [slots, out, r], scaling [slots]); rows of slot -1 are left alone.
+void lora_expand(torch::Tensor t, torch::Tensor b, torch::Tensor seg_starts, torch::Tensor seg_slots,
+                 torch::Tensor scaling, torch::Tensor y, int64_t r_offset, int64_t out_offset) {
+  check_lora_operand(t, 2, "t");
+  check_lora_operand(b, 3, "b");
+  check_lora_operand(scaling, 1, "scaling");
+  check_lora_operand(y, 2, "y");
+  const int64_t out = b.size(1), r = b.size(2);
+  TORCH_CHECK_VALUE(r <= tandem::kMaxLoraRank, "b's rank ", r, " is above the largest, ", tandem::kMaxLoraRank);
+  TORCH_CHECK_VALUE(t.size(0) == y.size(0), "t and y must have the same rows");
+  TORCH_CHECK_VALUE(scaling.size(0) == b.size(0), "scaling must hold one value per slot of b");
+  TORCH_CHECK_VALUE(r_offset >= 0 && r_offset + r <= t.size(1), "t's columns ", r_offset, " + ", r,
+                    " (b's rank) do not fit its ", t.size(1));
+  TORCH_CHECK_VALUE(out_offset >= 0 && out_offset + out <= y.size(1), "y's columns ", out_offset, " + ", out,
+                    " (b's outputs) do not fit its ", y.size(1));
+  const tandem::LoraSegments seg = lora_segments(seg_starts, seg_slots, y.size(0), b.size(0));
+  tandem::lora_expand(t.data_ptr<float>() + r_offset, t.size(1), r, b.data_ptr<float>(), out, seg,
+                      scaling.data_ptr<float>(), y.data_ptr<float>() + out_offset, y.size(1));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -381,6 +441,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up of [T, 2I] float32 rows", NoGil());
   m.def("rope_and_store", &rope_and_store, "rotary embedding on q, k in place; k, v written to the paged cache",
         NoGil());
+  m.def("lora_shrink", &lora_shrink, "t [n, R] = x [n, in] times a[slot]^T per segment of rows (slot -1: zeros)",
+        py::arg("x"), py::arg("a"), py::arg("seg_starts"), py::arg("seg_slots"), NoGil());
+  m.def("lora_expand", &lora_expand,
+        "in place y[rows, out_offset:+out] += scaling[slot] * t[rows, r_offset:+r] times b[slot]^T per segment",
+        py::arg("t"), py::arg("b"), py::arg("seg_starts"), py::arg("seg_slots"), py::arg("scaling"), py::arg("y"),
+        py::arg("r_offset"), py::arg("out_offset"), NoGil());
   m.def("isa", &tandem::isa_name, "the instruction set the kernels were compiled for");
   m.def("repack_gguf", &repack_gguf, "one tensor's GGUF blocks -> its packed panels (uint8), rows in row_order",
         py::arg("raw"), py::arg("format"), py::arg("rows"), py::arg("cols"), py::arg("row_order") = py::none());

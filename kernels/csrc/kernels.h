@@ -151,6 +151,28 @@ struct DecoderStep {
 void decoder_layer(const DecoderLayerWeights& w, const DecoderStep& step, const float* x, float* residual,
                    bool is_first, int64_t t, float* out);
 
+// ---- batched LoRA over segments of rows (lora.cpp), float32 ---------------------------------------
+
+constexpr int64_t kMaxLoraRank = 64;   // the largest rank lora_expand takes (kernels/lora.py's MAX_RANK)
+
+// Rows starts[s]..starts[s+1] take adapter slot slots[s] (negative: no adapter), s < num_segments;
+// starts run from 0 to the call's rows. The bindings check them.
+struct LoraSegments {
+  const int32_t* starts;
+  const int32_t* slots;
+  int64_t num_segments;
+};
+
+// t [n, rank] = x [n, in] times a[slot]^T, a [slots, rank, in] contiguous; rows of no slot get zeros.
+void lora_shrink(const float* x, int64_t n, int64_t in, const float* a, int64_t rank, const LoraSegments& seg,
+                 float* t);
+
+// y[row, :out] += scaling[slot] * t[row, :r] times b[slot]^T, b [slots, out, r] contiguous with
+// r <= kMaxLoraRank, for the rows of every segment with a slot (others are left alone); t's and y's
+// rows are t_stride and y_stride floats apart (the caller offsets t and y to the projection's columns).
+void lora_expand(const float* t, int64_t t_stride, int64_t r, const float* b, int64_t out, const LoraSegments& seg,
+                 const float* scaling, float* y, int64_t y_stride);
+
 // ---- GGUF blocks -> panels at load (repack.cpp) -----------------------------------------------
 
 // Bytes of one row of GGUF blocks of format f over k inputs (llama.cpp's block sizes).

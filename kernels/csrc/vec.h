@@ -1,5 +1,5 @@
 // Float vectors of the width the build targets (16 lanes on AVX-512, 8 on AVX2), behind one
-// interface, so that the attention and elementwise kernels are written once for both. Only what they need.
+// interface, so that the attention, elementwise and LoRA kernels are written once for both. Only what they need.
 #pragma once
 
 #include "common.h"
@@ -18,6 +18,10 @@ struct Vec {
   static Reg load(const uint16_t* p) {   // bfloat16 bits -> float32
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+  // the first n floats at p (all kWidth when n >= kWidth), zeros after; reads nothing past them
+  static Reg load_first(const float* p, int64_t n) {
+    return n >= kWidth ? load(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
   }
   static void store(float* p, Reg v) { _mm512_storeu_ps(p, v); }
   static Reg add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
@@ -76,6 +80,11 @@ struct Vec {
   static Reg load(const uint16_t* p) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+  }
+  static Reg load_first(const float* p, int64_t n) {
+    if (n >= kWidth) return load(p);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lanes));
   }
   static void store(float* p, Reg v) { _mm256_storeu_ps(p, v); }
   static Reg add(Reg a, Reg b) { return _mm256_add_ps(a, b); }

@@ -2,7 +2,8 @@
 AVX2 (x86-64-v3, what images are built for) and portable scalar code (x86-64). The quantized
 matmul gives the same bits on every path for every format, mixed-format weights included, with
 int16 and int8 activations (same integer sums, same float operations per column); attention (with
-and without a sliding window), RMSNorm, SiLU and GeLU-tanh agree to float rounding. Each build is
+and without a sliding window), RMSNorm, SiLU, GeLU-tanh and the LoRA shrink / expand agree to float
+rounding. Each build is
 cached, so only the first run compiles."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 # run in the child: build for the requested architecture, compute on fixed inputs, save the outputs
 _CHILD = """
 import sys, torch
+torch.set_flush_denormal(True)
 sys.path.insert(0, {root!r})
 from tests.unit.kernels.test_native_isas import compute
 torch.save(compute(), {out!r})
@@ -33,7 +35,10 @@ def compute() -> dict[str, torch.Tensor]:
     """Every kernel on fixed inputs, with the kernels this process builds (the matmul's rows in
     tiles of every length, a partial last panel, every format from random GGUF blocks and a weight
     of three formats; attention over pages of both dtypes, GQA 3, a short last tile, with and without
-    sliding windows; RMSNorm over head-sized rows; SiLU and GeLU-tanh over a width with a scalar tail)."""
+    sliding windows; RMSNorm over head-sized rows; SiLU and GeLU-tanh over a width with a scalar tail;
+    LoRA over segments of one and many rows, inputs with a scalar tail, ranks 8 and 64, and a partial
+    last tile of outputs)."""
+    from kernels.lora import segments_from_slots
     from kernels.packing import pack
     from kernels.quant import QuantFormat
     from tests.unit.kernels.gguf_random import random_weight
@@ -62,6 +67,14 @@ def compute() -> dict[str, torch.Tensor]:
     out["gelu_tanh"] = kernels.gelu_tanh_and_mul(torch.randn(3, 2 * 37, generator=gen) * 4)
     heads = torch.randn(5, 7 * 32, generator=gen) * 3
     out["rms_norm"] = kernels.rms_norm(heads.view(-1, 32), torch.rand(32, generator=gen) + 0.5, 1e-6, None)
+    segments = segments_from_slots([1, 0, -1, 2, 2, 2, 2, 2, 0])
+    lora_x = torch.randn(9, 100, generator=gen)
+    t = kernels.lora_shrink(lora_x, torch.randn(3, 72, 100, generator=gen) * 0.1, *segments)
+    y = torch.randn(9, 120, generator=gen)
+    for rank, outputs, r_offset in ((8, 37, 0), (64, 83, 8)):
+        b = torch.randn(3, outputs, rank, generator=gen) * 0.05
+        kernels.lora_expand(t, b, *segments, torch.tensor([0.5, 1.0, 2.0]), y, r_offset, 120 - outputs)
+    out["lora_shrink"], out["lora_expand"] = t, y
     return out
 
 
