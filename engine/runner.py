@@ -24,8 +24,8 @@ from engine.cuda_graph import capture_decode_graphs
 from engine.forward_batch import ForwardBatch, build_forward_batch
 from engine.grammar import GrammarBackend
 from engine.kv_pool import KVLayout, KVPool
-from engine.lora_slots import LoraBatch, LoraSlots
 from engine.logits import adjust_logits, logprob_extras, score_prompt
+from engine.lora_slots import LoraBatch, LoraSlots
 from engine.model_setup import attention_backend, load_causal_lm, load_causal_lm_weights, rotary_embedding, torch_dtype
 from engine.moe import ExpertRecorder
 from engine.request import PromptLogprobs, Request
@@ -241,9 +241,8 @@ class ModelRunner:
         """Which adapter slot each new token's row takes, when any request runs under one."""
         if self.lora_slots is None or all(r.lora_slot is None for r in requests):
             return None
-        return self.lora_slots.batch(
-            [NO_ADAPTER if r.lora_slot is None else r.lora_slot for r, n in zip(requests, num_new_tokens) for _ in range(n)]
-        )
+        slots = [NO_ADAPTER if r.lora_slot is None else r.lora_slot for r in requests]
+        return self.lora_slots.batch([slot for slot, n in zip(slots, num_new_tokens) for _ in range(n)])
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, requests: Sequence[Request], query_lens: tuple[int, ...]

@@ -62,7 +62,9 @@ def _load(engine: Engine, slot_id: int, adapter_dir: Path) -> None:
 
 def _request(request_id: str, prompt: list[int], slot: int | None, lora_id: str = "") -> Request:
     sampling = SamplingParams(temperature=0, max_new_tokens=NUM_TOKENS, ignore_eos=True)
-    return Request(request_id, list(prompt), sampling, lora_slot=slot, lora_id=lora_id or ("" if slot is None else f"s{slot}"))
+    return Request(
+        request_id, list(prompt), sampling, lora_slot=slot, lora_id=lora_id or ("" if slot is None else f"s{slot}")
+    )
 
 
 def _run(engine: Engine, requests: list[Request]) -> dict[str, list[StepOutput]]:
@@ -98,7 +100,9 @@ def test_greedy_tokens_equal_peft(base_dir: Path, tmp_path: Path, lora: dict[str
         assert _tokens(outputs[f"p{i}"]) == _peft_greedy(base_dir, adapter, prompt), i
 
 
-def test_one_step_serves_two_adapters_and_the_base_model_each_with_its_own_tokens(base_dir: Path, tmp_path: Path) -> None:
+def test_one_step_serves_two_adapters_and_the_base_model_each_with_its_own_tokens(
+    base_dir: Path, tmp_path: Path
+) -> None:
     a = _save_adapter(base_dir, tmp_path / "a", seed=2, r=8, lora_alpha=16, target_modules=ALL_TARGETS)
     b = _save_adapter(base_dir, tmp_path / "b", seed=3, r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"])
     engine = _engine(base_dir, chunked_prefill_size=8, max_decode_slowdown=None)
