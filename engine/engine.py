@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from engine.config import ConfigError, EngineConfig
 from engine.errors import (
     CapacityError,
@@ -326,6 +328,7 @@ class Engine:
     def _observe_step_time(self, scheduled: SchedulerOutput, seconds: float) -> None:
         """What the pacer and the draft budget learn from a step that decoded (engine/step_costs.py)."""
         num_prompt_tokens = scheduled.num_tokens - scheduled.num_decode_tokens
+        self.step_times.threads = torch.get_num_threads()  # this thread computed the step
         if num_prompt_tokens == 0:
             self.step_times.observe(scheduled.num_decode_tokens, seconds)
         if self.scheduler.pacer is not None:

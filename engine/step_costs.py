@@ -13,8 +13,13 @@ one while every prefill worker is busy, a preempted request's recompute) shares 
 running streams, and each of them waits for the whole step. The pacer holds one cap on a mixed
 step's prompt tokens; after each mixed step it moves the cap toward what would have kept the step
 within `max_slowdown` times a decode-only step of its decode rows, at the prompt tokens' measured
-cost per token (at most halving or doubling it). With no decode-only step measured near the batch's
-rows, or every `refresh_steps` mixed steps, it asks for a decode-only step (cap 0) to measure one.
+cost per token (at most halving or doubling it). Where even one prompt token costs more than that
+(a step's cost jumps at some row counts), the prompt gets its time on average instead: every step
+earns it (max_slowdown - 1) decode-only steps' time, a mixed step spends what it took beyond a
+decode-only step, and a step finding the balance spent decodes alone (the balance stays within one
+step's earnings either way, so neither a quiet spell nor one slow step piles up).
+With no decode-only step measured near the batch's rows, or every `refresh_steps` mixed steps, it
+asks for a decode-only step (cap 0) to measure one.
 
 **Draft budget.** A draft costs a row and yields a token only if it and every draft before it are
 accepted. With a request's per-draft acceptance p, its j-th draft is worth p**j tokens; a step of
@@ -34,10 +39,18 @@ _NEAR = 0.25  # a decode-only time measured at rows within this fraction stands 
 
 
 class DecodeStepTimes:
-    """Seconds of decode-only steps, a moving average per number of decode rows."""
+    """Seconds of decode-only steps, a moving average per number of decode rows, kept apart per count
+    of compute threads (a decode worker's count follows the load, server_runtime/threads.py): the
+    answers are those of `threads`, the count the engine last computed a step on."""
 
     def __init__(self) -> None:
-        self.seconds: dict[int, float] = {}
+        self.threads = 1
+        self._by_threads: dict[int, dict[int, float]] = {}
+
+    @property
+    def seconds(self) -> dict[int, float]:
+        """Rows -> moving average of a decode-only step's seconds, on `threads` threads."""
+        return self._by_threads.setdefault(self.threads, {})
 
     def observe(self, num_rows: int, seconds: float) -> None:
         old = self.seconds.get(num_rows)
@@ -45,21 +58,23 @@ class DecodeStepTimes:
 
     def near(self, num_rows: int) -> float | None:
         """The time measured at the rows nearest `num_rows`, if within a quarter of them."""
-        if not self.seconds:
+        times = self.seconds
+        if not times:
             return None
-        rows = min(self.seconds, key=lambda r: abs(r - num_rows))
-        return self.seconds[rows] if abs(rows - num_rows) <= _NEAR * num_rows else None
+        rows = min(times, key=lambda r: abs(r - num_rows))
+        return times[rows] if abs(rows - num_rows) <= _NEAR * num_rows else None
 
     def fit(self) -> tuple[float, float] | None:
         """(a, b) of the least-squares line seconds = a + b * rows over the measured row counts
         (b at least 0); None with fewer than two of them."""
-        if len(self.seconds) < 2:
+        times = self.seconds
+        if len(times) < 2:
             return None
-        n = len(self.seconds)
-        mean_rows = sum(self.seconds) / n
-        mean_s = sum(self.seconds.values()) / n
-        spread = sum((r - mean_rows) ** 2 for r in self.seconds)
-        slope = sum((r - mean_rows) * (s - mean_s) for r, s in self.seconds.items()) / spread
+        n = len(times)
+        mean_rows = sum(times) / n
+        mean_s = sum(times.values()) / n
+        spread = sum((r - mean_rows) ** 2 for r in times)
+        slope = sum((r - mean_rows) * (s - mean_s) for r, s in times.items()) / spread
         slope = max(slope, 0.0)
         return max(mean_s - slope * mean_rows, 0.0), slope
 
@@ -78,13 +93,14 @@ class DecodePacer:
         self.refresh_steps = refresh_steps
         self.times = times
         self.cap = float(initial_cap)
+        self.balance = 0.0  # seconds of prompt time in hand (see the module docstring)
         self._mixed_steps = 0  # since the last decode-only step
 
     def prompt_budget(self, num_decode_tokens: int) -> int | None:
         """Prompt tokens a step with `num_decode_tokens` decode rows may add (None: no cap, no row decodes)."""
         if num_decode_tokens == 0:
             return None
-        if self.times.near(num_decode_tokens) is None or self._mixed_steps >= self.refresh_steps:
+        if self.times.near(num_decode_tokens) is None or self._mixed_steps >= self.refresh_steps or self.balance < 0:
             return 0
         return max(1, int(self.cap))
 
@@ -93,16 +109,19 @@ class DecodePacer:
         prompt rows in `seconds` (after `times` has seen it)."""
         if num_decode_tokens == 0:
             return
+        decode_s = self.times.near(num_decode_tokens)
         if num_prompt_tokens == 0:
             self._mixed_steps = 0
-            return
-        self._mixed_steps += 1
-        decode_s = self.times.near(num_decode_tokens)
+        else:
+            self._mixed_steps += 1
         if decode_s is None:
             return
-        seconds_per_token = max(seconds - decode_s, 1e-9) / num_prompt_tokens
-        fitting = (self.max_slowdown - 1) * decode_s / seconds_per_token
-        self.cap = min(max(fitting, self.cap / 2, 1.0), self.cap * 2)
+        allowance = (self.max_slowdown - 1) * decode_s
+        extra_s = max(seconds - decode_s, 1e-9) if num_prompt_tokens else 0.0
+        self.balance = min(max(self.balance + allowance - extra_s, -allowance), allowance)
+        if num_prompt_tokens:
+            fitting = allowance / (extra_s / num_prompt_tokens)
+            self.cap = min(max(fitting, self.cap / 2, 1.0), self.cap * 2)
 
 
 class DraftBudget:

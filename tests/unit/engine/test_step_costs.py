@@ -65,6 +65,8 @@ def test_the_cap_moves_at_most_twofold_a_step() -> None:
     pacer = _pacer(1.5, initial_cap=64, refresh_steps=1000)
     _observe(pacer, 2, 0, 0.010)
     _observe(pacer, 2, 64, 10.0)  # one very slow step (another process took the core)
+    assert pacer.prompt_budget(2) == 0  # its debt is one step's earnings at most: one decode-only step
+    _observe(pacer, 2, 0, 0.010)
     assert pacer.prompt_budget(2) == 32
     _observe(pacer, 2, 32, 0.010)  # prompt rows free
     assert pacer.prompt_budget(2) == 64
@@ -77,6 +79,20 @@ def test_a_decode_only_step_every_refresh_steps_and_the_prompt_always_moves() ->
     zeros = [i for i, n in enumerate(taken) if n == 0]
     assert zeros == [0, 6, 12, 18]  # after 5 mixed steps, one to measure again
     assert all(n >= 1 for i, n in enumerate(taken) if i not in zeros)
+
+
+def test_where_one_prompt_token_costs_more_than_allowed_the_prompt_gets_its_time_on_average() -> None:
+    pacer = _pacer(1.5, initial_cap=4, refresh_steps=1000)
+    decode_s, first_token_s = 0.020, 0.016  # a step's cost jumps at the first prompt row: 1.8x
+    seconds = []
+    for _ in range(200):
+        num_prompt = pacer.prompt_budget(4)
+        assert num_prompt is not None
+        step_s = decode_s + (first_token_s + 0.001 * (num_prompt - 1) if num_prompt else 0.0)
+        _observe(pacer, 4, num_prompt, step_s)
+        seconds.append(step_s)
+    assert sum(seconds[20:]) / len(seconds[20:]) <= 1.5 * decode_s * 1.02
+    assert sum(s > decode_s for s in seconds[20:]) >= 0.4 * len(seconds[20:])  # the prompt still moves
 
 
 def test_the_reference_follows_the_decode_steps_moving_average() -> None:
@@ -149,3 +165,14 @@ def test_every_draft_is_allowed_until_two_row_counts_are_measured_and_every_expl
     times.observe(1, 0.090)
     times.observe(4, 0.330)
     assert [budget.num_drafts([0.5]) for _ in range(8)] == [[0], [0], [0], [3], [0], [0], [0], [3]]
+
+
+def test_step_times_are_kept_apart_per_thread_count() -> None:
+    times = DecodeStepTimes()
+    times.observe(4, 0.036)
+    times.threads = 2
+    assert times.near(4) is None  # measured on one thread only: a decode-only step is asked for
+    times.observe(4, 0.024)
+    assert times.near(4) == 0.024
+    times.threads = 1
+    assert times.near(4) == 0.036
