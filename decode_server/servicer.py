@@ -5,6 +5,7 @@ request takes to be recomputed) and decode it in the same batch, with no KV tran
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ from server_runtime.context import WorkerContext
 from server_runtime.convert import finish_to_proto, layout_to_proto, sampling_from_proto, token_to_proto
 from server_runtime.errors import RequestFailedError, abort_with
 from server_runtime.kv_grants import GrantError, IssuedGrants, grant_key
+from server_runtime.lora_serving import held_lora
 from server_runtime.spans import record_decode, record_local_prefill
 from server_runtime.worker import WorkerKind, start_engine_worker
 from tandem import tracing
@@ -68,35 +70,39 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         received = time.perf_counter()
         trace, admitted, num_tokens = tracing.caller_context(context.invocation_metadata()), None, 0
         finished = False
-        try:
+        async with contextlib.AsyncExitStack() as held:  # the adapter is let go after the finally's abort
             try:
-                sampling = sampling_from_proto(request.sampling_params)
-                if sampling.grammar is not None:  # compile off the engine thread (see GrammarBackend)
-                    ttl_s = self.ctx.config.reservation_ttl_s  # a slow compile must not let the reservation expire
-                    await self.ctx.loop.call(lambda engine: engine.touch_reservation(rid, ttl_s))
-                    await self.ctx.loop.prepare_grammar(sampling.grammar, self.ctx.config.grammar_compile_timeout_s)
-                sink = await self.ctx.loop.admit(
-                    rid,
-                    list(request.prompt_token_ids),
-                    request.first_token.token_id,
-                    request.first_token.logprob,
-                    sampling,
-                    request.weights_id,
-                    request.priority,
-                )
-            except EngineError as exc:
-                await abort_with(context, exc)  # the finally below drops the reservation
-            admitted = time.perf_counter()
-            first = decode_pb2.GenerateResponse(queue_ms=(admitted - received) * 1000)
-            async for response in _stream(rid, sink, context, first):
-                finished = response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-                num_tokens += len(response.tokens)
-                yield response
-        finally:
-            record_decode(trace, received, admitted, time.perf_counter(), num_tokens)
-            if not finished:  # rejected, or the client went away: free the request's pages now
-                # Generate comes after the prefill answered, so its KV write has settled.
-                await asyncio.shield(self.ctx.loop.abort(rid, "client cancelled", write_settled=True))
+                try:
+                    sampling = sampling_from_proto(request.sampling_params)
+                    if sampling.grammar is not None:  # compile off the engine thread (see GrammarBackend)
+                        ttl_s = self.ctx.config.reservation_ttl_s  # a slow compile must not let the reservation expire
+                        await self.ctx.loop.call(lambda engine: engine.touch_reservation(rid, ttl_s))
+                        await self.ctx.loop.prepare_grammar(sampling.grammar, self.ctx.config.grammar_compile_timeout_s)
+                    lora = await held.enter_async_context(held_lora(self.ctx.loras, request.lora_name, self.ctx.loop))
+                    sink = await self.ctx.loop.admit(
+                        rid,
+                        list(request.prompt_token_ids),
+                        request.first_token.token_id,
+                        request.first_token.logprob,
+                        sampling,
+                        request.weights_id,
+                        request.priority,
+                        lora.slot_id if lora else None,
+                        lora.lora_id if lora else "",
+                    )
+                except EngineError as exc:
+                    await abort_with(context, exc)  # the finally below drops the reservation
+                admitted = time.perf_counter()
+                first = decode_pb2.GenerateResponse(queue_ms=(admitted - received) * 1000)
+                async for response in _stream(rid, sink, context, first):
+                    finished = response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                    num_tokens += len(response.tokens)
+                    yield response
+            finally:
+                record_decode(trace, received, admitted, time.perf_counter(), num_tokens)
+                if not finished:  # rejected, or the client went away: free the request's pages now
+                    # Generate comes after the prefill answered, so its KV write has settled.
+                    await asyncio.shield(self.ctx.loop.abort(rid, "client cancelled", write_settled=True))
 
     async def PrefillAndGenerate(
         self, request: decode_pb2.PrefillAndGenerateRequest, context: grpc.aio.ServicerContext
@@ -109,26 +115,37 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode worker is shutting down")
         received = time.perf_counter()
         finished = False
-        try:
+        async with contextlib.AsyncExitStack() as held:  # the adapter is let go after the finally's abort
             try:
-                sampling = sampling_from_proto(request.sampling_params)
-                if sampling.grammar is not None:  # compile off the engine thread (see GrammarBackend)
-                    await self.ctx.loop.prepare_grammar(sampling.grammar, self.ctx.config.grammar_compile_timeout_s)
-                req = Request(rid, list(request.prompt_token_ids), sampling, priority=request.priority)
-                sink = await self.ctx.loop.submit(req)
-            except EngineError as exc:
-                await abort_with(context, exc)
-            trace = tracing.caller_context(context.invocation_metadata())
-            async for response in _stream(rid, sink, context, None, received):
-                finished = response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-                if trace is not None:  # the first message carries the prompt's queue and compute times
-                    times = (response.queue_ms, response.prefill_compute_ms)
-                    record_local_prefill(trace, received, *times, len(request.prompt_token_ids), response.cached_tokens)
-                    trace = None
-                yield response
-        finally:
-            if not finished:  # rejected, or the client went away: free the request's pages now
-                await asyncio.shield(self.ctx.loop.abort(rid, "client cancelled", write_settled=True))
+                try:
+                    sampling = sampling_from_proto(request.sampling_params)
+                    if sampling.grammar is not None:  # compile off the engine thread (see GrammarBackend)
+                        await self.ctx.loop.prepare_grammar(sampling.grammar, self.ctx.config.grammar_compile_timeout_s)
+                    lora = await held.enter_async_context(held_lora(self.ctx.loras, request.lora_name, self.ctx.loop))
+                    req = Request(
+                        rid,
+                        list(request.prompt_token_ids),
+                        sampling,
+                        priority=request.priority,
+                        lora_id=lora.lora_id if lora else "",
+                        lora_slot=lora.slot_id if lora else None,
+                    )
+                    sink = await self.ctx.loop.submit(req)
+                except EngineError as exc:
+                    await abort_with(context, exc)
+                trace = tracing.caller_context(context.invocation_metadata())
+                async for response in _stream(rid, sink, context, None, received):
+                    finished = response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                    if trace is not None:  # the first message carries the prompt's queue and compute times
+                        times = (response.queue_ms, response.prefill_compute_ms)
+                        record_local_prefill(
+                            trace, received, *times, len(request.prompt_token_ids), response.cached_tokens
+                        )
+                        trace = None
+                    yield response
+            finally:
+                if not finished:  # rejected, or the client went away: free the request's pages now
+                    await asyncio.shield(self.ctx.loop.abort(rid, "client cancelled", write_settled=True))
 
 
 async def _stream(

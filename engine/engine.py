@@ -168,10 +168,13 @@ class Engine:
         sampling: SamplingParams,
         weights_id: str | None = None,
         priority: int = 0,
+        lora_slot: int | None = None,
+        lora_id: str = "",
     ) -> StepOutput | None:
         """Start decoding a reserved request from its first token. Returns a finish output if the
         first token already ends it (its pages are then freed). The prompt's KV must have been
-        computed with the same weights as ours: `weights_id` is the prefill engine's (None: not checked)."""
+        computed with the same weights as ours: `weights_id` is the prefill engine's (None: not checked),
+        under the LoRA adapter now in slot `lora_slot` (None: the base model; `lora_id` names it)."""
         reservation = self._reservations.get(request_id)
         if reservation is None:
             raise RequestNotFoundError(f"no reservation for request {request_id!r} (expired or never made)")
@@ -186,6 +189,7 @@ class Engine:
         if request_id in self._requests or request_id in self._held:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.prompt_limits.check_prompt(prompt_ids + [first_token], allow_full_context=True)
+        self._check_lora_slot(lora_slot)
         matcher = None
         if sampling.grammar is not None:  # replay prefill's first token into our own matcher
             matcher = self.grammar.new_matcher(sampling.grammar)
@@ -199,6 +203,8 @@ class Engine:
             num_computed=len(prompt_ids),
             grammar_matcher=matcher,
             priority=priority,
+            lora_id=lora_id,
+            lora_slot=lora_slot,
         )
         self._requests[request_id] = req
         self.scheduler.add_running(req)

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 from safetensors import safe_open
 
-from engine.config import ConfigError, ModelConfig
+from engine.config import ModelConfig
 from engine.errors import LoraLoadError
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -336,22 +336,6 @@ def resolve_adapter_path(lora_dir: Path | None, path_or_name: str) -> Path:
     if not resolved.is_dir():
         raise LoraLoadError(f"no LoRA adapter directory {path_or_name!r} in --lora-dir {lora_dir}")
     return resolved
-
-
-def parse_lora_paths(items: Iterable[str]) -> dict[str, Path]:
-    """`--lora-paths name=dir ...` -> {name: dir}, in the order given. Raises `ConfigError` for an item
-    that is not `name=dir`, a name with whitespace, or a name given twice."""
-    paths: dict[str, Path] = {}
-    for item in items:
-        name, sep, directory = item.partition("=")
-        if not sep or not name or not directory:
-            raise ConfigError(f"--lora-paths takes name=dir items, got {item!r}")
-        if any(c.isspace() for c in name):
-            raise ConfigError(f"--lora-paths: adapter name {name!r} contains whitespace")
-        if name in paths:
-            raise ConfigError(f"--lora-paths names adapter {name!r} twice")
-        paths[name] = Path(directory)
-    return paths
 
 
 def _preview(items: list[str], limit: int = 4) -> str:

@@ -24,7 +24,7 @@ from launcher.defaults import (
     is_bundled_model,
     served_name_for,
 )
-from launcher.worker_flags import DTYPE_ALIASES, QUANTIZATION_ALIASES
+from launcher.worker_flags import DTYPE_ALIASES, QUANTIZATION_ALIASES, max_loras, parse_lora_paths
 from server_runtime.config import WorkerConfig
 from tandem.internal_auth import InternalCredentials
 
@@ -137,6 +137,8 @@ def worker_config(
             grammar_compile_timeout_s=args.grammar_compile_timeout,
             drain_timeout_s=args.drain_timeout,
             otlp_traces_endpoint=args.otlp_traces_endpoint,
+            lora_paths=() if is_embedding else tuple(parse_lora_paths(args.lora_paths or ()).items()),
+            lora_dir=os.path.abspath(args.lora_dir) if args.lora_dir and not is_embedding else None,
         )
     except ValueError as exc:
         raise SystemExit(f"tandem {args.command}: {exc}") from None
@@ -162,6 +164,8 @@ def engine_config(args: argparse.Namespace, role: str, is_embedding: bool) -> En
             speculative_num_draft_tokens=args.speculative_num_draft_tokens,
             speculative_draft_policy=args.speculative_draft_policy,
             max_decode_slowdown=args.max_decode_slowdown,
+            max_loras=0 if is_embedding else max_loras(args),
+            max_lora_rank=args.max_lora_rank,
             context_len=args.context_length,
             device=device,
             quantization=quantization,

@@ -113,8 +113,8 @@ def _value(hint: Any, value: Any) -> Any:
     for option in options:
         if dataclasses.is_dataclass(option) and isinstance(value, Mapping):
             return _build(option, value)
-        if typing.get_origin(option) is tuple and isinstance(value, list):
-            return tuple(value)
+        if typing.get_origin(option) is tuple and isinstance(value, list):  # a tuple of pairs too
+            return tuple(tuple(item) if isinstance(item, list) else item for item in value)
     return value
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Iterable
 
-from engine.config import DRAFT_POLICIES, SPECULATIVE_ALGORITHMS, EngineConfig
+from engine.config import DRAFT_POLICIES, MAX_LORA_RANK, SPECULATIVE_ALGORITHMS, EngineConfig
 from engine.graph_batches import DEFAULT_MAX_GRAPH_BATCH_SIZE
 from kv_transfer import TransportConfig
 from launcher.defaults import field_default
@@ -55,6 +56,36 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     """The flags of a prefill or decode worker (also taken by `tandem serve`, which passes them on)."""
     _add_engine_args(p)
     _add_runtime_args(p)
+    _add_lora_args(p)
+
+
+def _add_lora_args(p: argparse.ArgumentParser) -> None:
+    """LoRA adapters (engine/lora.py, server_runtime/lora_serving.py)."""
+    p.add_argument(
+        "--lora-paths",
+        nargs="+",
+        default=None,
+        metavar="NAME=DIR",
+        help="PEFT LoRA adapters to load at start, each under the name a request gives for it",
+    )
+    p.add_argument(
+        "--lora-dir",
+        default=None,
+        help="the only directory adapters may be loaded from at run time (LoadLoraAdapter); unset: none are",
+    )
+    p.add_argument(
+        "--max-loras",
+        type=int,
+        default=None,
+        help="LoRA adapters a worker holds on its device at once, least recently used out first (default: 4 "
+        "when --lora-paths or --lora-dir is given, else 0: no adapters)",
+    )
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=field_default(EngineConfig, "max_lora_rank"),
+        help=f"the largest adapter rank served (at most {MAX_LORA_RANK}); slots are sized for it",
+    )
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -320,6 +351,32 @@ def _max_decode_slowdown(text: str) -> float | None:
     if value != 0 and not value > 1:
         raise argparse.ArgumentTypeError(f"must be above 1, or 0 for off, got {value}")
     return value or None
+
+
+def parse_lora_paths(items: Iterable[str]) -> dict[str, str]:
+    """`--lora-paths name=dir ...` -> {name: dir}, in the order given. Raises ValueError for an item that
+    is not `name=dir`, a name with whitespace, or a name given twice."""
+    paths: dict[str, str] = {}
+    for item in items:
+        name, sep, directory = item.partition("=")
+        if not sep or not name or not directory:
+            raise ValueError(f"--lora-paths takes name=dir items, got {item!r}")
+        if any(c.isspace() for c in name):
+            raise ValueError(f"--lora-paths: adapter name {name!r} contains whitespace")
+        if name in paths:
+            raise ValueError(f"--lora-paths names adapter {name!r} twice")
+        paths[name] = directory
+    return paths
+
+
+def max_loras(args: argparse.Namespace) -> int:
+    """--max-loras, resolved: 4 where adapters are given (--lora-paths, --lora-dir) and it is not."""
+    if args.max_loras is not None:
+        return args.max_loras
+    return DEFAULT_MAX_LORAS if args.lora_paths or args.lora_dir else 0
+
+
+DEFAULT_MAX_LORAS = 4
 
 
 def metrics_port(flag: int | None, grpc_port: int) -> int:

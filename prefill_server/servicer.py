@@ -18,6 +18,7 @@ from server_runtime.convert import check_layout_matches, prompt_logprobs_to_prot
 from server_runtime.engine_loop import write_pages
 from server_runtime.errors import RequestFailedError, abort_with
 from server_runtime.kv_grants import GrantChecker, GrantError, grant_key
+from server_runtime.lora_serving import held_lora
 from server_runtime.spans import record_prefill
 from server_runtime.worker import WorkerKind, start_engine_worker
 from tandem import tracing
@@ -84,14 +85,25 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         sampling = sampling_from_proto(request.sampling_params)
         if sampling.grammar is not None:  # compile off the engine thread, so running requests never wait
             await self.ctx.loop.prepare_grammar(sampling.grammar, self.ctx.config.grammar_compile_timeout_s)
-        req = Request(
-            rid,
-            list(request.token_ids),
-            sampling,
-            is_prefill_only=True,
-            prompt_logprob_start=(request.logprob_start_len if request.HasField("logprob_start_len") else None),
-            priority=request.priority,
-        )
+        async with held_lora(self.ctx.loras, request.lora_name, self.ctx.loop) as lora:
+            req = Request(
+                rid,
+                list(request.token_ids),
+                sampling,
+                is_prefill_only=True,
+                prompt_logprob_start=(request.logprob_start_len if request.HasField("logprob_start_len") else None),
+                priority=request.priority,
+                lora_id=lora.lora_id if lora else "",
+                lora_slot=lora.slot_id if lora else None,
+            )
+            return await self._run_prefill(request, req, trace, received)
+
+    async def _run_prefill(
+        self, request: prefill_pb2.PrefillRequest, req: Request, trace: tracing.Context | None, received: float
+    ) -> prefill_pb2.PrefillResponse:
+        """Compute `req` (the engine request of `request`) and write its KV to the request's target."""
+        rid, target, layout = request.request_id, request.kv_target, self.ctx.facts.layout
+        num_pages = pages_needed(len(request.token_ids), layout.page_size)
         transfer: asyncio.Task | None = None
         try:
             sink = await self.ctx.loop.submit(req)  # inside the try: a cancel right after still cleans up

@@ -27,7 +27,8 @@ from server_runtime.convert import (
     model_info_to_proto,
 )
 from server_runtime.embedding import EmbeddingContext
-from server_runtime.errors import abort_with
+from server_runtime.errors import WorkerWithoutLorasError, abort_with
+from server_runtime.lora_serving import DEFAULT_UNLOAD_TIMEOUT_S, LoraAdapters
 from tandem.request_log import bind_request_id
 from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -85,7 +86,39 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.GetModelInfoResponse:
         ctx = self.ctx
-        return model_info_to_proto(ctx.facts, ctx.config.model_path, ctx.config.role, ctx.version, ctx.weights_id)
+        info = model_info_to_proto(ctx.facts, ctx.config.model_path, ctx.config.role, ctx.version, ctx.weights_id)
+        if ctx.loras is not None:
+            info.max_loras = ctx.loras.registry.max_loras
+            info.lora_adapters.extend(
+                common_pb2.LoraAdapterInfo(name=a.name, rank=a.rank) for a in ctx.loras.registry.info()
+            )
+        return info
+
+    async def LoadLoraAdapter(
+        self, request: common_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.LoadLoraAdapterResponse:
+        try:
+            await self._loras().load(request.name, request.path)
+        except EngineError as exc:
+            await abort_with(context, exc)
+        logger.info("loaded LoRA adapter %r", request.name)
+        return common_pb2.LoadLoraAdapterResponse()
+
+    async def UnloadLoraAdapter(
+        self, request: common_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.UnloadLoraAdapterResponse:
+        timeout_s = request.timeout_ms / 1000 if request.HasField("timeout_ms") else DEFAULT_UNLOAD_TIMEOUT_S
+        try:
+            await self._loras().unload(request.name, self.ctx.loop, timeout_s)
+        except EngineError as exc:
+            await abort_with(context, exc)
+        logger.info("unloaded LoRA adapter %r", request.name)
+        return common_pb2.UnloadLoraAdapterResponse()
+
+    def _loras(self) -> LoraAdapters:
+        if self.ctx.loras is None:
+            raise WorkerWithoutLorasError("this worker serves no LoRA adapters: start it with --max-loras above 0")
+        return self.ctx.loras
 
     async def GetLoad(
         self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext

@@ -37,6 +37,9 @@ class WorkerConfig:
     grammar_compile_timeout_s: float = 5.0  # a request's grammar that takes longer to compile is refused
     drain_timeout_s: float = 30.0  # on SIGTERM/SIGINT: longest wait for the requests in flight to finish
     otlp_traces_endpoint: str | None = None  # an OTLP/gRPC collector's URL for this worker's spans; None: off
+    # LoRA adapters (engine.max_loras > 0): loaded at start by name, and where LoadLoraAdapter may load from
+    lora_paths: tuple[tuple[str, str], ...] = ()
+    lora_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -56,6 +59,8 @@ class WorkerConfig:
         if self.reservation_ttl_s <= 0 or self.write_grace_s < 0:
             raise ValueError("reservation_ttl_s must be positive, write_grace_s >= 0")
         check_endpoint(self.otlp_traces_endpoint)
+        if (self.lora_paths or self.lora_dir) and self.engine.max_loras == 0:
+            raise ValueError("LoRA adapters need slots for them: set --max-loras (engine.max_loras) above 0")
         if self.is_embedding and self.role != "prefill":
             raise ValueError("is_embedding is for prefill workers only: embeddings need no decode")
         if self.engine.device != "cpu" and not self.is_embedding and self.transport.backend == "local":

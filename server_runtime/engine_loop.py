@@ -245,12 +245,16 @@ class EngineLoop:
         sampling: SamplingParams,
         weights_id: str | None = None,
         priority: int = 0,
+        lora_slot: int | None = None,
+        lora_id: str = "",
     ) -> asyncio.Queue:
         """Start decoding a reserved request; its outputs arrive on the returned queue."""
         sink: asyncio.Queue = asyncio.Queue()
 
         def admit(engine: Engine) -> None:
-            output = engine.admit(request_id, prompt_ids, first_token, first_logprob, sampling, weights_id, priority)
+            output = engine.admit(
+                request_id, prompt_ids, first_token, first_logprob, sampling, weights_id, priority, lora_slot, lora_id
+            )
             if output is None:
                 self._sinks[request_id] = sink
             else:

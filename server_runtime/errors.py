@@ -15,12 +15,19 @@ class RequestFailedError(e.EngineError):
     non-finite logits); the other requests were unaffected."""
 
 
+class WorkerWithoutLorasError(e.EngineError):
+    """A LoRA adapter call to a worker started with no slots for adapters (--max-loras 0)."""
+
+
 # Most specific first: the first matching class wins.
 STATUS_OF_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (e.ContextLengthExceededError, grpc.StatusCode.OUT_OF_RANGE),
     (e.InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (e.CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (e.RequestNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (e.LoraNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (e.LoraInUseError, grpc.StatusCode.FAILED_PRECONDITION),
+    (WorkerWithoutLorasError, grpc.StatusCode.FAILED_PRECONDITION),
     (e.RequestAbortedError, grpc.StatusCode.ABORTED),
     (KVTransferTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
     (KVTransferError, grpc.StatusCode.UNAVAILABLE),

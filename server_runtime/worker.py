@@ -31,6 +31,7 @@ from server_runtime.config import WorkerConfig
 from server_runtime.context import EngineFacts, WorkerContext
 from server_runtime.embedding import EmbeddingContext, start_embedding
 from server_runtime.engine_loop import EngineLoop, use_device
+from server_runtime.lora_serving import LoraAdapters
 from server_runtime.metrics import WorkerMetrics, serve_metrics
 from server_runtime.threads import ThreadTuner
 
@@ -178,6 +179,7 @@ def start_engine_worker(config: WorkerConfig, metrics: WorkerMetrics) -> WorkerC
         transport.check_device(config.engine.device)
         engine = build_engine(config)
         facts, weights_id = EngineFacts.read(engine), engine.weights_id  # before the engine thread starts
+        loras = LoraAdapters(config, engine.model_config) if config.engine.max_loras else None
         transport.register(facts.pool_base_addr, facts.pool_num_bytes, facts.pool_device)
     except BaseException:
         transport.close()
@@ -185,7 +187,7 @@ def start_engine_worker(config: WorkerConfig, metrics: WorkerMetrics) -> WorkerC
     metrics.torch_threads.set(config.torch_threads)
     loop = EngineLoop(engine, asyncio.get_running_loop(), metrics, thread_tuner(config))
     loop.start()
-    return WorkerContext(config, loop, transport, facts, tandem.version(), weights_id)
+    return WorkerContext(config, loop, transport, facts, tandem.version(), weights_id, loras=loras)
 
 
 def thread_tuner(config: WorkerConfig) -> ThreadTuner | None:

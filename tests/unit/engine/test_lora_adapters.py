@@ -14,9 +14,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from engine.config import ConfigError, ModelConfig
+from engine.config import ModelConfig
 from engine.errors import InvalidRequestError, LoraLoadError
-from engine.lora import ADAPTER_WEIGHTS, LoraAdapter, Projection, parse_lora_paths, resolve_adapter_path
+from engine.lora import ADAPTER_WEIGHTS, LoraAdapter, Projection, resolve_adapter_path
 from engine.weights.safetensors_reader import open_safetensors_dir
 from tests.tiny_models import save_tiny_llama, save_tiny_qwen3
 
@@ -185,16 +185,3 @@ def test_adapter_paths_stay_inside_lora_dir(tmp_path: Path) -> None:
         resolve_adapter_path(lora_dir, "team/theirs")
     with pytest.raises(LoraLoadError, match="at run time is off: start the server with --lora-dir"):
         resolve_adapter_path(None, "team/mine")
-
-
-def test_parse_lora_paths() -> None:
-    assert parse_lora_paths(["a=/x", "b=rel/y=z"]) == {"a": Path("/x"), "b": Path("rel/y=z")}
-    for bad, message in (
-        (["/x"], "name=dir"),
-        (["=/x"], "name=dir"),
-        (["a="], "name=dir"),
-        (["a b=/x"], "whitespace"),
-        (["a=/x", "a=/y"], "twice"),
-    ):
-        with pytest.raises(ConfigError, match=message):
-            parse_lora_paths(bad)
