@@ -154,11 +154,11 @@ class Scheduler:
         return self.draft_budget.num_drafts(acceptance)
 
     def _propose(self, req: Request, proposer: Proposer, limit: int) -> None:
-        """Give a decoding request the drafts `proposer` guesses, at most `limit` and as many as its
-        limits (max tokens, context), its grammar (the drafts up to the first one it refuses) and the pages it holds or
-        can take without preempting allow. A request whose next token's logits depend on its earlier
-        tokens (penalties, logit bias, a minimum of new tokens still to reach) or that will not decode
-        here gets none."""
+        """Give a decoding request the drafts `proposer` guesses: at most `limit`, and as many as its
+        limits (max tokens, context), its grammar (the drafts up to the first one it refuses) and the
+        pages it holds or can take without preempting allow. A request whose next token's logits
+        depend on its earlier tokens (penalties, logit bias, a minimum of new tokens still to reach) or
+        that will not decode here gets none."""
         params = req.sampling
         if (
             req.is_prefill_only
