@@ -134,6 +134,12 @@ class WorkerPool:
             return any(w.is_ready for w in self.workers["prefill"])
         return any(self._pairs(frozenset(), routable_only=False).values())
 
+    def lora_adapters(self) -> dict[str, int]:
+        """Each LoRA adapter some ready worker holds, with its rank, in name order: what a request may
+        name (routing then takes only the workers that hold it)."""
+        found = {a.name: a.rank for w in self.all_workers() if w.is_ready and w.info for a in w.info.lora_adapters}
+        return dict(sorted(found.items()))
+
     def pick(self, role: Role) -> Worker:
         """Round-robin over routable workers of `role` (embeddings, admin calls); 503 when there is none."""
         ready = [w for w in self.workers[role] if w.is_routable]
