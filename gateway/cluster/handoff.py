@@ -112,7 +112,8 @@ async def _with_failover(
             return
         except WorkerError as exc:
             retry_avoid = avoid | {exc.address}
-            if has_output or not exc.is_worker_failure or attempt == _MAX_ATTEMPTS or not pool.can_route(retry_avoid):
+            is_final = has_output or not exc.is_worker_failure or attempt == _MAX_ATTEMPTS
+            if is_final or not pool.can_route(retry_avoid, request.lora_name):
                 raise
             logger.warning(
                 "worker %s failed before the first token (%s); trying other workers", exc.address, exc.detail

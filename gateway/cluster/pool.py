@@ -147,9 +147,10 @@ class WorkerPool:
             raise _unavailable(f"no {role} worker is ready")
         return ready[next(self._turns[role]) % len(ready)]
 
-    def can_route(self, avoid: frozenset[str]) -> bool:
-        """Whether some pair of routable workers whose addresses are not in `avoid` may be paired."""
-        return any(self._pairs(avoid).values())
+    def can_route(self, avoid: frozenset[str], lora_name: str = "") -> bool:
+        """Whether some pair of routable workers whose addresses are not in `avoid` (and that both hold
+        the adapter `lora_name`, if any) may be paired."""
+        return any(self._pairs(avoid, lora_name=lora_name).values())
 
     def route(
         self,
@@ -161,11 +162,12 @@ class WorkerPool:
         router's policy among routable workers not in `avoid` that may be paired, or a decode worker
         alone when the router says it should prefill the prompt itself (and `may_prefill_locally`).
         503 when no such pair exists. The router's prefix index learns the prompt only once the
-        route's prefill is sent (`Router.routed`, the trip's call)."""
-        pairs = self._pairs(avoid)
+        route's prefill is sent (`Router.routed`, the trip's call). A prompt run under a LoRA adapter
+        (`prompt.lora_name`) goes only to workers that hold it, on both legs."""
+        pairs = self._pairs(avoid, lora_name=prompt.lora_name)
         decodes = [d for d, prefills in pairs.items() if prefills]
         if not decodes:
-            raise self._no_pair_error()
+            raise self._no_pair_error(prompt.lora_name)
         prefills = list(dict.fromkeys(p for d in decodes for p in pairs[d]))
         policy = self.router.config.policy
         local = self.router.local_reason(len(prompt), prefills) if may_prefill_locally else None
@@ -210,10 +212,15 @@ class WorkerPool:
                     found.append((prefill, decode, diff))
         return found
 
-    def _pairs(self, avoid: frozenset[str], routable_only: bool = True) -> dict[Worker, list[Worker]]:
-        """Each usable decode worker with the usable prefill workers it may be paired with."""
+    def _pairs(
+        self, avoid: frozenset[str], routable_only: bool = True, lora_name: str = ""
+    ) -> dict[Worker, list[Worker]]:
+        """Each usable decode worker with the usable prefill workers it may be paired with; with a
+        `lora_name`, only the workers that hold that adapter are usable."""
 
         def usable(w: Worker) -> bool:
+            if lora_name and not _holds(w, lora_name):
+                return False
             return (w.is_routable if routable_only else w.is_ready) and w.address not in avoid
 
         prefills = [p for p in self.workers["prefill"] if usable(p)]
@@ -239,11 +246,15 @@ class WorkerPool:
         self._logged[key] = found
         return found
 
-    def _no_pair_error(self) -> APIError:
-        """503 naming the role when it has no ready worker at all, else saying none may be paired."""
+    def _no_pair_error(self, lora_name: str = "") -> APIError:
+        """503 naming the role when it has no ready worker at all (or none holding the adapter
+        `lora_name`), else saying none may be paired."""
         for role in ("prefill", "decode"):
             if not any(w.is_routable for w in self.workers[role]):
                 return _unavailable(f"no {role} worker is ready")
+        for role in ("prefill", "decode"):
+            if lora_name and not any(w.is_routable and _holds(w, lora_name) for w in self.workers[role]):
+                return _unavailable(f"no ready {role} worker holds the LoRA adapter `{lora_name}`")
         return _unavailable(
             "no ready prefill and decode workers may be paired: they must hold the same model weights and KV "
             "layout (update them to the same checkpoint and settings; /get_server_info lists what differs)"
@@ -269,6 +280,11 @@ class WorkerPool:
             matryoshka_dimensions=tuple(first.matryoshka_dimensions),
             is_classifier=first.is_classifier,
         )
+
+
+def _holds(worker: Worker, lora_name: str) -> bool:
+    """Whether the worker reported the LoRA adapter `lora_name` loaded."""
+    return worker.info is not None and lora_name in worker.info.lora_names
 
 
 def _fits(decode: Worker, prompt_len: int) -> bool:

@@ -58,7 +58,7 @@ class TripRequest:
     pages: PromptPages = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "pages", PromptPages(self.prompt_ids))  # frozen: set once, here
+        object.__setattr__(self, "pages", PromptPages(self.prompt_ids, self.lora_name))  # frozen: set once, here
 
 
 async def run_trip(
