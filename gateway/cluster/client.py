@@ -256,6 +256,18 @@ class WorkerClient:
         )
         return UpdateResult(reply.success, reply.message, reply.weights_id)
 
+    async def load_lora_adapter(self, name: str, path: str, timeout_s: float) -> None:
+        """Load the PEFT adapter at `path` (inside the worker's --lora-dir) under `name`."""
+        await self._call(
+            self._control.LoadLoraAdapter(common_pb2.LoadLoraAdapterRequest(name=name, path=path), timeout=timeout_s)
+        )
+
+    async def unload_lora_adapter(self, name: str, timeout_s: float) -> None:
+        """Unload the adapter `name` once the requests using it have ended (the worker waits for them)."""
+        await self._call(
+            self._control.UnloadLoraAdapter(common_pb2.UnloadLoraAdapterRequest(name=name), timeout=timeout_s)
+        )
+
     async def expert_record(self, op: ExpertRecordOp, timeout_s: float) -> ExpertCounts | None:
         """Start, stop or dump the expert distribution record; the dump's counts, None for the others."""
         if op is ExpertRecordOp.START:
