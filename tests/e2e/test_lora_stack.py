@@ -108,7 +108,8 @@ def test_adapters_load_and_unload_at_run_time_and_never_share_cached_pages(lora_
     for path, refused_body, status in refusals:
         refused = httpx.post(f"{url}{path}", json=refused_body, headers=ADMIN, timeout=120)
         assert refused.status_code == status, (path, refused.text)
-        assert "error" in refused.json() and "127.0.0.1" not in refused.text and str(stack.log_path.parent) not in refused.text
+        assert "error" in refused.json() and "127.0.0.1" not in refused.text
+        assert str(stack.log_path.parent.parent) not in refused.text  # no server path
     loaded = httpx.post(f"{url}/v1/load_lora_adapter", json=body, headers=ADMIN, timeout=120)
     assert loaded.status_code == 200 and "later" in loaded.text
     cards = {m["id"]: m for m in httpx.get(f"{url}/v1/models").json()["data"]}
