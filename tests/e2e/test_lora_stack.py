@@ -9,12 +9,15 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
+from tandem.api.v1 import common_pb2, generate_pb2
+from tests.e2e.grpc_client import inference_api
 from tests.e2e.stack import Stack, start_stack
 from tests.hf_oracle import hf_greedy, load_hf_dir
 from tests.tiny_models import save_tiny_llama, save_tiny_tokenizer
@@ -89,6 +92,16 @@ def test_each_request_runs_under_the_adapter_it_names(lora_stack) -> None:
         missing = httpx.post(f"{stack.url}{path}", json=body, timeout=30)
         assert missing.status_code == 404, missing.text
         assert (missing.json()["error"]["code"], missing.json()["error"]["param"]) == ("model_not_found", param)
+    sampling = generate_pb2.SamplingParams(max_new_tokens=NUM_NEW_TOKENS, temperature=0, ignore_eos=True)
+    with inference_api(stack.grpc_target) as api:
+        request = generate_pb2.GenerateRequest(input_ids=[common_pb2.TokenIds(ids=PROMPT)] * 2,
+                                               sampling_params=sampling, lora_name=["sql", ""])
+        outputs = api.Generate(request, timeout=120).outputs
+        assert [list(o.output_ids) for o in outputs] == [expected["sql"], expected[""]]
+        with pytest.raises(grpc.RpcError) as unknown:
+            api.Generate(generate_pb2.GenerateRequest(input_ids=[common_pb2.TokenIds(ids=PROMPT)],
+                                                      sampling_params=sampling, lora_name=["nope"]), timeout=30)
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
     models = httpx.get(f"{stack.url}/v1/models").json()["data"]
     assert [(m["id"], m.get("parent")) for m in models] == [(MODEL, None), ("sql", MODEL)]
     assert str(Path.home()) not in models[1]["root"] and "/" not in models[1]["root"]  # a start adapter: its name
