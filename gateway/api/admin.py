@@ -111,4 +111,4 @@ async def v1_unload_lora_adapter(body: UnloadLoraBody, state: GatewayState = Dep
 
 
 def _loaded(state: GatewayState) -> dict[str, str]:
-    return {name: state.lora_paths.get(name, name) for name in state.pool.lora_adapters()}
+    return {name: state.pool.lora_paths.get(name, name) for name in state.pool.lora_adapters()}

@@ -30,6 +30,7 @@ _UNREADY_POLL_INTERVAL_S = 0.2
 # A worker whose address left DNS gets no new requests, but its channel stays open this long so
 # that streams already on it can finish (the gateway's default --request-timeout).
 _RETIRED_CHANNEL_GRACE_S = 3600.0
+_RESTORE_TIMEOUT_S = 300.0  # one adapter load on a worker that came back
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,11 @@ class WorkerPool:
         self._poller: asyncio.Task | None = None
         self._checked: dict[tuple[str, str], tuple[object, object, tuple[Mismatch, ...]]] = {}
         self._logged: dict[tuple[str, str], tuple[Mismatch, ...]] = {}
+        # The LoRA adapters loaded at run time through this gateway (name -> the admin's path): a worker
+        # that turns ready again (a restart keeps only its --lora-paths) is given those it lacks, once per turn.
+        self.lora_paths: dict[str, str] = {}
+        self._restored_turns: dict[str, int] = {}  # address -> the ready turn its adapters were restored for
+        self._restores: set[asyncio.Task] = set()
 
     def start(self) -> None:
         self._poller = asyncio.create_task(self._poll_forever())
@@ -86,6 +92,8 @@ class WorkerPool:
     async def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
+        for task in self._restores:
+            task.cancel()
         for worker in self.all_workers() + [w for _, w in self._retired]:
             await worker.client.close()
 
@@ -96,6 +104,26 @@ class WorkerPool:
         await self.refresh_members()
         await asyncio.gather(*(w.probe() for w in self.all_workers()))
         self.incompatible_pairs()  # logs each new mismatch once
+        self._restore_adapters()
+
+    def _restore_adapters(self) -> None:
+        """Start loading the run-time adapters (`lora_paths`) a worker lacks on each worker that has
+        turned ready since its last restore, in the background (the probes go on meanwhile)."""
+        for worker in self.all_workers():
+            if not worker.is_ready or worker.info is None:
+                continue
+            if self._restored_turns.get(worker.address) == worker.num_ready_changes:
+                continue
+            self._restored_turns[worker.address] = worker.num_ready_changes
+            missing = {n: p for n, p in self.lora_paths.items() if n not in worker.info.lora_names}
+            if missing:
+                task = asyncio.create_task(_restore(worker, missing))
+                self._restores.add(task)
+                task.add_done_callback(self._restores.discard)
+
+    async def wait_restores(self) -> None:
+        """Until the adapter restores under way have ended."""
+        await asyncio.gather(*self._restores, return_exceptions=True)
 
     def num_ready(self, role: str) -> int:
         return sum(w.is_ready for w in self.workers[role])
@@ -280,6 +308,19 @@ class WorkerPool:
             matryoshka_dimensions=tuple(first.matryoshka_dimensions),
             is_classifier=first.is_classifier,
         )
+
+
+async def _restore(worker: Worker, adapters: dict[str, str]) -> None:
+    """Load `adapters` (name -> path) on a worker that came back without them, then probe it so that
+    routing sees them; a refusal is logged (the worker serves the others and the base model)."""
+    for name, path in adapters.items():
+        try:
+            await worker.client.load_lora_adapter(name, path, _RESTORE_TIMEOUT_S)
+        except APIError as exc:
+            logger.warning("could not load LoRA adapter %s again on %s: %s", name, worker.address, exc.message)
+        else:
+            logger.info("LoRA adapter %s loaded again on %s", name, worker.address)
+    await worker.probe()
 
 
 def _holds(worker: Worker, lora_name: str) -> bool:

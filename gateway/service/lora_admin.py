@@ -5,7 +5,8 @@ A load goes to every ready prefill and decode worker at once; if any refuses, th
 unloaded again from those that took it, so no half-loaded adapter is left for the router to find.
 An unload goes to every worker that holds the adapter (each waits for its requests on it to end).
 Either way the workers are probed again after, so the pool's view of who holds what (and so the
-routing and the names requests may give) is current when the route answers. A worker's refusal
+routing and the names requests may give) is current when the route answers; the pool remembers the
+loads (`WorkerPool.lora_paths`) and gives them to a worker that comes back without them. A worker's refusal
 keeps its status (a bad path or bad files 400, an unknown name 404, an adapter in use or a worker
 without slots 400) and its words, with no address and no path but the one the admin sent.
 """
@@ -51,7 +52,7 @@ async def load_adapter(state: GatewayState, name: str, path: str) -> None:
     await _probe(workers)
     if failed:
         raise _public(failed[0], "lora_path", path)
-    state.lora_paths[name] = path
+    state.pool.lora_paths[name] = path
     logger.info("LoRA adapter %s loaded from %s on %d workers", name, path, len(workers))
 
 
@@ -72,12 +73,14 @@ async def unload_adapter(state: GatewayState, name: str) -> None:
             return None if exc.status == 404 else exc  # gone there already: what was asked
         return None
 
+    path = state.pool.lora_paths.pop(name, None)  # first: no worker coming back meanwhile gets it again
     errors = await asyncio.gather(*(unload(w) for w in holders))
     await _probe(holders)
     failed = [e for e in errors if e is not None]
     if failed:
+        if path is not None:
+            state.pool.lora_paths[name] = path
         raise _public(failed[0], "lora_name")
-    state.lora_paths.pop(name, None)
     logger.info("LoRA adapter %s unloaded from %d workers", name, len(holders))
 
 
@@ -88,7 +91,7 @@ def adapter_cards(state: GatewayState) -> list[ModelCard]:
         ModelCard(
             id=name,
             created=state.started_at,
-            root=state.lora_paths.get(name, name),
+            root=state.pool.lora_paths.get(name, name),
             parent=state.config.served_model_name,
         )
         for name in state.pool.lora_adapters()

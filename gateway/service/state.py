@@ -23,7 +23,6 @@ class GatewayState:
     metrics: GatewayMetrics
     generation: GenerationService
     started_at: int = field(default_factory=lambda: int(time.time()))  # Unix time (the models' `created`)
-    lora_paths: dict[str, str] = field(default_factory=dict)  # adapter -> the path the admin loaded it from
 
     def resolve_model(self, model: str, param: str = "model") -> str:
         """The LoRA adapter a request's `model` names: "" for the served model (its served name or its

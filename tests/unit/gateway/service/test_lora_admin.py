@@ -90,3 +90,23 @@ def test_bad_bodies_are_refused_before_any_worker_is_asked(tmp_path: Path) -> No
         assert a.control.received == [] and b.control.received == []
 
     _run(tmp_path, scenario)
+
+
+def test_a_worker_that_comes_back_without_a_run_time_adapter_gets_it_again(tmp_path: Path) -> None:
+    async def scenario(state: GatewayState, a: FakeWorker, b: FakeWorker) -> None:
+        await load_adapter(state, "sql", "adapters/sql")
+        a.control.adapters.clear()   # a restart: the worker comes back with its --lora-paths only
+        prefill = state.pool.workers["prefill"][0]
+        prefill.is_ready = False
+        await state.pool.probe_all()
+        await state.pool.wait_restores()
+        assert a.control.adapters == ["sql"] and "sql" in prefill.info.lora_names
+        loads = [r for r in a.control.received if type(r).__name__ == "LoadLoraAdapterRequest"]
+        assert [(r.name, r.path) for r in loads] == [("sql", "adapters/sql")] * 2
+        await state.pool.probe_all()   # the same ready turn: no load again
+        await state.pool.wait_restores()
+        assert len([r for r in a.control.received if type(r).__name__ == "LoadLoraAdapterRequest"]) == 2
+        await unload_adapter(state, "sql")
+        assert state.pool.lora_paths == {}
+
+    _run(tmp_path, scenario)
