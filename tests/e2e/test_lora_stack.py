@@ -125,6 +125,8 @@ def test_adapters_load_and_unload_at_run_time_and_never_share_cached_pages(lora_
         assert str(stack.log_path.parent.parent) not in refused.text  # no server path
     loaded = httpx.post(f"{url}/v1/load_lora_adapter", json=body, headers=ADMIN, timeout=120)
     assert loaded.status_code == 200 and "later" in loaded.text
+    workers = httpx.get(f"{url}/get_server_info", headers=ADMIN).json()["workers"]
+    assert [(w["lora_adapters"], w["max_loras"]) for w in workers] == [({"sql": 8, "later": 8}, 2)] * 2
     cards = {m["id"]: m for m in httpx.get(f"{url}/v1/models").json()["data"]}
     assert (cards["later"]["parent"], cards["later"]["root"]) == (MODEL, "later")
 
