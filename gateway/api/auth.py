@@ -38,6 +38,10 @@ ADMIN_PATHS = frozenset(
         "/start_expert_distribution_record",
         "/stop_expert_distribution_record",
         "/dump_expert_distribution_record",
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
     }
 )
 

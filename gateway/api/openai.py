@@ -26,8 +26,7 @@ async def list_models(state: GatewayState = Depends(gateway_state)) -> ModelList
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, state: GatewayState = Depends(gateway_state)) -> ModelCard:
-    state.check_model(model_id)
-    return model_card(state)
+    return model_card(state, model_id)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion)

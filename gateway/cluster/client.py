@@ -115,15 +115,18 @@ class WorkerClient:
         timeout_s: float,
         priority: int = 0,
         metadata: Metadata = (),
+        lora_name: str = "",
     ) -> PrefillResult:
         """Prefill: run the prompt, write its KV into `kv_target`, sample the first token. Cancelling
-        the awaiting task cancels the RPC. `metadata`: the trace's context (`tandem.tracing`), if any."""
+        the awaiting task cancels the RPC. `metadata`: the trace's context (`tandem.tracing`), if any;
+        `lora_name`: the adapter to run under ("" the base model)."""
         request = prefill_pb2.PrefillRequest(
             request_id=request_id,
             token_ids=token_ids,
             sampling_params=convert.sampling_to_proto(sampling),
             kv_target=convert.kv_target_to_proto(kv_target),
             priority=priority,
+            lora_name=lora_name,
         )
         if logprob_start_len is not None:
             request.logprob_start_len = logprob_start_len
@@ -154,8 +157,10 @@ class WorkerClient:
         timeout_s: float,
         priority: int = 0,
         metadata: Metadata = (),
+        lora_name: str = "",
     ) -> DecodeStream:
-        """Decode: start the reserved request from `first_token`; the stream yields the tokens after it."""
+        """Decode: start the reserved request from `first_token`; the stream yields the tokens after it
+        (under the adapter `lora_name`, the prefill's; "" the base model)."""
         call = self._decode.Generate(
             decode_pb2.GenerateRequest(
                 request_id=request_id,
@@ -165,6 +170,7 @@ class WorkerClient:
                 weights_id=weights_id,
                 kv_grant=kv_grant,
                 priority=priority,
+                lora_name=lora_name,
             ),
             timeout=timeout_s,
             metadata=metadata or None,
@@ -179,6 +185,7 @@ class WorkerClient:
         timeout_s: float,
         priority: int = 0,
         metadata: Metadata = (),
+        lora_name: str = "",
     ) -> DecodeStream:
         """Decode: prefill the prompt on this worker (no reservation, no KV transfer) and stream every
         token, the first included; the first chunk carries the prompt's queue and compute times."""
@@ -188,6 +195,7 @@ class WorkerClient:
                 prompt_token_ids=prompt_ids,
                 sampling_params=convert.sampling_to_proto(sampling),
                 priority=priority,
+                lora_name=lora_name,
             ),
             timeout=timeout_s,
             metadata=metadata or None,
@@ -247,6 +255,18 @@ class WorkerClient:
             self._control.UpdateWeights(common_pb2.UpdateWeightsRequest(model_path=model_path), timeout=timeout_s)
         )
         return UpdateResult(reply.success, reply.message, reply.weights_id)
+
+    async def load_lora_adapter(self, name: str, path: str, timeout_s: float) -> None:
+        """Load the PEFT adapter at `path` (inside the worker's --lora-dir) under `name`."""
+        await self._call(
+            self._control.LoadLoraAdapter(common_pb2.LoadLoraAdapterRequest(name=name, path=path), timeout=timeout_s)
+        )
+
+    async def unload_lora_adapter(self, name: str, timeout_s: float) -> None:
+        """Unload the adapter `name` once the requests using it have ended (the worker waits for them)."""
+        await self._call(
+            self._control.UnloadLoraAdapter(common_pb2.UnloadLoraAdapterRequest(name=name), timeout=timeout_s)
+        )
 
     async def expert_record(self, op: ExpertRecordOp, timeout_s: float) -> ExpertCounts | None:
         """Start, stop or dump the expert distribution record; the dump's counts, None for the others."""

@@ -11,6 +11,7 @@ from gateway.cluster.worker_records import (
     ExpertCounts,
     KvLayout,
     KvTarget,
+    LoraAdapterInfo,
     ModelInfo,
     PrefillResult,
     WorkerLoad,
@@ -145,6 +146,8 @@ def model_info_from_proto(msg: common_pb2.GetModelInfoResponse) -> ModelInfo:
         num_attention_heads=msg.num_attention_heads,
         implementation=msg.implementation,
         is_classifier=msg.is_classifier,
+        lora_adapters=tuple(LoraAdapterInfo(a.name, a.rank) for a in msg.lora_adapters),
+        max_loras=msg.max_loras,
     )
 
 

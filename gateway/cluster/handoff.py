@@ -41,12 +41,14 @@ async def run_handoff(
     prompt_logprob_start: int | None = None,
     arrived_at: float | None = None,
     priority: int = 0,
+    lora_name: str = "",
 ) -> AsyncGenerator[TokenChunk, None]:
     """Yield the first token (with timings, and the prompt's logprobs from `prompt_logprob_start` when
     set), then the decode server's tokens until a finish. `arrived_at` (time.perf_counter()) is when
     the HTTP request arrived. `priority` (lower first), ranked for the bound caller (a batch line's
     below every interactive request's), and the caller's tenant order the admission queue and the
-    workers' queues (`TripRequest`). Records the trip's latencies, phases and outcome in `metrics`."""
+    workers' queues (`TripRequest`); `lora_name` is the adapter it runs under ("" the base model).
+    Records the trip's latencies, phases and outcome in `metrics`."""
     bind_request_id(request_id)
     started = last = time.perf_counter()
     outcome = "error"
@@ -63,6 +65,7 @@ async def run_handoff(
         gateway_queue_ms,
         caller.rank(priority),
         caller.tenant,
+        lora_name,
         trace=trace,
     )
     events = _with_failover(pool, config, metrics, request)
@@ -109,7 +112,8 @@ async def _with_failover(
             return
         except WorkerError as exc:
             retry_avoid = avoid | {exc.address}
-            if has_output or not exc.is_worker_failure or attempt == _MAX_ATTEMPTS or not pool.can_route(retry_avoid):
+            is_final = has_output or not exc.is_worker_failure or attempt == _MAX_ATTEMPTS
+            if is_final or not pool.can_route(retry_avoid, request.lora_name):
                 raise
             logger.warning(
                 "worker %s failed before the first token (%s); trying other workers", exc.address, exc.detail

@@ -30,6 +30,7 @@ _UNREADY_POLL_INTERVAL_S = 0.2
 # A worker whose address left DNS gets no new requests, but its channel stays open this long so
 # that streams already on it can finish (the gateway's default --request-timeout).
 _RETIRED_CHANNEL_GRACE_S = 3600.0
+_RESTORE_TIMEOUT_S = 300.0  # one adapter load on a worker that came back
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,11 @@ class WorkerPool:
         self._poller: asyncio.Task | None = None
         self._checked: dict[tuple[str, str], tuple[object, object, tuple[Mismatch, ...]]] = {}
         self._logged: dict[tuple[str, str], tuple[Mismatch, ...]] = {}
+        # The LoRA adapters loaded at run time through this gateway (name -> the admin's path): a worker
+        # that turns ready again (a restart keeps only its --lora-paths) is given those it lacks, once per turn.
+        self.lora_paths: dict[str, str] = {}
+        self._restored_turns: dict[str, int] = {}  # address -> the ready turn its adapters were restored for
+        self._restores: set[asyncio.Task] = set()
 
     def start(self) -> None:
         self._poller = asyncio.create_task(self._poll_forever())
@@ -86,6 +92,8 @@ class WorkerPool:
     async def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
+        for task in self._restores:
+            task.cancel()
         for worker in self.all_workers() + [w for _, w in self._retired]:
             await worker.client.close()
 
@@ -96,6 +104,26 @@ class WorkerPool:
         await self.refresh_members()
         await asyncio.gather(*(w.probe() for w in self.all_workers()))
         self.incompatible_pairs()  # logs each new mismatch once
+        self._restore_adapters()
+
+    def _restore_adapters(self) -> None:
+        """Start loading the run-time adapters (`lora_paths`) a worker lacks on each worker that has
+        turned ready since its last restore, in the background (the probes go on meanwhile)."""
+        for worker in self.all_workers():
+            if not worker.is_ready or worker.info is None:
+                continue
+            if self._restored_turns.get(worker.address) == worker.num_ready_changes:
+                continue
+            self._restored_turns[worker.address] = worker.num_ready_changes
+            missing = {n: p for n, p in self.lora_paths.items() if n not in worker.info.lora_names}
+            if missing:
+                task = asyncio.create_task(_restore(worker, missing))
+                self._restores.add(task)
+                task.add_done_callback(self._restores.discard)
+
+    async def wait_restores(self) -> None:
+        """Until the adapter restores under way have ended."""
+        await asyncio.gather(*self._restores, return_exceptions=True)
 
     def num_ready(self, role: str) -> int:
         return sum(w.is_ready for w in self.workers[role])
@@ -134,6 +162,12 @@ class WorkerPool:
             return any(w.is_ready for w in self.workers["prefill"])
         return any(self._pairs(frozenset(), routable_only=False).values())
 
+    def lora_adapters(self) -> dict[str, int]:
+        """Each LoRA adapter some ready worker holds, with its rank, in name order: what a request may
+        name (routing then takes only the workers that hold it)."""
+        found = {a.name: a.rank for w in self.all_workers() if w.is_ready and w.info for a in w.info.lora_adapters}
+        return dict(sorted(found.items()))
+
     def pick(self, role: Role) -> Worker:
         """Round-robin over routable workers of `role` (embeddings, admin calls); 503 when there is none."""
         ready = [w for w in self.workers[role] if w.is_routable]
@@ -141,9 +175,10 @@ class WorkerPool:
             raise _unavailable(f"no {role} worker is ready")
         return ready[next(self._turns[role]) % len(ready)]
 
-    def can_route(self, avoid: frozenset[str]) -> bool:
-        """Whether some pair of routable workers whose addresses are not in `avoid` may be paired."""
-        return any(self._pairs(avoid).values())
+    def can_route(self, avoid: frozenset[str], lora_name: str = "") -> bool:
+        """Whether some pair of routable workers whose addresses are not in `avoid` (and that both hold
+        the adapter `lora_name`, if any) may be paired."""
+        return any(self._pairs(avoid, lora_name=lora_name).values())
 
     def route(
         self,
@@ -155,11 +190,12 @@ class WorkerPool:
         router's policy among routable workers not in `avoid` that may be paired, or a decode worker
         alone when the router says it should prefill the prompt itself (and `may_prefill_locally`).
         503 when no such pair exists. The router's prefix index learns the prompt only once the
-        route's prefill is sent (`Router.routed`, the trip's call)."""
-        pairs = self._pairs(avoid)
+        route's prefill is sent (`Router.routed`, the trip's call). A prompt run under a LoRA adapter
+        (`prompt.lora_name`) goes only to workers that hold it, on both legs."""
+        pairs = self._pairs(avoid, lora_name=prompt.lora_name)
         decodes = [d for d, prefills in pairs.items() if prefills]
         if not decodes:
-            raise self._no_pair_error()
+            raise self._no_pair_error(prompt.lora_name)
         prefills = list(dict.fromkeys(p for d in decodes for p in pairs[d]))
         policy = self.router.config.policy
         local = self.router.local_reason(len(prompt), prefills) if may_prefill_locally else None
@@ -204,10 +240,15 @@ class WorkerPool:
                     found.append((prefill, decode, diff))
         return found
 
-    def _pairs(self, avoid: frozenset[str], routable_only: bool = True) -> dict[Worker, list[Worker]]:
-        """Each usable decode worker with the usable prefill workers it may be paired with."""
+    def _pairs(
+        self, avoid: frozenset[str], routable_only: bool = True, lora_name: str = ""
+    ) -> dict[Worker, list[Worker]]:
+        """Each usable decode worker with the usable prefill workers it may be paired with; with a
+        `lora_name`, only the workers that hold that adapter are usable."""
 
         def usable(w: Worker) -> bool:
+            if lora_name and not _holds(w, lora_name):
+                return False
             return (w.is_routable if routable_only else w.is_ready) and w.address not in avoid
 
         prefills = [p for p in self.workers["prefill"] if usable(p)]
@@ -233,11 +274,15 @@ class WorkerPool:
         self._logged[key] = found
         return found
 
-    def _no_pair_error(self) -> APIError:
-        """503 naming the role when it has no ready worker at all, else saying none may be paired."""
+    def _no_pair_error(self, lora_name: str = "") -> APIError:
+        """503 naming the role when it has no ready worker at all (or none holding the adapter
+        `lora_name`), else saying none may be paired."""
         for role in ("prefill", "decode"):
             if not any(w.is_routable for w in self.workers[role]):
                 return _unavailable(f"no {role} worker is ready")
+        for role in ("prefill", "decode"):
+            if lora_name and not any(w.is_routable and _holds(w, lora_name) for w in self.workers[role]):
+                return _unavailable(f"no ready {role} worker holds the LoRA adapter `{lora_name}`")
         return _unavailable(
             "no ready prefill and decode workers may be paired: they must hold the same model weights and KV "
             "layout (update them to the same checkpoint and settings; /get_server_info lists what differs)"
@@ -263,6 +308,24 @@ class WorkerPool:
             matryoshka_dimensions=tuple(first.matryoshka_dimensions),
             is_classifier=first.is_classifier,
         )
+
+
+async def _restore(worker: Worker, adapters: dict[str, str]) -> None:
+    """Load `adapters` (name -> path) on a worker that came back without them, then probe it so that
+    routing sees them; a refusal is logged (the worker serves the others and the base model)."""
+    for name, path in adapters.items():
+        try:
+            await worker.client.load_lora_adapter(name, path, _RESTORE_TIMEOUT_S)
+        except APIError as exc:
+            logger.warning("could not load LoRA adapter %s again on %s: %s", name, worker.address, exc.message)
+        else:
+            logger.info("LoRA adapter %s loaded again on %s", name, worker.address)
+    await worker.probe()
+
+
+def _holds(worker: Worker, lora_name: str) -> bool:
+    """Whether the worker reported the LoRA adapter `lora_name` loaded."""
+    return worker.info is not None and lora_name in worker.info.lora_names
 
 
 def _fits(decode: Worker, prompt_len: int) -> bool:

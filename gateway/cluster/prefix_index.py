@@ -5,7 +5,9 @@ everything before it. The gateway cannot see it, so it remembers the page-aligne
 to the worker: `page_hashes` names each full page of a prompt by a hash chained over every page up to
 it, so one hash stands for a whole prefix and two prompts share a hash exactly when they share that
 many pages. The index is bounded (at most the worker's pool, in pages) and evicts the least recently
-routed prefix first, deepest pages first, as the worker's own cache evicts leaves first. Each prefill's
+routed prefix first, deepest pages first, as the worker's own cache evicts leaves first. A prompt run
+under a LoRA adapter chains its hashes from the adapter's name, as the worker keys its cache by
+adapter: the same tokens under another adapter (or none) share no page. Each prefill's
 answer corrects it (`correct`): the worker's `cached_tokens` says how much of the prompt it really
 held, so an index that promised more shrinks towards the worker's real cache, and one that promised
 less (another gateway sent that prefix there) grows. No I/O; event loop only.
@@ -17,10 +19,11 @@ import collections
 from collections.abc import Sequence
 
 
-def page_hashes(token_ids: Sequence[int], page_size: int) -> tuple[int, ...]:
-    """One hash per full page of `token_ids`: hash i stands for the prefix of pages 0..i."""
+def page_hashes(token_ids: Sequence[int], page_size: int, lora_name: str = "") -> tuple[int, ...]:
+    """One hash per full page of `token_ids`: hash i stands for the prefix of pages 0..i, run under
+    the adapter `lora_name` ("" the base model)."""
     hashes: list[int] = []
-    previous = 0
+    previous = hash(("lora", lora_name)) if lora_name else 0
     for start in range(0, len(token_ids) - page_size + 1, page_size):
         previous = hash((previous, tuple(token_ids[start : start + page_size])))
         hashes.append(previous)
@@ -28,13 +31,15 @@ def page_hashes(token_ids: Sequence[int], page_size: int) -> tuple[int, ...]:
 
 
 class PromptPages:
-    """A prompt's token ids and its `page_hashes`, computed once per page size however often the
-    prompt is routed (a request is routed afresh on each admission retry and each failover)."""
+    """A prompt's token ids, the adapter it runs under (`lora_name`, "" the base model) and its
+    `page_hashes`, computed once per page size however often the prompt is routed (a request is routed
+    afresh on each admission retry and each failover)."""
 
-    __slots__ = ("token_ids", "_hashes")
+    __slots__ = ("token_ids", "lora_name", "_hashes")
 
-    def __init__(self, token_ids: Sequence[int]) -> None:
+    def __init__(self, token_ids: Sequence[int], lora_name: str = "") -> None:
         self.token_ids = token_ids
+        self.lora_name = lora_name
         self._hashes: dict[int, tuple[int, ...]] = {}  # page size -> hashes
 
     def __len__(self) -> int:
@@ -43,7 +48,7 @@ class PromptPages:
     def hashes(self, page_size: int) -> tuple[int, ...]:
         found = self._hashes.get(page_size)
         if found is None:
-            found = self._hashes[page_size] = page_hashes(self.token_ids, page_size)
+            found = self._hashes[page_size] = page_hashes(self.token_ids, page_size, self.lora_name)
         return found
 
 

@@ -41,8 +41,9 @@ logger = logging.getLogger(__name__)
 class TripRequest:
     """What a trip carries: the prompt, its sampling, the prompt logprobs asked for (from
     `prompt_logprob_start`), the time it waited before the trip (`gateway_queue_ms`), its `priority`
-    (lower is served first; on to the workers) and its `tenant` (whom the admission queue is fair
-    between; "" for all anonymous callers). `pages` keeps the prompt's page hashes over every
+    (lower is served first; on to the workers), its `tenant` (whom the admission queue is fair
+    between; "" for all anonymous callers) and its `lora_name` (the adapter both legs run under; ""
+    the base model). `pages` keeps the prompt's page hashes over every
     routing of the request."""
 
     request_id: str
@@ -52,11 +53,12 @@ class TripRequest:
     gateway_queue_ms: float = 0.0
     priority: int = 0
     tenant: str = ""
+    lora_name: str = ""
     trace: tracing.Context | None = field(default=None, repr=False, compare=False)  # the request span's, if traced
     pages: PromptPages = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "pages", PromptPages(self.prompt_ids))  # frozen: set once, here
+        object.__setattr__(self, "pages", PromptPages(self.prompt_ids, self.lora_name))  # frozen: set once, here
 
 
 async def run_trip(
@@ -119,6 +121,7 @@ async def _disaggregated_trip(
             timeout_s=config.prefill_timeout_s,
             priority=request.priority,
             metadata=trace.prefill_metadata(route),
+            lora_name=request.lora_name,
         )
         first = await prefill_answer(prefill, call, config.stall_timeout_s)
         write_settled = True
@@ -147,6 +150,7 @@ async def _disaggregated_trip(
             timeout_s=config.request_timeout_s,
             priority=request.priority,
             metadata=trace.decode_metadata(),
+            lora_name=request.lora_name,
         )
         async for chunk in chunks(decode, stream, config.stall_timeout_s):
             finished = chunk.finish is not None
@@ -178,6 +182,7 @@ async def _local_trip(
         timeout_s=config.request_timeout_s,
         priority=request.priority,
         metadata=trace.local_metadata(),
+        lora_name=request.lora_name,
     )
     timings: HandoffTimings | None = None
     finished = False

@@ -107,6 +107,20 @@ class ModelInfo:
     num_attention_heads: int = 0
     implementation: str = ""  # "tandem" or "transformers": whose modeling code; "" when the worker does not say
     is_classifier: bool = False  # embedding workers: the vectors are a sequence classifier's logits
+    lora_adapters: tuple[LoraAdapterInfo, ...] = ()  # the LoRA adapters loaded now
+    max_loras: int = 0  # how many adapters the worker holds at once (0: it serves none)
+
+    @property
+    def lora_names(self) -> frozenset[str]:
+        return frozenset(a.name for a in self.lora_adapters)
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAdapterInfo:
+    """A LoRA adapter loaded on a worker (GetModelInfo): its name, which requests give, and rank."""
+
+    name: str
+    rank: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ def record(cls: type[Record], values: dict[str, Any]) -> Record:
 
 def chat_values(message: Message) -> dict[str, Any]:
     """A ChatCompletionRequest as /v1/chat/completions' body (without `request_id`)."""
-    values = to_values(message)
+    values = _lora_as_model(to_values(message))
     values.pop("request_id", None)
     values["messages"] = [_message(m) for m in values.get("messages", [])]
     choice = values.get("tool_choice")
@@ -52,7 +52,7 @@ def _message(values: dict[str, Any]) -> dict[str, Any]:
 
 def completion_values(message: Message) -> dict[str, Any]:
     """A CompletionRequest as /v1/completions' body (without `request_id`)."""
-    values = to_values(message)
+    values = _lora_as_model(to_values(message))
     values.pop("request_id", None)
     _one_of_inputs(values, "prompt", "prompt_token_ids", "prompt", single=False)
     return values
@@ -64,6 +64,16 @@ def generate_values(message: Message, rid: str) -> dict[str, Any]:
     values = to_values(message)
     count = _one_of_inputs(values, "text", "input_ids", "input_ids", single=True)
     values["rid"] = rid if count == 1 else [f"{rid}-{i}" for i in range(count)]
+    names = [name or None for name in values.pop("lora_name", [])]
+    if names:
+        values["lora_path"] = names[0] if len(names) == 1 else names
+    return values
+
+
+def _lora_as_model(values: dict[str, Any]) -> dict[str, Any]:
+    """A chat or completion request's `lora_name`, when set, is the model it runs (`model` over HTTP)."""
+    if "lora_name" in values:
+        values["model"] = values.pop("lora_name")
     return values
 
 

@@ -115,6 +115,8 @@ async def _worker_info(worker: Worker) -> dict:
             num_kv_heads=info.kv_layout.num_kv_heads,
             head_dim=info.kv_layout.head_dim,
             weights_id=info.weights_id,
+            lora_adapters={a.name: a.rank for a in info.lora_adapters},
+            max_loras=info.max_loras,
         )
     try:
         load = await worker.client.load(timeout_s=_INFO_TIMEOUT_S)

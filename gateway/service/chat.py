@@ -33,7 +33,7 @@ async def chat_completion(
 async def chat_prompt_ids(state: GatewayState, body: ChatCompletionRequest) -> tuple[list[int], ToolPlan]:
     """The prompt's token ids (the messages through the chat template, tools included) and the tool
     plan; 404 for another model, 400 naming a bad field."""
-    state.check_model(body.model)
+    state.resolve_model(body.model)
     state.require_generation()
     tokenizer = state.require_tokenizer("messages")
     plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)

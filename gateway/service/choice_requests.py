@@ -31,6 +31,7 @@ def choice_requests(
     if not (1 <= n <= MAX_N):
         raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", "n")
     priority = checked_priority(body.priority)
+    lora_name = state.resolve_model(body.model)
     requests = []
     for prompt_ids in prompts:
         spec = SamplingSpec(
@@ -72,6 +73,7 @@ def choice_requests(
                     no_stop_trim=body.no_stop_trim,
                     prompt_logprob_start=prompt_logprob_start,
                     priority=priority,
+                    lora_name=lora_name,
                 )
             )
     return requests

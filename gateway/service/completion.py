@@ -32,7 +32,7 @@ async def completion(
 ) -> Completion | AsyncIterator[CompletionChunk]:
     """A text completion: the whole answer, or (`body.stream`) its chunks once the first token is
     there. `response_id` is the answer's `id` (a fresh "cmpl-..." when None)."""
-    state.check_model(body.model)
+    state.resolve_model(body.model)
     state.require_generation()
     if body.suffix is not None:
         raise bad_request("suffix needs a model with a fill-in-the-middle template; this model has none", "suffix")

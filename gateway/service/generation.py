@@ -33,7 +33,8 @@ class GenerationRequest:
     and `no_stop_trim` (keep the matched stop string, or the text of the matched stop token, at the
     end of the text; by default both are trimmed, as in SGLang). `prompt_logprob_start` asks for
     the prompt's logprobs from that position; `arrived_at` is when the HTTP request arrived;
-    `priority` orders it under contention (lower first; `gateway/caller.py`)."""
+    `priority` orders it under contention (lower first; `gateway/caller.py`); `lora_name` is the
+    LoRA adapter it runs under ("" the base model; `GatewayState.resolve_model`)."""
 
     prompt_ids: list[int]
     sampling: SamplingSpec
@@ -45,6 +46,7 @@ class GenerationRequest:
     prompt_logprob_start: int | None = None
     arrived_at: float = field(default_factory=time.perf_counter)
     priority: int = 0
+    lora_name: str = ""
 
 
 @dataclass(slots=True)
@@ -107,6 +109,7 @@ class GenerationService:
             request.prompt_logprob_start,
             request.arrived_at,
             request.priority,
+            request.lora_name,
         )
         async with contextlib.aclosing(events):
             async for chunk in events:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gateway.service.lora_admin import adapter_cards
 from gateway.service.response_schemas import ModelCard, ModelList
 from gateway.service.state import GatewayState
 
@@ -16,11 +17,15 @@ def model_info(state: GatewayState) -> dict:
 
 
 def model_list(state: GatewayState) -> ModelList:
-    """The served model (every front's model list)."""
-    return ModelList(data=[model_card(state)])
+    """The served model, then each LoRA adapter the workers hold (every front's model list)."""
+    return ModelList(data=[model_card(state), *adapter_cards(state)])
 
 
-def model_card(state: GatewayState) -> ModelCard:
+def model_card(state: GatewayState, model: str | None = None) -> ModelCard:
+    """The card of `model` (the served model when None or its name; 404 for a name that is neither
+    it nor a loaded adapter)."""
+    if model is not None and state.resolve_model(model):
+        return next(card for card in adapter_cards(state) if card.id == model)
     return ModelCard(
         id=state.config.served_model_name,
         created=state.started_at,

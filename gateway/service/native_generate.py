@@ -47,10 +47,13 @@ async def run_generate(
     rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
     if len(rids) != len(prompts):
         raise bad_request(f"{len(rids)} rids for {len(prompts)} prompts", "rid")
+    loras = _lora_names(state, body, len(prompts))
     requests: list[GenerationRequest] = []
     options: list[LogprobOptions] = []
-    for prompt_ids, params, rid, logprobs in zip(prompts, param_sets, rids, logprob_options(body, prompts)):
-        choices = _requests_for(state, body, limits, prompt_ids, params, rid, logprobs, arrived_at)
+    for prompt_ids, params, rid, logprobs, lora_name in zip(
+        prompts, param_sets, rids, logprob_options(body, prompts), loras
+    ):
+        choices = _requests_for(state, body, limits, prompt_ids, params, rid, logprobs, arrived_at, lora_name)
         requests += choices
         options += [logprobs] * len(choices)
     state.generation.check_batch_size(requests, "text" if body.text is not None else "input_ids")
@@ -60,6 +63,15 @@ async def run_generate(
     results = await guard(state.generation.gather(requests))
     answers = [_response(state, body, r, o, res, arrived_at) for r, o, res in zip(requests, options, results)]
     return answers if is_batch or len(answers) > 1 else answers[0]
+
+
+def _lora_names(state: GatewayState, body: GenerateRequest, num_prompts: int) -> list[str]:
+    """Each prompt's adapter ("" the base model) from SGLang's `lora_path`: one name (or None) for
+    every prompt, or a list of one per prompt; an adapter no worker holds is a 404."""
+    paths = body.lora_path if isinstance(body.lora_path, list) else [body.lora_path] * num_prompts
+    if len(paths) != num_prompts:
+        raise bad_request(f"{len(paths)} lora_path entries for {num_prompts} prompts", "lora_path")
+    return [state.resolve_model(path, "lora_path") if path else "" for path in paths]
 
 
 async def _prompts(body: GenerateRequest, state: GatewayState, limits) -> tuple[list[list[int]], bool]:
@@ -84,6 +96,7 @@ def _requests_for(
     rid: str | None,
     logprobs: LogprobOptions,
     arrived_at: float,
+    lora_name: str,
 ) -> list[GenerationRequest]:
     n = p.n
     if not (1 <= n <= MAX_N):
@@ -133,6 +146,7 @@ def _requests_for(
                 arrived_at=arrived_at,
                 prompt_logprob_start=logprobs.prompt_start,
                 priority=priority,
+                lora_name=lora_name,
             )
         )
     return requests

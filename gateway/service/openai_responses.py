@@ -56,7 +56,7 @@ async def create_response(
     state: GatewayState, service: ResponsesService, body: CreateResponseRequest, guard: Guard
 ) -> ResponseObject | AsyncIterator[BaseModel]:
     """The finished response, its events (`stream`), or (`background`) the queued response."""
-    state.check_model(body.model)
+    state.resolve_model(body.model)
     state.require_generation()
     if body.background and not body.store:
         raise bad_request("background responses must be stored: store cannot be false", "store")

@@ -154,6 +154,8 @@ class GenerateRequest(BaseModel):
     token_ids_logprob: list[int] | list[list[int]] | None = None
     return_text_in_logprobs: bool = False
     priority: int | None = None  # lower is served first (vLLM's convention, not SGLang's default)
+    # SGLang's LoRA choice: an adapter's name (None: the base model), or a list with one per prompt
+    lora_path: str | list[str | None] | None = None
 
     @field_validator("sampling_params", mode="wrap")
     @classmethod

@@ -175,6 +175,7 @@ class ModelCard(BaseModel):
     owned_by: str = "tandem"
     root: str
     max_model_len: int | None = omitted_if_none()  # once the workers have told the context length
+    parent: str | None = omitted_if_none()  # a LoRA adapter's base model (its id)
 
 
 class ModelList(BaseModel):

@@ -24,16 +24,28 @@ class GatewayState:
     generation: GenerationService
     started_at: int = field(default_factory=lambda: int(time.time()))  # Unix time (the models' `created`)
 
+    def resolve_model(self, model: str, param: str = "model") -> str:
+        """The LoRA adapter a request's `model` names: "" for the served model (its served name or its
+        path), the name itself for an adapter loaded on the workers; else 404 `model_not_found`."""
+        if model in (self.config.served_model_name, self.config.model_path):
+            return ""
+        if model and model in self.pool.lora_adapters():
+            return model
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist. Served: `{self.config.served_model_name}`"
+            + "".join(f", `{name}`" for name in self.pool.lora_adapters())
+            + ".",
+            "not_found_error",
+            param=param,
+            code="model_not_found",
+        )
+
     def check_model(self, model: str) -> None:
-        """404 unless `model` names the served model (its served name or its path)."""
-        if model not in (self.config.served_model_name, self.config.model_path):
-            raise APIError(
-                404,
-                f"The model `{model}` does not exist. Served: `{self.config.served_model_name}`.",
-                "not_found_error",
-                param="model",
-                code="model_not_found",
-            )
+        """For the routes that serve the base model only (embeddings, scoring): 404 unless `model`
+        names the served model, 400 when it names a LoRA adapter."""
+        if self.resolve_model(model):
+            raise APIError(400, f"`{model}` is a LoRA adapter: this route serves the base model only", param="model")
 
     def require_generation(self) -> None:
         """400 on generation routes when the served model is an embedding model."""

@@ -32,7 +32,7 @@ class DetokenizeRequest(BaseModel):
 async def tokenize(state: GatewayState, body: TokenizeRequest) -> dict[str, Any]:
     """vLLM's /tokenize answer: a prompt's or a chat's token ids (and their strings when asked)."""
     if body.model is not None:
-        state.check_model(body.model)
+        state.resolve_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("exactly one of `prompt` and `messages` is required", "prompt")
     context_len = state.pool.limits().context_len
@@ -62,6 +62,6 @@ async def tokenize(state: GatewayState, body: TokenizeRequest) -> dict[str, Any]
 async def detokenize(state: GatewayState, body: DetokenizeRequest) -> dict[str, str]:
     """vLLM's /detokenize answer: the text of token ids, special tokens kept."""
     if body.model is not None:
-        state.check_model(body.model)
+        state.resolve_model(body.model)
     check_token_ids(body.tokens, state.pool.limits(), "tokens")
     return {"prompt": state.require_tokenizer("tokens").decode(body.tokens, skip_special_tokens=False)}

@@ -21,7 +21,11 @@ USER, ADMIN = {"Authorization": f"Bearer {USER_KEY}"}, {"Authorization": f"Beare
 ADMIN_REQUESTS = (("POST", "/flush_cache", None), ("GET", "/flush_cache", None),
                   ("POST", "/update_weights_from_disk", {"model_path": "nowhere"}), ("GET", "/get_server_info", None),
                   ("POST", "/start_expert_distribution_record", None),
-                  ("GET", "/stop_expert_distribution_record", None), ("POST", "/dump_expert_distribution_record", None))
+                  ("GET", "/stop_expert_distribution_record", None), ("POST", "/dump_expert_distribution_record", None),
+                  ("POST", "/load_lora_adapter", {"lora_name": "a", "lora_path": "a"}),
+                  ("POST", "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "a"}),
+                  ("POST", "/unload_lora_adapter", {"lora_name": "a"}),
+                  ("POST", "/v1/unload_lora_adapter", {"lora_name": "a"}))
 
 
 def _config(tmp_path_factory, smollm2_path: Path, **keys) -> GatewayConfig:

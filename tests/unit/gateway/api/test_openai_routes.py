@@ -25,7 +25,7 @@ def _client(pool) -> tuple[TestClient, GatewayState]:
 
 def test_models_carry_the_gateway_start_as_their_creation_time() -> None:
     before = int(time.time())
-    client, state = _client(SimpleNamespace(is_ready=False))
+    client, state = _client(SimpleNamespace(is_ready=False, lora_adapters=dict))
     after = int(time.time())
     assert before <= state.started_at <= after
     listed = client.get("/v1/models").json()
@@ -37,5 +37,5 @@ def test_models_carry_the_gateway_start_as_their_creation_time() -> None:
 
 def test_a_ready_pool_adds_the_context_length() -> None:
     limits = SimpleNamespace(context_len=2048)
-    client, _ = _client(SimpleNamespace(is_ready=True, limits=lambda: limits))
+    client, _ = _client(SimpleNamespace(is_ready=True, limits=lambda: limits, lora_adapters=dict))
     assert client.get("/v1/models/smol").json()["max_model_len"] == 2048

@@ -92,15 +92,34 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
 
 
 class FakeControl(worker_pb2_grpc.WorkerServiceServicer):
-    """FlushCache is left to the base class: UNIMPLEMENTED, as on an embedding worker."""
+    """FlushCache is left to the base class: UNIMPLEMENTED, as on an embedding worker. GetModelInfo
+    reports `adapters` loaded (LoadLoraAdapter adds one, or aborts with `lora_failure`)."""
 
     def __init__(self) -> None:
         self.received: list = []
+        self.adapters: list[str] = []
+        self.lora_failure: Failure | None = None
 
     async def GetModelInfo(self, request, context):
         return common_pb2.GetModelInfoResponse(model_path="m", architecture="LlamaForCausalLM", context_len=2048,
                                                vocab_size=100, eos_token_ids=[2], kv_layout=LAYOUT, num_pages=64,
-                                               role=common_pb2.WORKER_ROLE_DECODE, version="1", weights_id="w-1")
+                                               role=common_pb2.WORKER_ROLE_DECODE, version="1", weights_id="w-1",
+                                               lora_adapters=[common_pb2.LoraAdapterInfo(name=n, rank=8)
+                                                              for n in self.adapters], max_loras=4)
+
+    async def LoadLoraAdapter(self, request, context):
+        self.received.append(request)
+        if self.lora_failure is not None:
+            await context.abort(*self.lora_failure)
+        self.adapters.append(request.name)
+        return common_pb2.LoadLoraAdapterResponse()
+
+    async def UnloadLoraAdapter(self, request, context):
+        self.received.append(request)
+        if request.name not in self.adapters:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no LoRA adapter named {request.name!r} is loaded")
+        self.adapters.remove(request.name)
+        return common_pb2.UnloadLoraAdapterResponse()
 
     async def GetLoad(self, request, context):
         return common_pb2.GetLoadResponse(num_free_pages=64, num_total_pages=64)

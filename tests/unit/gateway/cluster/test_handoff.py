@@ -212,6 +212,21 @@ def test_a_short_prompt_is_prefilled_by_its_decode_worker(tmp_path: Path) -> Non
     _run_pair(tmp_path, scenario, RoutingConfig(policy=RouterPolicy.ROUND_ROBIN, local_prefill_threshold=8))
 
 
+def test_the_adapter_name_reaches_every_worker_call_of_the_trip(tmp_path: Path) -> None:
+    async def scenario(pool: WorkerPool, config: GatewayConfig, a: FakeWorker, b: FakeWorker) -> None:
+        for worker in (a, b):
+            worker.control.adapters.append("sql")
+        await pool.probe_all()
+        [e async for e in run_handoff(pool, config, GatewayMetrics(), "r1", list(range(20)), SAMPLING, lora_name="sql")]
+        [e async for e in run_handoff(pool, config, GatewayMetrics(), "r2", PROMPT, SAMPLING, lora_name="sql")]
+        calls = [r for w in (a, b) for r in w.prefill.received + w.decode.received if hasattr(r, "lora_name")]
+        names = sorted(type(r).__name__ for r in calls)
+        assert names == ["GenerateRequest", "PrefillAndGenerateRequest", "PrefillRequest"]
+        assert {r.lora_name for r in calls} == {"sql"}
+
+    _run_pair(tmp_path, scenario, RoutingConfig(policy=RouterPolicy.ROUND_ROBIN, local_prefill_threshold=8))
+
+
 def test_the_prefix_index_learns_a_prompt_only_from_the_route_its_prefill_went_on(tmp_path: Path) -> None:
     async def scenario(pool: WorkerPool, config: GatewayConfig, a: FakeWorker, b: FakeWorker) -> None:
         b.decode.num_full_reserves = 2   # two routes chosen and dropped before a third holds a reservation

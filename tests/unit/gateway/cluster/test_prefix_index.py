@@ -64,3 +64,13 @@ def test_the_reported_cached_tokens_correct_the_capacity() -> None:
 def test_an_empty_pool_is_refused() -> None:
     with pytest.raises(ValueError):
         PrefixIndex(0)
+
+
+def test_the_same_tokens_under_another_adapter_share_no_page() -> None:
+    tokens = list(range(48))
+    base, a, b = (page_hashes(tokens, 16, name) for name in ("", "a", "b"))
+    assert len(set(base) | set(a) | set(b)) == 9   # three pages each, none shared
+    assert page_hashes(tokens, 16) == base and PromptPages(tokens, "a").hashes(16) == a
+    index = PrefixIndex(64)
+    index.insert(a)
+    assert (index.match(a), index.match(b), index.match(base)) == (3, 0, 0)

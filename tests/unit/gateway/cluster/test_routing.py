@@ -4,6 +4,7 @@ them: the router only reads what the pool's probes would have recorded)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import Counter
 from collections.abc import Callable
 
@@ -13,8 +14,9 @@ from gateway.cluster.pool import WorkerPool
 from gateway.cluster.prefix_index import PromptPages
 from gateway.cluster.routing import Route, Router, RouteReason
 from gateway.cluster.worker import Worker
-from gateway.cluster.worker_records import KvLayout, ModelInfo, WorkerLoad
+from gateway.cluster.worker_records import KvLayout, LoraAdapterInfo, ModelInfo, WorkerLoad
 from gateway.config import RouterPolicy, RoutingConfig
+from gateway.errors import APIError
 from gateway.records import Role
 
 LAYOUT = KvLayout(num_layers=2, page_size=16, num_kv_heads=2, head_dim=8, dtype="float32", page_bytes=4096,
@@ -100,6 +102,53 @@ def test_a_route_chosen_but_never_used_leaves_the_index_alone() -> None:
         again = pool.route(_prompt(5, 2))
         assert again.prefill is used.prefill and again.estimated_cached_tokens == 64
         assert again.prefill_reason is RouteReason.PREFIX_MATCH
+
+    _in_loop(test)
+
+
+def _with_adapters(worker: Worker, *names: str) -> Worker:
+    worker.info = dataclasses.replace(worker.info, lora_adapters=tuple(LoraAdapterInfo(n, 8) for n in names))
+    return worker
+
+
+def test_a_request_under_an_adapter_goes_only_to_workers_that_hold_it_on_both_legs() -> None:
+    def test() -> None:
+        pool = WorkerPool((), (), routing=RoutingConfig(RouterPolicy.LEAST_LOAD, local_prefill_threshold=8))
+        prefills, decodes = _workers(Role.PREFILL, 3), _workers(Role.DECODE, 3)
+        _with_adapters(prefills[1], "sql")
+        _with_adapters(decodes[2], "sql", "chat")
+        pool.workers = {"prefill": prefills, "decode": decodes}
+        for _ in range(4):
+            route = pool.route(PromptPages(list(range(40)), "sql"))
+            assert (route.prefill, route.decode) == (prefills[1], decodes[2])   # the only holders, however busy
+        local = pool.route(PromptPages([1, 2, 3], "sql"))
+        assert (local.prefill, local.decode) == (None, decodes[2])   # a local prefill too
+        base = [pool.route(PromptPages(list(range(40)))) for _ in range(3)]
+        assert {r.decode for r in base} == {decodes[0], decodes[1]}   # the base model anywhere: the least busy
+        with pytest.raises(APIError) as refused:
+            pool.route(PromptPages(list(range(40)), "chat"))   # no prefill worker holds it
+        assert refused.value.status == 503 and "`chat`" in refused.value.message
+        assert pool.can_route(frozenset(), "sql") and not pool.can_route(frozenset({decodes[2].address}), "sql")
+
+    _in_loop(test)
+
+
+def test_prefix_aware_routing_never_counts_another_adapters_pages() -> None:
+    def test() -> None:
+        pool = WorkerPool((), (), routing=RoutingConfig(RouterPolicy.PREFIX_AWARE))
+        prefills = [_with_adapters(w, "a", "b") for w in _workers(Role.PREFILL, 2)]
+        pool.workers = {"prefill": prefills, "decode": [_with_adapters(_workers(Role.DECODE, 1)[0], "a", "b")]}
+        tokens = [5] * 64 + [7] * 8
+        first = pool.route(PromptPages(tokens, "a"))
+        pool.router.routed(first)
+        first.end()
+        same = pool.route(PromptPages(tokens, "a"))
+        assert same.prefill is first.prefill and same.estimated_cached_tokens == 64
+        same.end()
+        for other in ("b", ""):
+            route = pool.route(PromptPages(tokens, other))
+            assert route.estimated_cached_tokens == 0 and route.prefill_reason is RouteReason.LEAST_LOAD
+            route.end()
 
     _in_loop(test)
 

@@ -54,6 +54,16 @@ def test_prompts_as_text_or_token_ids_but_not_both() -> None:
     assert (one["text"], one["rid"]) == ("a", "r") and (two["text"], two["rid"]) == (["a", "b"], ["r-0", "r-1"])
 
 
+def test_lora_name_is_lora_path_for_generate_and_the_model_for_openais_requests() -> None:
+    one = requests.generate_values(generate_pb2.GenerateRequest(text=["a", "b"], lora_name=["sql"]), "r")
+    each = requests.generate_values(generate_pb2.GenerateRequest(text=["a", "b"], lora_name=["", "sql"]), "r")
+    none = requests.generate_values(generate_pb2.GenerateRequest(text=["a"]), "r")
+    assert (one["lora_path"], each["lora_path"], "lora_path" in none) == ("sql", [None, "sql"], False)
+    completion = requests.completion_values(completion_pb2.CompletionRequest(model="m", prompt=["a"], lora_name="sql"))
+    assert completion["model"] == "sql" and "lora_name" not in completion
+    assert requests.completion_values(completion_pb2.CompletionRequest(model="m", prompt=["a"]))["model"] == "m"
+
+
 def test_native_sampling_params_stay_strict() -> None:
     params = generate_pb2.SamplingParams(max_new_tokens=4, temperature=0.5, sampling_seed=7, stop=["x"])
     assert NativeSamplingParams.model_validate(to_values(params)).sampling_seed == 7
