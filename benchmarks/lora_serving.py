@@ -6,9 +6,10 @@ one stack, same run (issue 29's target: at least 0.7x).
 
 Makes `--adapters` random PEFT adapters of `--rank` on every projection (q, k, v, o, gate, up, down)
 of the served model, starts `tandem serve --lora-paths ...`, and runs `--streams` concurrent clients,
-each sending `--requests` greedy `/generate` calls (`--prompt-len` random-id prompts, `--output-len`
-tokens, ignore_eos): first on the base model (warm-up, then measured), then with client i on adapter
-i mod `--adapters` (SGLang's `lora_path`). Prints one JSON object: tok/s of each phase and their ratio.
+each sending `--requests` greedy `/generate` calls (`--prompt-len` random-id prompts, each its own, so
+no phase reuses another's cached prefix; `--output-len` tokens, ignore_eos): first on the base model
+(warm-up, then measured), then with client i on adapter i mod `--adapters` (SGLang's `lora_path`).
+Prints one JSON object: tok/s of each phase and their ratio.
 """
 
 from __future__ import annotations
@@ -61,21 +62,22 @@ def save_random_adapter(directory: Path, model_path: str, rank: int, seed: int) 
     return directory
 
 
-def run_phase(url: str, args: argparse.Namespace, lora_paths: list[str | None]) -> dict:
-    """`--streams` clients at once, client i on `lora_paths[i % len]`; output tokens per second."""
-    rng = random.Random(0)
-    prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt_len)] for _ in range(args.streams)]
+def run_phase(url: str, args: argparse.Namespace, lora_paths: list[str | None], seed: int) -> dict:
+    """`--streams` clients at once, client i on `lora_paths[i % len]`; output tokens per second. Every
+    request has a prompt of its own (drawn from `seed`), so no phase gains from another's prefix cache."""
+    rng = random.Random(seed)
+    prompts = [
+        [[rng.randrange(100, 40000) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+        for _ in range(args.streams)
+    ]
 
     def client(i: int) -> int:
-        body: dict = {
-            "input_ids": prompts[i],
-            "sampling_params": {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True},
-        }
+        body: dict = {"sampling_params": {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}}
         if (lora_path := lora_paths[i % len(lora_paths)]) is not None:
             body["lora_path"] = lora_path
         tokens = 0
-        for _ in range(args.requests):
-            reply = httpx.post(f"{url}/generate", json=body, timeout=600)
+        for prompt in prompts[i]:
+            reply = httpx.post(f"{url}/generate", json={**body, "input_ids": prompt}, timeout=600)
             reply.raise_for_status()
             tokens += reply.json()["meta_info"]["completion_tokens"]
         return tokens
@@ -108,9 +110,9 @@ def main() -> int:
     flags += ["--lora-paths", *(f"{name}={d}" for name, d in zip(names, dirs)), *args.serve_args.split()]
     stack = start_stack(tmp, *flags)
     try:
-        run_phase(stack.url, argparse.Namespace(**{**vars(args), "requests": 1}), [None])  # warm-up
-        base = run_phase(stack.url, args, [None])
-        lora = run_phase(stack.url, args, list(names))
+        run_phase(stack.url, argparse.Namespace(**{**vars(args), "requests": 1}), [None], seed=0)  # warm-up
+        base = run_phase(stack.url, args, [None], seed=1)
+        lora = run_phase(stack.url, args, list(names), seed=2)
     finally:
         stack.stop()
     print(
