@@ -12,14 +12,11 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-import torch
-from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM
 
 from tandem.api.v1 import common_pb2, generate_pb2
 from tests.e2e.grpc_client import inference_api
 from tests.e2e.stack import Stack, start_stack
-from tests.hf_oracle import hf_greedy, load_hf_dir
+from tests.peft_adapters import peft_greedy, save_peft_adapter
 from tests.tiny_models import save_tiny_llama, save_tiny_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -31,47 +28,53 @@ ADMIN = {"Authorization": f"Bearer admin-{secrets.token_hex(8)}"}
 MODEL = "tiny-base"
 
 
-def _save_adapter(base_dir: Path, out: Path, seed: int, targets: list[str]) -> Path:
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
-    get_peft_model(model, config).save_pretrained(out)
-    return out
-
-
-def _greedy(base_dir: Path, adapter_dir: Path | None, prompt: list[int]) -> list[int]:
-    model = load_hf_dir(base_dir)
-    if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, adapter_dir).eval()
-    return hf_greedy(model, prompt, NUM_NEW_TOKENS)
-
-
 @pytest.fixture(scope="module")
 def lora_stack(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("lora")
     base = save_tiny_llama(root / "base", seed=11)
     save_tiny_tokenizer(base)
     lora_dir = root / "adapters"
-    sql = _save_adapter(base, lora_dir / "sql", 1, ["q_proj", "v_proj", "down_proj"])
-    later = _save_adapter(base, lora_dir / "later", 2, ["k_proj", "o_proj", "gate_proj", "up_proj"])
+    sql = save_peft_adapter(base, lora_dir / "sql", 1, target_modules=["q_proj", "v_proj", "down_proj"])
+    later = save_peft_adapter(base, lora_dir / "later", 2, target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"])
     expected = {
-        "": _greedy(base, None, PROMPT),
-        "sql": _greedy(base, sql, PROMPT),
-        "later": _greedy(base, later, LONG_PROMPT),
+        "": peft_greedy(base, None, PROMPT, NUM_NEW_TOKENS),
+        "sql": peft_greedy(base, sql, PROMPT, NUM_NEW_TOKENS),
+        "later": peft_greedy(base, later, LONG_PROMPT, NUM_NEW_TOKENS),
     }
     assert len({tuple(v) for v in expected.values()}) == 3  # the adapters change the output
     (root / "stack").mkdir()
-    stack = start_stack(root / "stack", "--model-path", str(base), "--served-model-name", MODEL,
-                        "--dtype", "float32", "--max-total-tokens", "1024", "--torch-threads", "1",
-                        "--lora-paths", f"sql={sql}", "--lora-dir", str(lora_dir), "--max-loras", "2",
-                        "--max-lora-rank", "8", "--admin-api-key", ADMIN["Authorization"].removeprefix("Bearer "))
+    stack = start_stack(
+        root / "stack",
+        "--model-path",
+        str(base),
+        "--served-model-name",
+        MODEL,
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "1024",
+        "--torch-threads",
+        "1",
+        "--lora-paths",
+        f"sql={sql}",
+        "--lora-dir",
+        str(lora_dir),
+        "--max-loras",
+        "2",
+        "--max-lora-rank",
+        "8",
+        "--admin-api-key",
+        ADMIN["Authorization"].removeprefix("Bearer "),
+    )
     yield stack, expected
     stack.stop()
 
 
 def _generate(stack: Stack, input_ids, lora_path=None) -> httpx.Response:
-    body = {"input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": NUM_NEW_TOKENS,
-                                                          "ignore_eos": True}}
+    body = {
+        "input_ids": input_ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": NUM_NEW_TOKENS, "ignore_eos": True},
+    }
     if lora_path is not None:
         body["lora_path"] = lora_path
     return httpx.post(f"{stack.url}/generate", json=body, timeout=120)
@@ -84,23 +87,33 @@ def test_each_request_runs_under_the_adapter_it_names(lora_stack) -> None:
     assert _generate(stack, PROMPT).json()["output_ids"] == expected[""]
     batch = _generate(stack, [PROMPT, PROMPT], [None, "sql"]).json()
     assert [b["output_ids"] for b in batch] == [expected[""], expected["sql"]]
-    completion = httpx.post(f"{stack.url}/v1/completions", timeout=120, json={
-        "model": "sql", "prompt": PROMPT, "max_tokens": NUM_NEW_TOKENS, "temperature": 0, "ignore_eos": True}).json()
+    completion = httpx.post(
+        f"{stack.url}/v1/completions",
+        timeout=120,
+        json={"model": "sql", "prompt": PROMPT, "max_tokens": NUM_NEW_TOKENS, "temperature": 0, "ignore_eos": True},
+    ).json()
     assert completion["model"] == "sql" and completion["choices"][0]["text"] == under_sql["text"]
-    for path, body, param in (("/generate", {"input_ids": PROMPT, "lora_path": "nope"}, "lora_path"),
-                              ("/v1/completions", {"model": "nope", "prompt": PROMPT}, "model")):
+    for path, body, param in (
+        ("/generate", {"input_ids": PROMPT, "lora_path": "nope"}, "lora_path"),
+        ("/v1/completions", {"model": "nope", "prompt": PROMPT}, "model"),
+    ):
         missing = httpx.post(f"{stack.url}{path}", json=body, timeout=30)
         assert missing.status_code == 404, missing.text
         assert (missing.json()["error"]["code"], missing.json()["error"]["param"]) == ("model_not_found", param)
     sampling = generate_pb2.SamplingParams(max_new_tokens=NUM_NEW_TOKENS, temperature=0, ignore_eos=True)
     with inference_api(stack.grpc_target) as api:
-        request = generate_pb2.GenerateRequest(input_ids=[common_pb2.TokenIds(ids=PROMPT)] * 2,
-                                               sampling_params=sampling, lora_name=["sql", ""])
+        request = generate_pb2.GenerateRequest(
+            input_ids=[common_pb2.TokenIds(ids=PROMPT)] * 2, sampling_params=sampling, lora_name=["sql", ""]
+        )
         outputs = api.Generate(request, timeout=120).outputs
         assert [list(o.output_ids) for o in outputs] == [expected["sql"], expected[""]]
         with pytest.raises(grpc.RpcError) as unknown:
-            api.Generate(generate_pb2.GenerateRequest(input_ids=[common_pb2.TokenIds(ids=PROMPT)],
-                                                      sampling_params=sampling, lora_name=["nope"]), timeout=30)
+            api.Generate(
+                generate_pb2.GenerateRequest(
+                    input_ids=[common_pb2.TokenIds(ids=PROMPT)], sampling_params=sampling, lora_name=["nope"]
+                ),
+                timeout=30,
+            )
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
     models = httpx.get(f"{stack.url}/v1/models").json()["data"]
     assert [(m["id"], m.get("parent")) for m in models] == [(MODEL, None), ("sql", MODEL)]

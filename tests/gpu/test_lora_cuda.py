@@ -18,35 +18,24 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.lora import LoraAdapter  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
 from engine.weights import open_checkpoint  # noqa: E402
-from tests.hf_oracle import hf_greedy, load_hf_dir  # noqa: E402
+from tests.peft_adapters import peft_greedy, save_peft_adapter  # noqa: E402
 from tests.tiny_models import save_tiny_llama  # noqa: E402
 
 PROMPT = [5, 17, 99, 42, 7, 7, 130, 64, 3, 250, 11, 12, 13]
 NUM_TOKENS = 12
 
 
-def _adapter(base: Path, out: Path, seed: int, targets: list[str]) -> Path:
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    get_peft_model(
-        model, LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
-    ).save_pretrained(out)
-    return out
-
-
 def test_two_adapters_and_the_base_model_in_one_cuda_batch_give_pefts_tokens(tmp_path: Path) -> None:
     base = save_tiny_llama(tmp_path / "base", seed=3)
     adapters = {
-        "a": _adapter(base, tmp_path / "a", 1, ["q_proj", "k_proj", "v_proj", "o_proj"]),
-        "b": _adapter(base, tmp_path / "b", 2, ["gate_proj", "up_proj", "down_proj"]),
+        "a": save_peft_adapter(base, tmp_path / "a", 1, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+        "b": save_peft_adapter(base, tmp_path / "b", 2, target_modules=["gate_proj", "up_proj", "down_proj"]),
     }
     config = EngineConfig(
         dtype="float32",
@@ -71,7 +60,4 @@ def test_two_adapters_and_the_base_model_in_one_cuda_batch_give_pefts_tokens(tmp
             if output.token_id is not None:
                 tokens.setdefault(output.request_id, []).append(output.token_id)
     for name in slots:
-        model = load_hf_dir(base)
-        if name:
-            model = PeftModel.from_pretrained(model, adapters[name]).eval()
-        assert tokens[name or "base"] == hf_greedy(model, PROMPT, NUM_TOKENS), name
+        assert tokens[name or "base"] == peft_greedy(base, adapters.get(name), PROMPT, NUM_TOKENS), name

@@ -12,8 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -21,7 +19,7 @@ from engine.errors import InvalidRequestError, LoraLoadError
 from engine.lora import LoraAdapter
 from engine.request import Request, SamplingParams, StepOutput
 from engine.weights import open_checkpoint
-from tests.hf_oracle import hf_greedy, load_hf_dir
+from tests.peft_adapters import peft_greedy, save_peft_adapter
 from tests.tiny_models import save_tiny_llama
 
 torch.set_flush_denormal(True)
@@ -34,21 +32,6 @@ NUM_TOKENS = 12
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("lora-base"), seed=5)
-
-
-def _save_adapter(base_dir: Path, out: Path, seed: int, **lora: Any) -> Path:
-    """A PEFT adapter for `base_dir`'s model (random A and B unless `init_lora_weights` says otherwise)."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    get_peft_model(model, LoraConfig(**{"init_lora_weights": False, **lora})).save_pretrained(out)
-    return out
-
-
-def _peft_greedy(base_dir: Path, adapter_dir: Path | None, prompt: list[int]) -> list[int]:
-    model = load_hf_dir(base_dir)
-    if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, adapter_dir).eval()
-    return hf_greedy(model, prompt, NUM_TOKENS)
 
 
 def _engine(base_dir: Path, **overrides: Any) -> Engine:
@@ -92,19 +75,19 @@ def _tokens(outputs: list[StepOutput]) -> list[int]:
     ids=["qv-r4", "all-r8", "all-r16-rslora", "kogd-r2"],
 )
 def test_greedy_tokens_equal_peft(base_dir: Path, tmp_path: Path, lora: dict[str, Any]) -> None:
-    adapter = _save_adapter(base_dir, tmp_path / "adapter", seed=1, **lora)
+    adapter = save_peft_adapter(base_dir, tmp_path / "adapter", seed=1, **lora)
     engine = _engine(base_dir)
     _load(engine, 1, adapter)
     outputs = _run(engine, [_request(f"p{i}", p, 1) for i, p in enumerate(PROMPTS)])
     for i, prompt in enumerate(PROMPTS):
-        assert _tokens(outputs[f"p{i}"]) == _peft_greedy(base_dir, adapter, prompt), i
+        assert _tokens(outputs[f"p{i}"]) == peft_greedy(base_dir, adapter, prompt, NUM_TOKENS), i
 
 
 def test_one_step_serves_two_adapters_and_the_base_model_each_with_its_own_tokens(
     base_dir: Path, tmp_path: Path
 ) -> None:
-    a = _save_adapter(base_dir, tmp_path / "a", seed=2, r=8, lora_alpha=16, target_modules=ALL_TARGETS)
-    b = _save_adapter(base_dir, tmp_path / "b", seed=3, r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"])
+    a = save_peft_adapter(base_dir, tmp_path / "a", seed=2, r=8, lora_alpha=16, target_modules=ALL_TARGETS)
+    b = save_peft_adapter(base_dir, tmp_path / "b", seed=3, r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"])
     engine = _engine(base_dir, chunked_prefill_size=8, max_decode_slowdown=None)
     _load(engine, 0, a)
     _load(engine, 1, b)
@@ -113,12 +96,14 @@ def test_one_step_serves_two_adapters_and_the_base_model_each_with_its_own_token
     outputs = _run(engine, requests)
     for i, prompt in enumerate(PROMPTS):
         for name, adapter in (("a", a), ("b", b), ("base", None)):
-            assert _tokens(outputs[f"{name}{i}"]) == _peft_greedy(base_dir, adapter, prompt), (name, i)
+            assert _tokens(outputs[f"{name}{i}"]) == peft_greedy(base_dir, adapter, prompt, NUM_TOKENS), (name, i)
     assert engine.scheduler.pages.allocator.num_free == engine.scheduler.pages.num_pages
 
 
 def test_an_adapter_with_zero_b_gives_exactly_the_base_output(base_dir: Path, tmp_path: Path) -> None:
-    zero = _save_adapter(base_dir, tmp_path / "zero", seed=4, r=8, target_modules=ALL_TARGETS, init_lora_weights=True)
+    zero = save_peft_adapter(
+        base_dir, tmp_path / "zero", seed=4, r=8, target_modules=ALL_TARGETS, init_lora_weights=True
+    )
     base = _run(_engine(base_dir), [_request("x", PROMPTS[1], None)])["x"]
     engine = _engine(base_dir)
     _load(engine, 0, zero)
@@ -127,33 +112,37 @@ def test_an_adapter_with_zero_b_gives_exactly_the_base_output(base_dir: Path, tm
 
 
 def test_a_slot_rewritten_serves_its_new_adapter_and_a_cleared_one_the_base(base_dir: Path, tmp_path: Path) -> None:
-    a = _save_adapter(base_dir, tmp_path / "a", seed=6, r=4, target_modules=ALL_TARGETS)
-    b = _save_adapter(base_dir, tmp_path / "b", seed=7, r=8, target_modules=["v_proj", "down_proj"])
+    a = save_peft_adapter(base_dir, tmp_path / "a", seed=6, r=4, target_modules=ALL_TARGETS)
+    b = save_peft_adapter(base_dir, tmp_path / "b", seed=7, r=8, target_modules=["v_proj", "down_proj"])
     engine = _engine(base_dir)
     _load(engine, 0, a)
     _load(engine, 0, b)
-    assert _tokens(_run(engine, [_request("b", PROMPTS[0], 0)])["b"]) == _peft_greedy(base_dir, b, PROMPTS[0])
+    assert _tokens(_run(engine, [_request("b", PROMPTS[0], 0)])["b"]) == peft_greedy(
+        base_dir, b, PROMPTS[0], NUM_TOKENS
+    )
     engine.unload_lora(0)
-    assert _tokens(_run(engine, [_request("none", PROMPTS[0], 0)])["none"]) == _peft_greedy(base_dir, None, PROMPTS[0])
+    assert _tokens(_run(engine, [_request("none", PROMPTS[0], 0)])["none"]) == peft_greedy(
+        base_dir, None, PROMPTS[0], NUM_TOKENS
+    )
 
 
 def test_the_prefix_cache_keeps_each_adapters_kv_to_itself(base_dir: Path, tmp_path: Path) -> None:
-    a = _save_adapter(base_dir, tmp_path / "a", seed=8, r=8, target_modules=ALL_TARGETS)
+    a = save_peft_adapter(base_dir, tmp_path / "a", seed=8, r=8, target_modules=ALL_TARGETS)
     engine = _engine(base_dir, enable_prefix_cache=True)
     _load(engine, 0, a)
     prompt = PROMPTS[1]
     first = _request("a1", prompt, 0, "a#1")
     _run(engine, [first])
     base = _request("base", prompt, None)
-    assert _tokens(_run(engine, [base])["base"]) == _peft_greedy(base_dir, None, prompt)
+    assert _tokens(_run(engine, [base])["base"]) == peft_greedy(base_dir, None, prompt, NUM_TOKENS)
     assert base.num_cached_tokens == 0  # a's pages were there, for a only
     again = _request("a2", prompt, 0, "a#1")
-    assert _tokens(_run(engine, [again])["a2"]) == _peft_greedy(base_dir, a, prompt)
+    assert _tokens(_run(engine, [again])["a2"]) == peft_greedy(base_dir, a, prompt, NUM_TOKENS)
     assert again.num_cached_tokens == 16
 
 
 def test_bad_slots_and_ranks_are_clear_errors(base_dir: Path, tmp_path: Path) -> None:
-    big = _save_adapter(base_dir, tmp_path / "big", seed=9, r=32, target_modules=["q_proj"])
+    big = save_peft_adapter(base_dir, tmp_path / "big", seed=9, r=32, target_modules=["q_proj"])
     engine = _engine(base_dir)
     with pytest.raises(LoraLoadError, match="max-lora-rank"):
         _load(engine, 0, big)

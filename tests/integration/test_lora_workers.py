@@ -15,13 +15,11 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2_grpc
-from tests.hf_oracle import hf_greedy, load_hf_dir
 from tests.integration.inprocess_workers import ENGINE, running_workers
+from tests.peft_adapters import peft_greedy, save_peft_adapter
 from tests.tiny_models import save_tiny_llama
 
 torch.set_flush_denormal(True)
@@ -31,28 +29,16 @@ NUM_NEW_TOKENS = 8
 SAMPLING = common_pb2.SamplingParams(temperature=0, max_new_tokens=NUM_NEW_TOKENS, ignore_eos=True)
 
 
-def _save_adapter(base_dir: Path, out: Path, seed: int, targets: list[str]) -> Path:
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
-    get_peft_model(model, config).save_pretrained(out)
-    return out
-
-
-def _peft_greedy(base_dir: Path, adapter_dir: Path | None) -> list[int]:
-    model = load_hf_dir(base_dir)
-    if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, adapter_dir).eval()
-    return hf_greedy(model, PROMPT, NUM_NEW_TOKENS)
-
-
 def test_workers_serve_adapters_loaded_at_start_and_at_run_time(tmp_path: Path) -> None:
     base = save_tiny_llama(tmp_path / "base", seed=11)
     lora_dir = tmp_path / "adapters"
-    start = _save_adapter(base, tmp_path / "start", 1, ["q_proj", "v_proj", "down_proj"])
-    later = _save_adapter(base, lora_dir / "later", 2, ["k_proj", "o_proj", "gate_proj", "up_proj"])
+    start = save_peft_adapter(base, tmp_path / "start", 1, target_modules=["q_proj", "v_proj", "down_proj"])
+    later = save_peft_adapter(base, lora_dir / "later", 2, target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"])
     (tmp_path / "outside").mkdir()
-    expected = {name: _peft_greedy(base, path) for name, path in (("start", start), ("later", later), ("", None))}
+    expected = {
+        name: peft_greedy(base, path, PROMPT, NUM_NEW_TOKENS)
+        for name, path in (("start", start), ("later", later), ("", None))
+    }
     asyncio.run(_scenario(base, lora_dir, start, expected))
 
 
@@ -85,13 +71,27 @@ async def _scenario(base: Path, lora_dir: Path, start: Path, expected: dict[str,
 async def _hand_off(p: grpc.aio.Channel, d: grpc.aio.Channel, request_id: str, lora_name: str) -> list[int]:
     prefill, decode = prefill_pb2_grpc.PrefillServiceStub(p), decode_pb2_grpc.DecodeServiceStub(d)
     reserved = await decode.Reserve(decode_pb2.ReserveRequest(request_id=request_id, prompt_len=len(PROMPT)))
-    first = await prefill.Prefill(prefill_pb2.PrefillRequest(
-        request_id=request_id, token_ids=PROMPT, sampling_params=SAMPLING, kv_target=reserved.kv_target,
-        lora_name=lora_name))
+    first = await prefill.Prefill(
+        prefill_pb2.PrefillRequest(
+            request_id=request_id,
+            token_ids=PROMPT,
+            sampling_params=SAMPLING,
+            kv_target=reserved.kv_target,
+            lora_name=lora_name,
+        )
+    )
     tokens = [first.first_token.token_id]
-    async for reply in decode.Generate(decode_pb2.GenerateRequest(
-            request_id=request_id, prompt_token_ids=PROMPT, first_token=first.first_token, sampling_params=SAMPLING,
-            weights_id=first.weights_id, kv_grant=reserved.kv_target.grant, lora_name=lora_name)):
+    async for reply in decode.Generate(
+        decode_pb2.GenerateRequest(
+            request_id=request_id,
+            prompt_token_ids=PROMPT,
+            first_token=first.first_token,
+            sampling_params=SAMPLING,
+            weights_id=first.weights_id,
+            kv_grant=reserved.kv_target.grant,
+            lora_name=lora_name,
+        )
+    ):
         tokens += [token.token_id for token in reply.tokens]
     return tokens
 
@@ -99,20 +99,32 @@ async def _hand_off(p: grpc.aio.Channel, d: grpc.aio.Channel, request_id: str, l
 async def _local(d: grpc.aio.Channel, request_id: str, lora_name: str) -> list[int]:
     decode = decode_pb2_grpc.DecodeServiceStub(d)
     tokens: list[int] = []
-    async for reply in decode.PrefillAndGenerate(decode_pb2.PrefillAndGenerateRequest(
-            request_id=request_id, prompt_token_ids=PROMPT, sampling_params=SAMPLING, lora_name=lora_name)):
+    async for reply in decode.PrefillAndGenerate(
+        decode_pb2.PrefillAndGenerateRequest(
+            request_id=request_id, prompt_token_ids=PROMPT, sampling_params=SAMPLING, lora_name=lora_name
+        )
+    ):
         tokens += [token.token_id for token in reply.tokens]
     return tokens
 
 
 async def _check_errors(p: grpc.aio.Channel, d: grpc.aio.Channel, admin: worker_pb2_grpc.WorkerServiceStub) -> None:
     calls = [
-        (admin.LoadLoraAdapter(common_pb2.LoadLoraAdapterRequest(name="x", path="../outside")),
-         grpc.StatusCode.INVALID_ARGUMENT, "lora"),
-        (admin.LoadLoraAdapter(common_pb2.LoadLoraAdapterRequest(name="start", path="later")),
-         grpc.StatusCode.INVALID_ARGUMENT, "already loaded"),
-        (admin.UnloadLoraAdapter(common_pb2.UnloadLoraAdapterRequest(name="nobody")),
-         grpc.StatusCode.NOT_FOUND, "nobody"),
+        (
+            admin.LoadLoraAdapter(common_pb2.LoadLoraAdapterRequest(name="x", path="../outside")),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "lora",
+        ),
+        (
+            admin.LoadLoraAdapter(common_pb2.LoadLoraAdapterRequest(name="start", path="later")),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "already loaded",
+        ),
+        (
+            admin.UnloadLoraAdapter(common_pb2.UnloadLoraAdapterRequest(name="nobody")),
+            grpc.StatusCode.NOT_FOUND,
+            "nobody",
+        ),
         (_hand_off(p, d, "unknown", "nobody"), grpc.StatusCode.NOT_FOUND, "nobody"),
     ]
     for call, code, words in calls:
