@@ -1,7 +1,8 @@
 """KV write grants: the decode server's signed permission to write one request's reserved pages.
 
 A decode reservation returns its pages with a grant: an HMAC over the request id, the destination
-(transport session, pool address) and the exact page list, valid until an expiry. The gateway
+(transport session, pool address), the exact page list and the prompt tokens it skips (those the decode
+worker already holds), valid until an expiry. The gateway
 forwards it untouched; the prefill server writes only when the grant verifies for the request id
 and pages it was sent, once; the decode server admits Generate only with the grant it issued. A
 caller who never saw a grant cannot name pages, and one request's grant cannot aim at another's.
@@ -42,6 +43,7 @@ def _mac(key: bytes, request_id: str, target: common_pb2.KvTarget) -> str:
             target.session_id,
             str(target.base_addr),
             ",".join(map(str, target.page_ids)),
+            str(target.skip_tokens),
             str(target.grant_expires_unix_ms),
         )
     )
