@@ -173,7 +173,8 @@ def engine_config(args: argparse.Namespace, role: str, is_embedding: bool) -> En
             attention_backend=args.attention_backend,
             sampling_backend=args.sampling_backend,
             int8_activations=args.int8_activations,
-            enable_prefix_cache=role == "prefill" and not args.disable_prefix_cache,
+            enable_prefix_cache=not args.disable_prefix_cache
+            and not (role == "decode" and args.disable_decode_prefix_cache),
             cuda_graph_batch_sizes=_graph_batch_sizes(args),
         )
     except ValueError as exc:

@@ -237,7 +237,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--disable-prefix-cache",
         action="store_true",
-        help="prefill: recompute every prompt instead of reusing cached prefix pages",
+        help="recompute every prompt instead of reusing cached prefix pages (prefill and decode workers)",
+    )
+    p.add_argument(
+        "--disable-decode-prefix-cache",
+        action="store_true",
+        help="decode: keep no prefix cache, so every handoff writes the whole prompt's KV "
+        "(the prefill workers still cache prefixes)",
     )
     p.add_argument(
         "--context-length",

@@ -43,7 +43,7 @@ def worker_config(model_path: str | Path, role: str, **overrides: Any) -> Worker
     `overrides` replace any WorkerConfig field."""
     fields: dict[str, Any] = dict(
         role=role, model_path=str(model_path), host="127.0.0.1", port=0,
-        engine=dataclasses.replace(ENGINE, enable_prefix_cache=role == "prefill"),
+        engine=dataclasses.replace(ENGINE, enable_prefix_cache=True),
         transport=TransportConfig(backend="local"), torch_threads=torch.get_num_threads())
     return WorkerConfig(**{**fields, **overrides})
 
