@@ -1,4 +1,5 @@
-"""DecodeService: reserve pages for a handoff, then decode the request in the continuous batch; or,
+"""DecodeService: reserve pages for a handoff (sharing the prompt's prefix this worker already holds in
+its prefix cache), then decode the request in the continuous batch; or,
 for prefill on decode, prefill the prompt here through the engine's own prefill (the path a preempted
 request takes to be recomputed) and decode it in the same batch, with no KV transfer."""
 
@@ -42,8 +43,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode worker is shutting down")
         ttl_s, grace_s = self.ctx.config.reservation_ttl_s, self.ctx.config.write_grace_s
         try:
-            page_ids = await self.ctx.loop.reserve(
-                request.request_id, request.prompt_len, ttl_s, grace_s, request.priority
+            reserved = await self.ctx.loop.reserve(
+                request.request_id,
+                request.prompt_len,
+                ttl_s,
+                grace_s,
+                request.priority,
+                list(request.prompt_token_ids) or None,
+                self._cache_namespace(request.lora_name),
             )
         except EngineError as exc:
             await abort_with(context, exc)
@@ -55,10 +62,24 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             session_id=self.ctx.transport.session_id,
             base_addr=facts.pool_base_addr,
             layout=layout_to_proto(facts.layout),
-            page_ids=page_ids,
+            page_ids=reserved.page_ids,
+            skip_tokens=reserved.cached_tokens,
         )
         self.grants.issue(request.request_id, target, ttl_s)
-        return decode_pb2.ReserveResponse(request_id=request.request_id, kv_target=target, ttl_ms=int(ttl_s * 1000))
+        self.ctx.loop.metrics.record_reserve(request.prompt_len, reserved.cached_tokens)
+        return decode_pb2.ReserveResponse(
+            request_id=request.request_id,
+            kv_target=target,
+            ttl_ms=int(ttl_s * 1000),
+            cached_tokens=reserved.cached_tokens,
+        )
+
+    def _cache_namespace(self, lora_name: str) -> str | None:
+        """Where a prompt under adapter `lora_name` is cached ("" the base model; None: an adapter
+        not loaded here, whose Generate will fail: nothing is matched for it)."""
+        if not lora_name:
+            return ""
+        return self.ctx.loras.cache_namespace(lora_name) if self.ctx.loras is not None else None
 
     async def Generate(self, request: decode_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id

@@ -5,7 +5,7 @@ runtime's engine loop), with one exception: while `execute` computes a step on a
 thread may call `reserve(..., may_preempt=False)` and nothing else. Three ways in:
 - `add_request`: a prompt to prefill (and decode, unless `is_prefill_only`);
 - `reserve` + `admit`: a decode server takes a request whose prompt KV another process wrote
-  into the reserved pages;
+  into the reserved pages (all but the prompt's prefix it already held in its prefix cache);
 - `abort` / `release` / `expire_reservations`: end requests and return their pages (a dropped
   reservation's after a write grace: engine/reservations.py).
 
@@ -36,7 +36,7 @@ from engine.page_pool import NoPrefixCache
 from engine.prefix_cache import PrefixCache
 from engine.proposers import NgramProposer
 from engine.request import FinishReason, PromptLimits, Request, SamplingParams, StepOutput
-from engine.reservations import Reservation, Reservations
+from engine.reservations import Reservation, ReservedPages, Reservations
 from engine.runner import FaultHooks, ModelRunner
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats
@@ -133,16 +133,25 @@ class Engine:
         grace_s: float = 0.0,
         priority: int = 0,
         may_preempt: bool = True,
-    ) -> list[int]:
+        prompt_ids: list[int] | None = None,
+        namespace: str | None = "",
+    ) -> ReservedPages:
         """Hold pages for a prompt whose KV will be written from outside; dropped after `ttl_s`.
         Running requests of a worse `priority` may be preempted for them (`Scheduler.reserve`);
         without `may_preempt` (a step is computing them), WouldPreemptError instead.
 
-        If dropped before `admit`, the pages are reused only `grace_s` seconds later.
+        Given the prompt's tokens (`prompt_ids`), its longest prefix cached in `namespace` (the LoRA
+        adapter's cache id; "" the base model; None matches nothing) is shared into the reservation,
+        and only the pages after it are to be written. If dropped before `admit`, the written pages
+        are reused only `grace_s` seconds later.
         """
         if self.holds(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.prompt_limits.check_prompt_len(prompt_len)
+        if prompt_ids is not None:
+            if len(prompt_ids) != prompt_len:
+                raise InvalidRequestError(f"prompt has {len(prompt_ids)} tokens but prompt_len is {prompt_len}")
+            self.prompt_limits.check_prompt(prompt_ids)
         needed = pages_needed(prompt_len, self.config.page_size)
         if needed > self.pages.num_pages:  # no wait would help: not a capacity error
             raise InvalidRequestError(
@@ -150,9 +159,17 @@ class Engine:
             )
         if self.scheduler.has_resuming_at(priority):
             raise CapacityError("requests paused for lack of KV pages are resumed before new ones are reserved")
-        page_ids = self.scheduler.reserve(prompt_len, priority, may_preempt)
-        self._reservations.add(request_id, Reservation(page_ids, prompt_len, time.monotonic() + ttl_s, grace_s))
-        return page_ids
+        cached = self.pages.match(prompt_ids, namespace) if prompt_ids and namespace is not None else []
+        try:
+            page_ids = cached + self.scheduler.reserve(prompt_len, priority, may_preempt, num_held_pages=len(cached))
+        except BaseException:
+            self.pages.release(cached)
+            raise
+        reservation = Reservation(
+            page_ids, prompt_len, time.monotonic() + ttl_s, grace_s, len(cached), namespace or ""
+        )
+        self._reservations.add(request_id, reservation)
+        return ReservedPages(reservation.written_page_ids, len(cached) * self.config.page_size)
 
     def touch_reservation(self, request_id: str, ttl_s: float) -> None:
         """Keep a reservation at least `ttl_s` more seconds: its Generate has arrived and is getting
@@ -178,6 +195,11 @@ class Engine:
         reservation = self._reservations.get(request_id)
         if reservation is None:
             raise RequestNotFoundError(f"no reservation for request {request_id!r} (expired or never made)")
+        if reservation.num_cached_pages and reservation.namespace != lora_id:
+            raise RequestAbortedError(
+                "the LoRA adapter was loaded again between the reservation and Generate: "
+                "the cached prefix was computed under the one before"
+            )
         if weights_id is not None and weights_id != self.weights_id:
             raise RequestAbortedError(
                 f"the prefill and decode workers hold different model weights "
@@ -206,6 +228,9 @@ class Engine:
             lora_id=lora_id,
             lora_slot=lora_slot,
         )
+        req.num_cached_tokens = reservation.num_cached_pages * self.config.page_size
+        # the written pages now hold KV too: the prompt's full pages join the prefix cache
+        self.pages.insert(req.prompt_ids, req.page_ids, reservation.num_cached_pages, lora_id)
         self._requests[request_id] = req
         self.scheduler.add_running(req)
         reason = append_token(req, SampledToken(first_token, first_logprob), self.eos_token_ids, self.context_len)
@@ -234,12 +259,14 @@ class Engine:
 
     def update_weights(self, checkpoint: Checkpoint) -> list[StepOutput]:
         """Load new weights in place: shapes must match exactly (checked before any byte is copied).
-        Every waiting or running request is aborted first, so none mixes two sets of weights; the
-        prefix cache is flushed and `weights_id` names the new weights. Returns the abort outputs."""
+        Every waiting or running request is aborted and every reservation dropped first, so none mixes
+        two sets of weights; the prefix cache is flushed and `weights_id` names the new weights. Returns the abort outputs."""
         changes = shape_changes(self.model_config, checkpoint.config)
         if changes:
             raise InvalidRequestError(f"the new weights do not match the served model's shapes ({', '.join(changes)})")
         outputs = [self.abort(rid, "aborted: the model weights are being updated") for rid in list(self._requests)]
+        for rid in self._reservations.ids():  # their cached prefixes hold the old weights' KV
+            self._reservations.drop(rid, time.monotonic())
         self.runner.load_weights(checkpoint)
         self.flush_prefix_cache()
         self.weights_id = checkpoint.identity

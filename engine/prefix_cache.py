@@ -1,11 +1,13 @@
-"""Prefix cache at page granularity: a radix tree over full pages of prompt tokens. No torch.
+"""Prefix cache at page granularity: a radix tree over full pages of tokens with KV. No torch.
 
 A node is one KV page holding `page_size` tokens; its key is (parent page, those tokens), so a
 match is exact (no hash collisions) and a page is reused only under the same prefix. A prompt's
 first page hangs from its namespace's root: KV computed under a LoRA adapter (namespace: the
 adapter's id) is never matched by a prompt under another adapter or none (""). Nodes count
 the requests using them; unused nodes stay cached until the allocator needs their pages, then
-leaves go first, least recently used first, so a cached child never outlives its parent.
+leaves go first, least recently used first, so a cached child never outlives its parent. A prompt
+joins the cache once its KV is computed, and a finished request's whole sequence (its output too) when
+it ends, so a chat's next turn, whose prompt repeats the last one and its answer, finds both.
 
 Eviction candidates (unused leaves) are kept in a heap as they appear, so an eviction costs
 O(log nodes), not a scan of the tree. Entries are not removed when a leaf stops being a
@@ -90,15 +92,20 @@ class PrefixCache(PagePool):
         """Cache the full pages of a prompt whose KV has just been computed into `page_ids`, in `namespace`.
 
         The first `num_matched_pages` came from `match`; the caller's reference to each newly
-        cached page becomes the node's first reference. A page whose key is already cached (the
-        same prompt prefilled concurrently) stays private to the request.
+        cached page becomes the node's first reference. A page already cached as this very node
+        (inserted earlier by the same request: its prompt, then its whole sequence at its finish)
+        is passed over. A page whose key is cached as another page (the same prompt prefilled
+        concurrently) stays private to the request, and so do the pages after it.
         """
         parent = page_ids[num_matched_pages - 1] if num_matched_pages else self._root(namespace)
         now = next(self._clock)
         for index in range(num_matched_pages, len(token_ids) // self.page_size):
             key = (parent, tuple(token_ids[index * self.page_size : (index + 1) * self.page_size]))
-            if key in self._by_key:
-                return
+            if (cached := self._by_key.get(key)) is not None:
+                if cached != page_ids[index]:
+                    return
+                parent = cached
+                continue
             page_id = page_ids[index]
             self._nodes[page_id] = _Node(page_id, key, parent, last_access=now)
             self._by_key[key] = page_id

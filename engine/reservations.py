@@ -1,7 +1,9 @@
 """Pages held for prompts whose KV another process writes: the decode side of a handoff. No torch.
 
 A reservation holds its pages from `Engine.reserve` until the engine admits its request (the
-pages pass to the request), it is aborted, or its TTL runs out. The pages of a reservation
+pages pass to the request), it is aborted, or its TTL runs out. Its leading pages may be the prefix
+cache's (the prompt's cached prefix, shared with other requests): those are never written from
+outside and go back at once whenever it ends. The pages of a reservation
 dropped before admission may still be the target of a KV write in flight from a prefill server,
 so unless the caller knows no write can still land they sit out `grace_s` seconds (quarantine)
 before they are free again.
@@ -19,15 +21,35 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Reservation:
+    """`page_ids` cover the whole prompt in token order. The first `num_cached_pages` are prefix-cache
+    pages this worker already held (matched in `namespace`, shared, never written from outside); the
+    rest are private pages a prefill server writes."""
+
     page_ids: list[int]
     prompt_len: int
     expires_at: float  # time.monotonic() seconds
     grace_s: float
+    num_cached_pages: int = 0
+    namespace: str = ""
+
+    @property
+    def written_page_ids(self) -> list[int]:
+        """The pages a prefill server writes: those after the cached prefix."""
+        return self.page_ids[self.num_cached_pages :]
+
+
+@dataclass(frozen=True, slots=True)
+class ReservedPages:
+    """What `Engine.reserve` answers: the pages to write (`page_ids`, from token `cached_tokens` on)
+    and how many leading prompt tokens' KV this worker already holds (a whole number of pages)."""
+
+    page_ids: list[int]
+    cached_tokens: int = 0
 
 
 class Reservations:
     """Reservations by request id, and the quarantined pages of dropped ones. Pages are returned
-    through `pages` (they are never cached, so they are freed). Single-threaded, like the engine."""
+    through `pages` (written pages are never cached, so they are freed; cached ones lose a reference). Single-threaded, like the engine."""
 
     def __init__(self, pages: PagePool) -> None:
         self._pages = pages
@@ -39,6 +61,9 @@ class Reservations:
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+    def ids(self) -> list[str]:
+        return list(self._by_id)
 
     def add(self, request_id: str, reservation: Reservation) -> None:
         self._by_id[request_id] = reservation
@@ -62,10 +87,11 @@ class Reservations:
         reservation = self._by_id.pop(request_id, None)
         if reservation is None:
             return False
+        self._pages.release(reservation.page_ids[: reservation.num_cached_pages])  # no write aims at these
         if write_settled or reservation.grace_s <= 0:
-            self._pages.release(reservation.page_ids)
+            self._pages.release(reservation.written_page_ids)
         else:
-            self._quarantine.append((now + reservation.grace_s, reservation.page_ids))
+            self._quarantine.append((now + reservation.grace_s, reservation.written_page_ids))
         return True
 
     def expire(self, now: float) -> list[str]:

@@ -339,7 +339,9 @@ class Scheduler:
         return any(r.is_resuming and r.priority <= priority for r in self.waiting)
 
     def finish(self, req: Request, reason: FinishReason | None, message: str = "", keep_pages: bool = False) -> None:
-        """Mark finished and drop from the queues; frees pages unless `keep_pages`."""
+        """Mark finished and drop from the queues; frees pages unless `keep_pages`. The full pages
+        of every token with KV (prompt and output) join the prefix cache first, unless the request
+        failed (its KV may hold non-finite values)."""
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.abort_message = message
@@ -347,8 +349,11 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if not keep_pages:
-            self.release_pages(req)
+        if keep_pages:
+            return
+        if reason is not FinishReason.ERROR and not req.is_resuming and req.num_computed >= self.page_size:
+            self.pages.insert(req.token_ids(0, req.num_computed), req.page_ids, 0, req.lora_id)
+        self.release_pages(req)
 
     def release_pages(self, req: Request) -> None:
         """Give back every page `req` holds (cached ones lose its reference)."""
@@ -356,12 +361,13 @@ class Scheduler:
             self.pages.release(req.page_ids)
             req.page_ids = []
 
-    def reserve(self, num_tokens: int, priority: int = 0, may_preempt: bool = True) -> list[int]:
-        """Pages for `num_tokens` tokens arriving from elsewhere, for a request of `priority`. When
-        they are not free, running requests of a worse priority are preempted for them (lowest
-        priority, then newest first), but only if their pages would be enough; else CapacityError.
-        Without `may_preempt`, WouldPreemptError where it would preempt (and CapacityError as before)."""
-        needed = pages_needed(num_tokens, self.page_size)
+    def reserve(self, num_tokens: int, priority: int = 0, may_preempt: bool = True, num_held_pages: int = 0) -> list[int]:
+        """Pages for `num_tokens` tokens arriving from elsewhere, for a request of `priority`, beyond the
+        `num_held_pages` it already holds (its cached prefix). When they are not free, running requests
+        of a worse priority are preempted for them (lowest priority, then newest first), but only if
+        their pages would be enough; else CapacityError. Without `may_preempt`, WouldPreemptError where
+        it would preempt (and CapacityError as before)."""
+        needed = pages_needed(num_tokens, self.page_size) - num_held_pages
         if not self.pages.can_allocate(needed):
             victims = [r for r in self._victims(self.running) if r.priority > priority]
             if self.pages.can_allocate(max(0, needed - sum(len(r.page_ids) for r in victims))):

@@ -1,4 +1,5 @@
-"""PrefillService: run the prompt, write its KV into the decode server's pages, return the first token."""
+"""PrefillService: run the prompt, write its KV into the decode server's pages (from the target's
+`skip_tokens` on: the decode server holds the rest), return the first token."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from server_runtime.spans import record_prefill
 from server_runtime.worker import WorkerKind, start_engine_worker
 from tandem import tracing
 from tandem.request_log import bind_request_id
-from tandem.v1 import prefill_pb2, prefill_pb2_grpc
+from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +79,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         """Run the prompt and write its KV; `trace`: the caller's span, for this call's spans."""
         rid, target, layout = request.request_id, request.kv_target, self.ctx.facts.layout
         check_layout_matches(layout, target.layout)
-        num_pages = pages_needed(len(request.token_ids), layout.page_size)
-        if len(target.page_ids) < num_pages:
-            raise InvalidRequestError(f"kv_target has {len(target.page_ids)} pages; the prompt needs {num_pages}")
+        _written_pages(len(request.token_ids), target, layout.page_size)  # checked before any compute
         received = time.perf_counter()
         sampling = sampling_from_proto(request.sampling_params)
         if sampling.grammar is not None:  # compile off the engine thread, so running requests never wait
@@ -103,7 +102,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     ) -> prefill_pb2.PrefillResponse:
         """Compute `req` (the engine request of `request`) and write its KV to the request's target."""
         rid, target, layout = request.request_id, request.kv_target, self.ctx.facts.layout
-        num_pages = pages_needed(len(request.token_ids), layout.page_size)
+        written = _written_pages(len(request.token_ids), target, layout.page_size)
         transfer: asyncio.Task | None = None
         try:
             sink = await self.ctx.loop.submit(req)  # inside the try: a cancel right after still cleans up
@@ -115,9 +114,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 raise RequestFailedError(output.abort_message)
             if target.grant_expires_unix_ms <= time.time() * 1000:  # the decode side may have let the pages go
                 raise KVTransferError("the decode reservation expired before the prompt's KV was ready")
-            src_pages = (await self.ctx.loop.call(lambda engine: engine.held_pages(rid)))[:num_pages]
+            src_pages = (await self.ctx.loop.call(lambda engine: engine.held_pages(rid)))[written]
             dst = RemotePages(
-                target.session_id, target.base_addr, layout.page_bytes, tuple(target.page_ids[:num_pages])
+                target.session_id, target.base_addr, layout.page_bytes, tuple(target.page_ids[: len(src_pages)])
             )
             sent = time.perf_counter()
             transfer = asyncio.ensure_future(
@@ -162,6 +161,22 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             grpc.StatusCode.FAILED_PRECONDITION,
             "this worker serves a generation model; embeddings need a worker started with --is-embedding",
         )
+
+
+def _written_pages(prompt_len: int, target: common_pb2.KvTarget, page_size: int) -> slice:
+    """The prompt's pages to write into `target`: those after the `skip_tokens` the decode worker
+    already holds. InvalidRequestError when the target does not fit the prompt."""
+    skip = target.skip_tokens
+    if skip < 0 or skip % page_size or skip >= prompt_len:
+        raise InvalidRequestError(
+            f"kv_target skips {skip} tokens: not a whole number of {page_size}-token pages below the prompt's {prompt_len}"
+        )
+    first, num_pages = skip // page_size, pages_needed(prompt_len, page_size)
+    if len(target.page_ids) < num_pages - first:
+        raise InvalidRequestError(
+            f"kv_target has {len(target.page_ids)} pages; the prompt needs {num_pages - first} after the skipped tokens"
+        )
+    return slice(first, num_pages)
 
 
 def add_prefill_servicer(server: grpc.aio.Server, ctx: WorkerContext) -> str:

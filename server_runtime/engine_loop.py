@@ -34,6 +34,7 @@ from engine.engine import Engine
 from engine.errors import InvalidRequestError, WouldPreemptError
 from engine.request import FinishReason, Request, SamplingParams, StepOutput
 from engine.step_records import ModelOutput, SchedulerOutput
+from engine.reservations import ReservedPages
 from kv_transfer import KVTransferTimeout, KVTransport, RemotePages, TransferStats, check_timeout
 from server_runtime.metrics import WorkerMetrics
 from server_runtime.threads import ThreadTuner
@@ -192,13 +193,24 @@ class EngineLoop:
         self._commands.put(_Command(lambda engine, is_in_step: fn(engine), future))
         return await future
 
-    async def reserve(self, request_id: str, prompt_len: int, ttl_s: float, grace_s: float, priority: int) -> list[int]:
+    async def reserve(
+        self,
+        request_id: str,
+        prompt_len: int,
+        ttl_s: float,
+        grace_s: float,
+        priority: int,
+        prompt_ids: list[int] | None = None,
+        namespace: str | None = "",
+    ) -> ReservedPages:
         """`Engine.reserve`, answered even while a step computes (then preempting nobody: one that
         would preempt waits for the step's end)."""
         future = self._loop.create_future()
 
-        def reserve(engine: Engine, is_in_step: bool) -> list[int]:
-            return engine.reserve(request_id, prompt_len, ttl_s, grace_s, priority, may_preempt=not is_in_step)
+        def reserve(engine: Engine, is_in_step: bool) -> ReservedPages:
+            return engine.reserve(
+                request_id, prompt_len, ttl_s, grace_s, priority, not is_in_step, prompt_ids, namespace
+            )
 
         self._commands.put(_Command(reserve, future, is_during_step=True))
         return await future

@@ -53,6 +53,10 @@ class LoraAdapters:
         self._loads += 1
         self._ids[name] = f"{name}#{self._loads}"
 
+    def cache_namespace(self, name: str) -> str | None:
+        """The id `name`'s KV is cached under now (None: no adapter of that name is loaded)."""
+        return self._ids.get(name)
+
     async def load(self, name: str, path: str) -> None:
         """Load the adapter at `path` (inside --lora-dir) as `name`; raises LoraLoadError."""
         directory = resolve_adapter_path(self.lora_dir, path)

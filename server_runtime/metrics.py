@@ -5,7 +5,8 @@ Who writes what (prometheus_client's values are thread-safe, so each writer upda
 - the engine thread (`EngineLoop`): step time and batch size and tokens generated after each step,
   queue depths and KV pages every 0.25 s (with the reservation expiry);
 - `RpcMetricsInterceptor`, on the event loop: every `tandem.v1` RPC by method and final status code;
-- the prefill servicer: prompt and cached tokens, KV bytes and transfer time of each request.
+- the prefill servicer: prompt and cached tokens, KV bytes and transfer time of each request;
+- the decode servicer: each handoff's prompt tokens and those its prefix cache already held.
 
 Nothing here is logged: per-step numbers go to these metrics only.
 """
@@ -66,6 +67,14 @@ class WorkerMetrics:
         )
         self.prefix_cache_hit_rate = Gauge(
             "tandem_worker_prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens since start", registry=r
+        )
+        self.handoff_prompt_tokens = Counter(
+            "tandem_worker_handoff_prompt_tokens", "Prompt tokens of the handoffs this decode worker reserved", registry=r
+        )
+        self.handoff_cached_tokens = Counter(
+            "tandem_worker_handoff_cached_tokens",
+            "Of those, the tokens whose KV this decode worker already held in its prefix cache (not sent)",
+            registry=r,
         )
         self.kv_transfer_bytes = Counter(
             "tandem_worker_kv_transfer_bytes", "KV bytes written to decode servers", registry=r
@@ -143,6 +152,11 @@ class WorkerMetrics:
         self.prefix_cache_hit_rate.set(self._num_cached_tokens / max(1, self._num_prompt_tokens))
         self.kv_transfer_bytes.inc(kv_bytes)
         self.kv_transfer_seconds.observe(transfer_seconds)
+
+    def record_reserve(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        """One handoff reserved on this decode worker, `num_cached_tokens` of its prompt already held. Event loop only."""
+        self.handoff_prompt_tokens.inc(num_prompt_tokens)
+        self.handoff_cached_tokens.inc(num_cached_tokens)
 
     def interceptor(self) -> RpcMetricsInterceptor:
         return RpcMetricsInterceptor(self.requests)

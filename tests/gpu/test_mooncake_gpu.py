@@ -96,7 +96,7 @@ def test_a_decode_engine_on_a_gpu_continues_from_kv_written_into_its_pool(smollm
         for engine, transport in ((prefill, sender), (decode, receiver)):
             pool = engine.runner.kv_pool
             transport.register(pool.base_addr, pool.num_bytes, str(pool.device))
-        dst_pages = decode.reserve("h", len(PROMPT), ttl_s=30)
+        dst_pages = decode.reserve("h", len(PROMPT), ttl_s=30).page_ids
         prefill.add_request(Request("h", list(PROMPT), GREEDY, is_prefill_only=True))
         [first] = prefill.step()   # reads the sampled token to the host: the step's KV writes are done
         sender.write_pages(prefill.runner.kv_pool.base_addr, prefill.held_pages("h"),

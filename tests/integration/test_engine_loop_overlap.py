@@ -106,7 +106,7 @@ def test_a_reservation_that_would_preempt_waits_for_the_step_and_then_preempts(m
             await asyncio.sleep(0.2)
             assert not reserving.done()   # it must not take pages the held step is writing
             engine.release.set()
-            assert len(await asyncio.wait_for(reserving, 10)) == 3
+            assert len((await asyncio.wait_for(reserving, 10)).page_ids) == 3
             assert await loop.call(lambda e: e.scheduler.num_preemptions == 1 and e.scheduler.has_resuming)
             await loop.abort("high", write_settled=True)
             await loop.abort("low")

@@ -80,7 +80,7 @@ def test_a_handed_off_request_keeps_its_grammar(setup) -> None:
                               grammar=GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA)))
     whole = _run(_engine(checkpoint), "w", prompt, sampling)
     prefill, decode = _engine(checkpoint), _engine(checkpoint)
-    pages = decode.reserve("h", len(prompt), ttl_s=30)
+    pages = decode.reserve("h", len(prompt), ttl_s=30).page_ids
     prefill.add_request(Request("h", prompt, sampling, is_prefill_only=True))
     [first] = prefill.step()
     src = prefill.held_pages("h")

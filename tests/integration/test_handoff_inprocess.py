@@ -58,14 +58,14 @@ def _events(pool: WorkerPool, config: GatewayConfig, request_id: str, prompt: li
 
 
 async def _all_pages_back(pool: WorkerPool, within_s: float = _TIMEOUT_S) -> None:
-    """Wait until nothing runs or waits on either worker and every page is free (or, on the prefill
-    worker, held by its prefix cache); fail with the last loads seen otherwise."""
+    """Wait until nothing runs or waits on either worker and every page is free or held by the
+    worker's prefix cache; fail with the last loads seen otherwise."""
     deadline = time.monotonic() + within_s
     while True:
         loads = {w.role: await w.client.load(_TIMEOUT_S) for w in pool.all_workers()}
         prefill, decode = loads["prefill"], loads["decode"]
         settled = (prefill.num_running == prefill.num_waiting == decode.num_running == decode.num_waiting == 0
-                   and decode.num_free_pages == decode.num_total_pages
+                   and decode.num_free_pages + decode.num_cached_pages == decode.num_total_pages
                    and prefill.num_free_pages + prefill.num_cached_pages == prefill.num_total_pages)
         if settled:
             return

@@ -74,12 +74,13 @@ async def _hand_off(prefill_channel: grpc.aio.Channel, decode_channel: grpc.aio.
 
 
 async def _check_load(prefill_channel: grpc.aio.Channel, decode_channel: grpc.aio.Channel) -> None:
-    """Nothing running; every page free again, but the prompt's pages the prefix cache keeps."""
+    """Nothing running; every page free again, but the prompt's pages the prefix caches keep."""
     prefill, decode = [await worker_pb2_grpc.WorkerServiceStub(channel).GetLoad(common_pb2.GetLoadRequest())
                        for channel in (prefill_channel, decode_channel)]
     for load in (prefill, decode):
         assert (load.num_running, load.num_waiting, load.num_total_pages) == (0, 0, 64)
-    assert decode.num_free_pages == 64 and decode.num_cached_pages == 0
+    # 37 + 8 - 1 tokens have KV on decode: the prompt's two full pages, cached when it was admitted
+    assert decode.num_cached_pages == 2 and decode.num_free_pages == 62
     assert prefill.num_cached_pages == 2 and prefill.num_free_pages == 62   # the two full pages of the prompt
 
 

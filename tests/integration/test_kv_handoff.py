@@ -45,7 +45,7 @@ def test_decode_pages_hold_exactly_the_prefill_kv_and_decoding_continues(engines
     prefill, decode, prefill_transport, decode_transport = engines
     # the decode pool is dirty where the KV will land: stale bytes must all be overwritten
     decode.runner.kv_pool.tensor.normal_()
-    dst_pages = decode.reserve("h1", len(PROMPT), ttl_s=30)
+    dst_pages = decode.reserve("h1", len(PROMPT), ttl_s=30).page_ids
     prefill.add_request(Request("h1", list(PROMPT), GREEDY, is_prefill_only=True))
     [first] = prefill.step()
     src_pages = prefill.held_pages("h1")

@@ -245,7 +245,7 @@ def test_reserve_then_admit_decodes_from_transferred_kv(model_dir: Path) -> None
 
     decode = _engine(model_dir)
     decode.allocator.allocate(3)  # so the reserved page ids differ from the prefill engine's
-    page_ids = decode.reserve("r", prompt_len=len(PROMPT_A), ttl_s=60)
+    page_ids = decode.reserve("r", prompt_len=len(PROMPT_A), ttl_s=60).page_ids
     assert len(page_ids) == pages_needed(len(PROMPT_A), PAGE_SIZE) and decode.holds("r")
     assert decode.allocator.num_used == 3 + len(page_ids)
     src = prefill.held_pages("r")
@@ -438,7 +438,7 @@ def test_a_better_reservation_preempts_a_worse_running_request_which_comes_back_
     prompt_len = (free + 1) * PAGE_SIZE          # one page more than is free
     with pytest.raises(CapacityError):
         engine.reserve("same", prompt_len, ttl_s=30, priority=1)
-    assert engine.reserve("urgent", prompt_len, ttl_s=30, priority=0)
+    assert engine.reserve("urgent", prompt_len, ttl_s=30, priority=0).page_ids
     assert [r.request_id for r in engine.scheduler.running] == ["low_old"] and engine.scheduler.has_resuming
     with pytest.raises(CapacityError):           # the paused one comes back before new ones of its priority
         engine.reserve("later", PAGE_SIZE, ttl_s=30, priority=1)
