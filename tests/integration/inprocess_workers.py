@@ -38,8 +38,8 @@ class Workers:
 
 
 def worker_config(model_path: str | Path, role: str, **overrides: Any) -> WorkerConfig:
-    """A `role` worker's config for an in-process test: float32, a 1024-token pool (prefix cache on for
-    prefill, as `tandem prefill` has it), port 0, a local transport, torch's thread count as it is.
+    """A `role` worker's config for an in-process test: float32, a 1024-token pool (prefix cache on, as
+    `tandem prefill` and `tandem decode` have it), port 0, a local transport, torch's thread count as it is.
     `overrides` replace any WorkerConfig field."""
     fields: dict[str, Any] = dict(
         role=role, model_path=str(model_path), host="127.0.0.1", port=0,
