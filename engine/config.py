@@ -211,6 +211,8 @@ class EngineConfig:
     int8_activations: bool = False  # quantized matmuls round activations to int8 blocks (llama.cpp's way)
     kv_cache_dtype: str | None = None
     enable_prefix_cache: bool = False
+    kv_disk_cache_dir: str | None = None  # the prefix cache's disk tier (engine/kv_disk_tier.py); None: none
+    kv_disk_cache_gib: float = 16.0
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
 
     @property
@@ -234,6 +236,10 @@ class EngineConfig:
             raise ConfigError(f"max_total_tokens must be >= page_size, got {self.max_total_tokens}")
         if self.kv_cache_gib <= 0:
             raise ConfigError(f"kv_cache_gib must be positive, got {self.kv_cache_gib}")
+        if self.kv_disk_cache_dir is not None and not self.enable_prefix_cache:
+            raise ConfigError("a KV disk cache is a tier of the prefix cache: it needs the prefix cache on")
+        if self.kv_disk_cache_gib <= 0:
+            raise ConfigError(f"kv_disk_cache_gib must be positive, got {self.kv_disk_cache_gib}")
         if self.max_running_requests <= 0 or self.max_prefill_tokens <= 0:
             raise ConfigError("max_running_requests and max_prefill_tokens must be positive")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 0:

@@ -28,18 +28,19 @@ from engine.errors import (
     RequestNotFoundError,
 )
 from engine.grammar import GrammarBackend
+from engine.kv_disk_tier import DiskTier
 from engine.lora import LoraAdapter
 from engine.lora_slots import LoraSlots
 from engine.outputs import accept_token, append_token, finish_output
 from engine.page_allocator import PageAllocator, pages_needed
-from engine.page_pool import NoPrefixCache
+from engine.page_pool import NoPrefixCache, PagePool
 from engine.prefix_cache import PrefixCache
 from engine.proposers import NgramProposer
 from engine.request import FinishReason, PromptLimits, Request, SamplingParams, StepOutput
-from engine.reservations import Reservation, ReservedPages, Reservations
+from engine.reservations import Reservation, Reservations, ReservedPages
 from engine.runner import FaultHooks, ModelRunner
 from engine.scheduler import Scheduler
-from engine.stats import EngineStats
+from engine.stats import DiskTierStats, EngineStats
 from engine.step_costs import DecodePacer, DecodeStepTimes, DraftBudget
 from engine.step_records import ModelOutput, SampledToken, SchedulerOutput
 from engine.weights import Checkpoint
@@ -66,7 +67,14 @@ class Engine:
         self.grammar = GrammarBackend(checkpoint.path, mc.vocab_size)
         self.runner = ModelRunner(checkpoint, config, self.context_len, progress=progress, faults=faults)
         self.allocator = PageAllocator(self.runner.kv_pool.num_pages)
-        self.pages = (PrefixCache if config.enable_prefix_cache else NoPrefixCache)(self.allocator, config.page_size)
+        self.disk_tier = None
+        if config.kv_disk_cache_dir is not None:
+            capacity = int(config.kv_disk_cache_gib * 2**30)
+            self.disk_tier = DiskTier(config.kv_disk_cache_dir, capacity, self.runner.kv_pool, checkpoint.identity)
+        if config.enable_prefix_cache:
+            self.pages: PagePool = PrefixCache(self.allocator, config.page_size, self.disk_tier)
+        else:
+            self.pages = NoPrefixCache(self.allocator, config.page_size)
         self.step_times = DecodeStepTimes()
         is_budgeted = config.speculative_algorithm is not None and config.speculative_draft_policy == "auto"
         self.scheduler = Scheduler(
@@ -165,9 +173,7 @@ class Engine:
         except BaseException:
             self.pages.release(cached)
             raise
-        reservation = Reservation(
-            page_ids, prompt_len, time.monotonic() + ttl_s, grace_s, len(cached), namespace or ""
-        )
+        reservation = Reservation(page_ids, prompt_len, time.monotonic() + ttl_s, grace_s, len(cached), namespace or "")
         self._reservations.add(request_id, reservation)
         return ReservedPages(reservation.written_page_ids, len(cached) * self.config.page_size)
 
@@ -260,7 +266,8 @@ class Engine:
     def update_weights(self, checkpoint: Checkpoint) -> list[StepOutput]:
         """Load new weights in place: shapes must match exactly (checked before any byte is copied).
         Every waiting or running request is aborted and every reservation dropped first, so none mixes
-        two sets of weights; the prefix cache is flushed and `weights_id` names the new weights. Returns the abort outputs."""
+        two sets of weights; the prefix cache is flushed and `weights_id` names the new weights.
+        Returns the abort outputs."""
         changes = shape_changes(self.model_config, checkpoint.config)
         if changes:
             raise InvalidRequestError(f"the new weights do not match the served model's shapes ({', '.join(changes)})")
@@ -270,6 +277,8 @@ class Engine:
         self.runner.load_weights(checkpoint)
         self.flush_prefix_cache()
         self.weights_id = checkpoint.identity
+        if self.disk_tier is not None:  # pages computed with the old weights are never found again
+            self.disk_tier.set_identity(checkpoint.identity)
         return [o for o in outputs if o is not None]
 
     def release(self, request_id: str) -> None:
@@ -327,6 +336,9 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             num_draft_tokens=self.scheduler.num_draft_tokens,
             num_accepted_tokens=self.scheduler.num_accepted_tokens,
+            disk_tier=None
+            if (tier := self.disk_tier) is None
+            else DiskTierStats(tier.num_pages, tier.num_saved, tier.num_loaded, tier.num_dropped),
         )
 
     # ---- the step ------------------------------------------------------------------------

@@ -17,16 +17,30 @@ the heap is rebuilt when stale ones outnumber the nodes.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.errors import CapacityError
 from engine.page_allocator import PageAllocator
 from engine.page_pool import PagePool
 
+if TYPE_CHECKING:
+    from engine.kv_disk_tier import DiskTier
+
+DIGEST_BYTES = 16
+
 _ROOT = -1  # the base model's root; each other namespace gets a root of its own below it (-2, -3, ...)
+
+
+def page_digest(parent: bytes, tokens: tuple[int, ...] | list[int]) -> bytes:
+    """A page's name in the disk tier: a hash of `tokens` chained from the name `parent` of the page
+    before it (or of its namespace's root), so it stands for every token up to the page's last."""
+    return hashlib.blake2b(parent + struct.pack(f"<{len(tokens)}i", *tokens), digest_size=DIGEST_BYTES).digest()
 
 
 @dataclass(slots=True)
@@ -37,6 +51,7 @@ class _Node:
     num_children: int = 0
     ref_count: int = 1
     last_access: int = 0
+    digest: bytes = b""  # its name in the disk tier (engine/kv_disk_tier.py); b"" without one
 
     @property
     def is_evictable(self) -> bool:
@@ -46,8 +61,9 @@ class _Node:
 class PrefixCache(PagePool):
     """Owns the pages of cached nodes; the allocator owns the free ones. Single-threaded, like the engine."""
 
-    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+    def __init__(self, allocator: PageAllocator, page_size: int, tier: DiskTier | None = None) -> None:
         super().__init__(allocator, page_size)
+        self.tier = tier
         self._by_key: dict[tuple[int, tuple[int, ...]], int] = {}
         self._nodes: dict[int, _Node] = {}
         self._num_unused = 0  # nodes with ref_count 0, kept current on every transition
@@ -75,7 +91,8 @@ class PrefixCache(PagePool):
         drops it."""
         pages: list[int] = []
         parent, now = self._root(namespace), next(self._clock)
-        for start in range(0, len(token_ids) - 1 - self.page_size + 1, self.page_size):
+        starts = range(0, len(token_ids) - 1 - self.page_size + 1, self.page_size)
+        for start in starts:
             page_id = self._by_key.get((parent, tuple(token_ids[start : start + self.page_size])))
             if page_id is None:
                 break
@@ -86,7 +103,40 @@ class PrefixCache(PagePool):
             node.last_access = now
             pages.append(page_id)
             parent = page_id
+        if self.tier is not None and len(pages) < len(starts):
+            pages += self._load_from_tier(token_ids, starts[len(pages) :], parent, namespace, now)
         return pages
+
+    def _load_from_tier(self, token_ids: list[int], starts: range, parent: int, namespace: str, now: int) -> list[int]:
+        """Go on matching in the disk tier from page `parent` (a node, or the namespace's root): each page
+        found there is read into a newly allocated pool page and joins the tree, referenced by the caller."""
+        assert self.tier is not None
+        pages: list[int] = []
+        digest = self._digest(parent, namespace)
+        for start in starts:
+            tokens = tuple(token_ids[start : start + self.page_size])
+            digest = page_digest(digest, tokens)
+            if not self.tier.contains(digest) or not self.can_allocate(1):
+                break
+            [page_id] = self.allocate(1)  # evicts only unused leaves: never a page this walk holds
+            if not self.tier.load(digest, page_id):
+                self.allocator.free([page_id])
+                break
+            self._add_node(_Node(page_id, (parent, tokens), parent, last_access=now, digest=digest))
+            pages.append(page_id)
+            parent = page_id
+        return pages
+
+    def _digest(self, parent: int, namespace: str) -> bytes:
+        """The disk tier's name of page `parent`, or of the root of `namespace` when `parent` is one."""
+        assert self.tier is not None
+        return self._nodes[parent].digest if parent >= 0 else self.tier.root(namespace)
+
+    def _add_node(self, node: _Node) -> None:
+        self._nodes[node.page_id] = node
+        self._by_key[node.key] = node.page_id
+        if node.parent >= 0:
+            self._nodes[node.parent].num_children += 1
 
     def insert(self, token_ids: list[int], page_ids: list[int], num_matched_pages: int, namespace: str = "") -> None:
         """Cache the full pages of a prompt whose KV has just been computed into `page_ids`, in `namespace`.
@@ -107,10 +157,11 @@ class PrefixCache(PagePool):
                 parent = cached
                 continue
             page_id = page_ids[index]
-            self._nodes[page_id] = _Node(page_id, key, parent, last_access=now)
-            self._by_key[key] = page_id
-            if parent >= 0:
-                self._nodes[parent].num_children += 1
+            node = _Node(page_id, key, parent, last_access=now)
+            if self.tier is not None:  # a full page with its KV computed: kept on disk too
+                node.digest = page_digest(self._digest(parent, namespace), key[1])
+                self.tier.save(node.digest, page_id)
+            self._add_node(node)
             parent = page_id
 
     def release(self, page_ids: list[int]) -> None:

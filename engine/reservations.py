@@ -49,7 +49,8 @@ class ReservedPages:
 
 class Reservations:
     """Reservations by request id, and the quarantined pages of dropped ones. Pages are returned
-    through `pages` (written pages are never cached, so they are freed; cached ones lose a reference). Single-threaded, like the engine."""
+    through `pages` (written pages are never cached, so they are freed; cached ones lose a reference).
+    Single-threaded, like the engine."""
 
     def __init__(self, pages: PagePool) -> None:
         self._pages = pages

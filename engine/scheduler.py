@@ -361,7 +361,9 @@ class Scheduler:
             self.pages.release(req.page_ids)
             req.page_ids = []
 
-    def reserve(self, num_tokens: int, priority: int = 0, may_preempt: bool = True, num_held_pages: int = 0) -> list[int]:
+    def reserve(
+        self, num_tokens: int, priority: int = 0, may_preempt: bool = True, num_held_pages: int = 0
+    ) -> list[int]:
         """Pages for `num_tokens` tokens arriving from elsewhere, for a request of `priority`, beyond the
         `num_held_pages` it already holds (its cached prefix). When they are not free, running requests
         of a worse priority are preempted for them (lowest priority, then newest first), but only if

@@ -17,3 +17,15 @@ class EngineStats:
     num_preemptions: int  # running requests paused for lack of pages, since start
     num_draft_tokens: int = 0  # speculative draft tokens verified, since start
     num_accepted_tokens: int = 0  # of those, accepted as output
+    disk_tier: DiskTierStats | None = None  # the prefix cache's disk tier, when it has one
+
+
+@dataclass(frozen=True, slots=True)
+class DiskTierStats:
+    """The disk tier (engine/kv_disk_tier.py): pages on disk now, and since start the pages written,
+    read back into the pool (prefix-cache hits served from disk) and dropped as damaged."""
+
+    num_pages: int
+    num_saved: int
+    num_loaded: int
+    num_dropped: int

@@ -150,6 +150,7 @@ def engine_config(args: argparse.Namespace, role: str, is_embedding: bool) -> En
     device = _worker_device(args.device, kv_transport=None if is_embedding else args.kv_transport)
     quantization = _worker_quantization(args, device)
     is_packed = device == "cpu" and quantization != "none"
+    has_prefix_cache = not args.disable_prefix_cache and not (role == "decode" and args.disable_decode_prefix_cache)
     try:
         return EngineConfig(
             dtype=_worker_dtype(args.dtype, device, is_embedding, is_packed),
@@ -173,8 +174,11 @@ def engine_config(args: argparse.Namespace, role: str, is_embedding: bool) -> En
             attention_backend=args.attention_backend,
             sampling_backend=args.sampling_backend,
             int8_activations=args.int8_activations,
-            enable_prefix_cache=not args.disable_prefix_cache
-            and not (role == "decode" and args.disable_decode_prefix_cache),
+            enable_prefix_cache=has_prefix_cache,
+            kv_disk_cache_dir=os.path.abspath(args.kv_disk_cache_dir)
+            if args.kv_disk_cache_dir and has_prefix_cache
+            else None,
+            kv_disk_cache_gib=args.kv_disk_cache_gb,
             cuda_graph_batch_sizes=_graph_batch_sizes(args),
         )
     except ValueError as exc:

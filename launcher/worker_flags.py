@@ -240,6 +240,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="recompute every prompt instead of reusing cached prefix pages (prefill and decode workers)",
     )
     p.add_argument(
+        "--kv-disk-cache-dir",
+        default=None,
+        help="keep the prefix cache's full KV pages as files here too (checksummed, named by the tokens they "
+        "hold), so a restarted worker, or another sharing the directory, reads them back instead of "
+        "recomputing; default: no disk tier",
+    )
+    p.add_argument(
+        "--kv-disk-cache-gb",
+        type=positive_float,
+        default=field_default(EngineConfig, "kv_disk_cache_gib"),
+        help="most GiB of KV pages the disk tier keeps (least recently used deleted first; default 16)",
+    )
+    p.add_argument(
         "--disable-decode-prefix-cache",
         action="store_true",
         help="decode: keep no prefix cache, so every handoff writes the whole prompt's KV "
@@ -391,3 +404,14 @@ def metrics_port(flag: int | None, grpc_port: int) -> int:
         return flag
     port = grpc_port + METRICS_PORT_OFFSET
     return port if grpc_port and port < 65536 else 0
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value

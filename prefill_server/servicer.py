@@ -169,7 +169,8 @@ def _written_pages(prompt_len: int, target: common_pb2.KvTarget, page_size: int)
     skip = target.skip_tokens
     if skip < 0 or skip % page_size or skip >= prompt_len:
         raise InvalidRequestError(
-            f"kv_target skips {skip} tokens: not a whole number of {page_size}-token pages below the prompt's {prompt_len}"
+            f"kv_target skips {skip} tokens: not a whole number of {page_size}-token pages "
+            f"below the prompt's {prompt_len}"
         )
     first, num_pages = skip // page_size, pages_needed(prompt_len, page_size)
     if len(target.page_ids) < num_pages - first:

@@ -33,8 +33,8 @@ import torch
 from engine.engine import Engine
 from engine.errors import InvalidRequestError, WouldPreemptError
 from engine.request import FinishReason, Request, SamplingParams, StepOutput
-from engine.step_records import ModelOutput, SchedulerOutput
 from engine.reservations import ReservedPages
+from engine.step_records import ModelOutput, SchedulerOutput
 from kv_transfer import KVTransferTimeout, KVTransport, RemotePages, TransferStats, check_timeout
 from server_runtime.metrics import WorkerMetrics
 from server_runtime.threads import ThreadTuner

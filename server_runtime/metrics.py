@@ -69,7 +69,9 @@ class WorkerMetrics:
             "tandem_worker_prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens since start", registry=r
         )
         self.handoff_prompt_tokens = Counter(
-            "tandem_worker_handoff_prompt_tokens", "Prompt tokens of the handoffs this decode worker reserved", registry=r
+            "tandem_worker_handoff_prompt_tokens",
+            "Prompt tokens of the handoffs this decode worker reserved",
+            registry=r,
         )
         self.handoff_cached_tokens = Counter(
             "tandem_worker_handoff_cached_tokens",
@@ -118,6 +120,13 @@ class WorkerMetrics:
             "Accepted draft tokens over draft tokens verified, since start",
             registry=r,
         )
+        self.kv_disk_pages = Gauge(
+            "tandem_worker_kv_disk_tier_pages",
+            "The prefix cache's disk tier (--kv-disk-cache-dir): pages on disk now (stored), and since start "
+            "pages written (saved), read back as cache hits (loaded) and dropped as damaged (dropped)",
+            ["state"],
+            registry=r,
+        )
         self._num_prompt_tokens = 0
         self._num_cached_tokens = 0
 
@@ -140,6 +149,14 @@ class WorkerMetrics:
         self.draft_tokens.set(stats.num_draft_tokens)
         self.accepted_tokens.set(stats.num_accepted_tokens)
         self.acceptance_rate.set(stats.num_accepted_tokens / max(1, stats.num_draft_tokens))
+        if (disk := stats.disk_tier) is not None:
+            for state, value in (
+                ("stored", disk.num_pages),
+                ("saved", disk.num_saved),
+                ("loaded", disk.num_loaded),
+                ("dropped", disk.num_dropped),
+            ):
+                self.kv_disk_pages.labels(state).set(value)
 
     def record_prefill(
         self, num_prompt_tokens: int, num_cached_tokens: int, kv_bytes: int, transfer_seconds: float
@@ -154,7 +171,8 @@ class WorkerMetrics:
         self.kv_transfer_seconds.observe(transfer_seconds)
 
     def record_reserve(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
-        """One handoff reserved on this decode worker, `num_cached_tokens` of its prompt already held. Event loop only."""
+        """One handoff reserved on this decode worker, `num_cached_tokens` of its prompt already held.
+        Event loop only."""
         self.handoff_prompt_tokens.inc(num_prompt_tokens)
         self.handoff_cached_tokens.inc(num_cached_tokens)
 

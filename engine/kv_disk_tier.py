@@ -1,0 +1,217 @@
+"""The prefix cache's disk tier: full KV pages kept as files, found by what they hold, across restarts.
+
+A page's name is its *digest* (`engine.prefix_cache.page_digest`): a hash chained from a root (the
+model's weights, the KV layout and the LoRA namespace) over every page of tokens up to its own, so
+two pages share a name exactly when they hold the KV of the same tokens after the same prefix under
+the same weights. The prefix cache (engine/prefix_cache.py) hands each page that joins it to `save`,
+and when a prompt's walk down the tree stops, asks `contains` / `load` for the pages that follow.
+
+`save` copies the page off the pool at once (a full cached page never changes, but its slot may be
+reused as soon as it is evicted) and a writer thread puts it in a file: a header (magic, version, the
+digest, the payload's length and CRC-32), then the page's bytes, written to a temporary name and
+renamed, so a reader never sees half a file. `load` checks all of it: a truncated, corrupted or
+misnamed file is deleted and reported as a miss, never copied into the pool. Files are grouped by
+root identity, one directory per weights and layout, and the tier keeps at most `capacity_bytes`
+of them, deleting the least recently used first. At start it indexes the files already there, so a
+restarted worker finds what it (or another worker sharing the directory) saved before.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import os
+import queue
+import struct
+import threading
+import zlib
+from pathlib import Path
+
+import torch
+
+from engine.kv_pool import KVPool
+from engine.prefix_cache import DIGEST_BYTES
+
+logger = logging.getLogger(__name__)
+
+_MAGIC = b"TKV1"
+_VERSION = 1
+_HEADER = struct.Struct(f"<4sHH{DIGEST_BYTES}sQI")  # magic, version, reserved, digest, payload bytes, crc32
+_SUFFIX = ".kv"
+
+
+class DiskTier:
+    """KV pages of one `pool` as files under `directory`, at most `capacity_bytes`. `identity` names
+    the weights the KV was computed with (`Checkpoint.identity`); the pool's layout is added to it.
+
+    `save`, `contains` and `load` are called from the engine thread; a writer thread does the writes.
+    `stats` counts pages stored, loaded and dropped as damaged since start."""
+
+    def __init__(self, directory: str | Path, capacity_bytes: int, pool: KVPool, identity: str) -> None:
+        if capacity_bytes < pool.layout.page_bytes:
+            raise ValueError(f"the disk tier's capacity ({capacity_bytes} bytes) is less than one KV page")
+        self.base_dir = Path(directory)
+        self.capacity_bytes = capacity_bytes
+        self.pool = pool
+        self.num_saved = self.num_loaded = self.num_dropped = 0
+        self._lock = threading.Lock()
+        self._index: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # digest -> file bytes, LRU first
+        self._num_bytes = 0
+        self._pending: set[bytes] = set()
+        self._writes: queue.Queue[tuple[bytes, bytes]] = queue.Queue()
+        self._writer: threading.Thread | None = None
+        self.set_identity(identity)
+
+    # ---- naming -----------------------------------------------------------------------
+
+    def set_identity(self, identity: str) -> None:
+        """Serve pages computed with the weights named `identity` (from now on; after a weight update)."""
+        self.flush()
+        layout = self.pool.layout
+        shape = f"{layout.num_layers}x{layout.page_size}x{layout.num_kv_heads}x{layout.head_dim}"
+        text = f"{identity}/{shape}/{layout.dtype}"
+        self._identity = hashlib.blake2b(text.encode(), digest_size=DIGEST_BYTES).digest()
+        self.directory = self.base_dir / self._identity.hex()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            self._index.clear()
+            self._num_bytes = 0
+            for path in sorted(self.directory.glob(f"*/*{_SUFFIX}*"), key=_mtime):
+                if path.name.endswith(_SUFFIX):
+                    self._index[bytes.fromhex(path.name[: -len(_SUFFIX)])] = size = path.stat().st_size
+                    self._num_bytes += size
+                else:  # a write cut short by a crash
+                    path.unlink(missing_ok=True)
+        if self._index:
+            logger.info("KV disk tier: %d pages found in %s", len(self._index), self.directory)
+
+    def root(self, namespace: str) -> bytes:
+        """The digest every page chain of `namespace` (a LoRA adapter's cache id; "" the base model) starts from."""
+        return hashlib.blake2b(self._identity + namespace.encode(), digest_size=DIGEST_BYTES).digest()
+
+    def _path(self, digest: bytes) -> Path:
+        name = digest.hex()
+        return self.directory / name[:2] / f"{name}{_SUFFIX}"
+
+    # ---- the engine thread ------------------------------------------------------------
+
+    def contains(self, digest: bytes) -> bool:
+        with self._lock:
+            return digest in self._index
+
+    def save(self, digest: bytes, page_id: int) -> None:
+        """Keep page `page_id` (whose KV is complete) as `digest`, unless it is kept already."""
+        with self._lock:
+            if digest in self._index:
+                self._index.move_to_end(digest)
+                return
+            if digest in self._pending:
+                return
+            self._pending.add(digest)
+        payload = self.pool.tensor[page_id].contiguous().view(torch.uint8).cpu().numpy().tobytes()
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
+            self._writer.start()
+        self._writes.put((digest, payload))
+
+    def load(self, digest: bytes, page_id: int) -> bool:
+        """Copy the page named `digest` into pool page `page_id`. False, the file deleted, when it is
+        missing, truncated, corrupted or not the page it claims to be."""
+        path = self._path(digest)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            data = b""
+        problem = _check(data, digest, self.pool.layout.page_bytes)
+        if problem is not None:
+            logger.warning("KV disk tier: dropped %s (%s); its tokens are computed again", path.name, problem)
+            self._forget(digest, path)
+            self.num_dropped += 1
+            return False
+        page = torch.frombuffer(bytearray(data[_HEADER.size :]), dtype=torch.uint8)
+        self.pool.tensor[page_id].view(torch.uint8).view(-1).copy_(page)
+        with self._lock:
+            if digest in self._index:
+                self._index.move_to_end(digest)
+        self.num_loaded += 1
+        return True
+
+    def flush(self) -> None:
+        """Wait until every page handed to `save` is on disk."""
+        if self._writer is not None:
+            self._writes.join()
+
+    # ---- the writer thread ------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            digest, payload = self._writes.get()
+            try:
+                self._write(digest, payload)
+            except OSError as exc:
+                logger.warning("KV disk tier: a page could not be written (%s)", exc)
+            finally:
+                with self._lock:
+                    self._pending.discard(digest)
+                self._writes.task_done()
+
+    def _write(self, digest: bytes, payload: bytes) -> None:
+        path = self._path(digest)
+        path.parent.mkdir(exist_ok=True)
+        header = _HEADER.pack(_MAGIC, _VERSION, 0, digest, len(payload), zlib.crc32(payload))
+        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        with open(temporary, "wb") as f:
+            f.write(header)
+            f.write(payload)
+        os.replace(temporary, path)
+        size = _HEADER.size + len(payload)
+        with self._lock:
+            self._index[digest] = size
+            self._num_bytes += size
+            self.num_saved += 1
+            victims = []
+            while self._num_bytes > self.capacity_bytes and len(self._index) > 1:
+                old, old_size = self._index.popitem(last=False)
+                self._num_bytes -= old_size
+                victims.append(old)
+        for old in victims:
+            self._path(old).unlink(missing_ok=True)
+
+    def _forget(self, digest: bytes, path: Path) -> None:
+        with self._lock:
+            size = self._index.pop(digest, None)
+            if size is not None:
+                self._num_bytes -= size
+        path.unlink(missing_ok=True)
+
+    @property
+    def num_pages(self) -> int:
+        """Pages on disk now."""
+        with self._lock:
+            return len(self._index)
+
+
+def _check(data: bytes, digest: bytes, page_bytes: int) -> str | None:
+    """What is wrong with a page file's bytes `data` (None: nothing)."""
+    if not data:
+        return "missing"
+    if len(data) < _HEADER.size:
+        return "truncated header"
+    magic, version, _, named, length, crc = _HEADER.unpack_from(data)
+    if magic != _MAGIC or version != _VERSION:
+        return "not a KV page file"
+    if named != digest:
+        return "holds another page"
+    if length != page_bytes or len(data) - _HEADER.size != length:
+        return f"truncated: {len(data) - _HEADER.size} of {page_bytes} bytes"
+    if zlib.crc32(memoryview(data)[_HEADER.size :]) != crc:
+        return "checksum mismatch"
+    return None
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0

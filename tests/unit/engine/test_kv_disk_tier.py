@@ -1,0 +1,134 @@
+"""The prefix cache's disk tier (engine/kv_disk_tier.py): pages written and read back byte for byte,
+found again by a new tier over the same directory (a restart), damaged files dropped and never served,
+the capacity kept; and an engine restarted over its disk tier serves a prompt's prefix from it with the
+same greedy tokens as an engine that computes everything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.kv_disk_tier import DiskTier
+from engine.kv_pool import KVLayout, KVPool
+from engine.prefix_cache import page_digest
+from engine.request import Request, SamplingParams
+from engine.weights import open_checkpoint
+from tests.tiny_models import save_tiny_llama
+
+LAYOUT = KVLayout(num_layers=2, page_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+
+
+def _pool() -> KVPool:
+    pool = KVPool(LAYOUT, num_pages=8)
+    pool.tensor.normal_()
+    return pool
+
+
+def _saved(tmp_path: Path, pool: KVPool, page_id: int, tokens: list[int]) -> tuple[DiskTier, bytes]:
+    tier = DiskTier(tmp_path, 2**20, pool, "weights-a")
+    digest = page_digest(tier.root(""), tokens)
+    tier.save(digest, page_id)
+    tier.flush()
+    return tier, digest
+
+
+def test_a_page_comes_back_byte_for_byte_in_a_new_tier_over_the_same_directory(tmp_path: Path) -> None:
+    pool = _pool()
+    tier, digest = _saved(tmp_path, pool, 3, [1, 2, 3, 4])
+    assert tier.num_saved == 1 and tier.num_pages == 1
+    restarted = DiskTier(tmp_path, 2**20, pool, "weights-a")
+    assert restarted.contains(digest) and restarted.root("") == tier.root("")
+    assert restarted.load(digest, 5) and restarted.num_loaded == 1
+    assert torch.equal(pool.tensor[5], pool.tensor[3])
+    assert not DiskTier(tmp_path, 2**20, pool, "weights-b").contains(digest)   # other weights: other names
+    assert tier.root("adapter#1") != tier.root("")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "misname"])
+def test_a_damaged_file_is_dropped_and_never_copied_into_the_pool(tmp_path: Path, damage: str) -> None:
+    pool = _pool()
+    tier, digest = _saved(tmp_path, pool, 3, [1, 2, 3, 4])
+    [path] = tier.directory.glob("*/*.kv")
+    data = bytearray(path.read_bytes())
+    other = page_digest(tier.root(""), [9, 9, 9, 9])
+    if damage == "truncate":
+        path.write_bytes(data[:-100])
+    elif damage == "flip":
+        data[-7] ^= 0x40
+        path.write_bytes(bytes(data))
+    else:   # a whole, valid file under another page's name
+        renamed = tier.directory / other.hex()[:2] / f"{other.hex()}.kv"
+        renamed.parent.mkdir(exist_ok=True)
+        path.rename(renamed)
+        digest = other
+    restarted = DiskTier(tmp_path, 2**20, pool, "weights-a")
+    before = pool.tensor[5].clone()
+    assert restarted.contains(digest)
+    assert not restarted.load(digest, 5)
+    assert torch.equal(pool.tensor[5], before) and restarted.num_dropped == 1
+    assert not restarted.contains(digest) and not list(tier.directory.glob("*/*.kv"))
+
+
+def test_the_capacity_deletes_the_least_recently_used_pages(tmp_path: Path) -> None:
+    pool = _pool()
+    file_bytes = LAYOUT.page_bytes + 64
+    tier = DiskTier(tmp_path, 2 * file_bytes, pool, "weights-a")
+    digests = [page_digest(tier.root(""), [i] * 4) for i in range(3)]
+    tier.save(digests[0], 0)
+    tier.save(digests[1], 1)
+    tier.flush()
+    tier.save(digests[0], 0)   # touched again: digests[1] is now the oldest
+    tier.save(digests[2], 2)
+    tier.flush()
+    assert [tier.contains(d) for d in digests] == [True, False, True]
+    assert len(list(tier.directory.glob("*/*.kv"))) == 2
+
+
+PROMPT = [3, 17, 42, 99, 5, 61, 7, 200, 31, 8, 44, 12, 90, 1]   # 14 tokens: three full pages of 4
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=6)
+
+
+def _engine(model_dir: Path, disk: Path | None) -> Engine:
+    config = EngineConfig(dtype="float32", page_size=4, max_total_tokens=128, enable_prefix_cache=True,
+                          kv_disk_cache_dir=None if disk is None else str(disk))
+    return Engine(open_checkpoint(str(model_dir)), config, progress=False)
+
+
+def _run(engine: Engine, prompt: list[int]) -> tuple[list[int], int]:
+    """Greedy tokens of `prompt` and how many of its tokens came from the cache."""
+    engine.add_request(Request("r", list(prompt), GREEDY))
+    tokens, cached = [], -1
+    while engine.has_work:
+        for out in engine.step():
+            if out.token_id is not None:
+                tokens.append(out.token_id)
+            if cached < 0:
+                cached = out.cached_tokens
+    return tokens, cached
+
+
+def test_a_restarted_engine_serves_the_prefix_from_disk_with_the_same_tokens(tmp_path: Path) -> None:
+    model_dir = save_tiny_llama(tmp_path / "llama")
+    expected, _ = _run(_engine(model_dir, None), PROMPT)
+    first = _engine(model_dir, tmp_path / "kv")
+    assert _run(first, PROMPT) == (expected, 0)
+    first.disk_tier.flush()
+    # 14 + 6 - 1 tokens had KV: four full pages on disk (the prompt's three and one of its output)
+    assert first.disk_tier.num_pages == 4
+
+    restarted = _engine(model_dir, tmp_path / "kv")
+    assert _run(restarted, PROMPT) == (expected, 12)   # three pages read back; the last 2 tokens computed
+    assert restarted.stats().disk_tier.num_loaded == 3
+    restarted.pages.check_integrity()
+
+    for path in restarted.disk_tier.directory.glob("*/*.kv"):   # every file damaged: all recomputed
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    damaged = _engine(model_dir, tmp_path / "kv")
+    assert _run(damaged, PROMPT) == (expected, 0)
+    assert damaged.disk_tier.num_dropped == 1   # the first page's: the walk stops there
