@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -51,8 +52,14 @@ logger = logging.getLogger(__name__)
 
 class Engine:
     def __init__(
-        self, checkpoint: Checkpoint, config: EngineConfig, progress: bool = True, faults: FaultHooks = FaultHooks()
+        self,
+        checkpoint: Checkpoint,
+        config: EngineConfig,
+        progress: bool = True,
+        faults: FaultHooks = FaultHooks(),
+        background: Callable[[Callable[[], None]], object] | None = None,
     ) -> None:
+        """`background` runs the disk tier's file writes off the engine thread (None: on it)."""
         mc = checkpoint.config
         if mc.num_labels > 0:
             raise ConfigError(
@@ -70,7 +77,9 @@ class Engine:
         self.disk_tier = None
         if config.kv_disk_cache_dir is not None:
             capacity = int(config.kv_disk_cache_gib * 2**30)
-            self.disk_tier = DiskTier(config.kv_disk_cache_dir, capacity, self.runner.kv_pool, checkpoint.identity)
+            self.disk_tier = DiskTier(
+                config.kv_disk_cache_dir, capacity, self.runner.kv_pool, checkpoint.identity, background
+            )
         if config.enable_prefix_cache:
             self.pages: PagePool = PrefixCache(self.allocator, config.page_size, self.disk_tier)
         else:

@@ -7,7 +7,8 @@ the same weights. The prefix cache (engine/prefix_cache.py) hands each page that
 and when a prompt's walk down the tree stops, asks `contains` / `load` for the pages that follow.
 
 `save` copies the page off the pool at once (a full cached page never changes, but its slot may be
-reused as soon as it is evicted) and a writer thread puts it in a file: a header (magic, version, the
+reused as soon as it is evicted) and a background writer (the worker's, given to the engine) puts it in
+a file: a header (magic, version, the
 digest, the payload's length and CRC-32), then the page's bytes, written to a temporary name and
 renamed, so a reader never sees half a file. `load` checks all of it: a truncated, corrupted or
 misnamed file is deleted and reported as a miss, never copied into the pool. Files are grouped by
@@ -22,10 +23,10 @@ import collections
 import hashlib
 import logging
 import os
-import queue
 import struct
-import threading
+import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,22 +46,32 @@ class DiskTier:
     """KV pages of one `pool` as files under `directory`, at most `capacity_bytes`. `identity` names
     the weights the KV was computed with (`Checkpoint.identity`); the pool's layout is added to it.
 
-    `save`, `contains` and `load` are called from the engine thread; a writer thread does the writes.
-    `stats` counts pages stored, loaded and dropped as damaged since start."""
+    Every method runs on the engine thread. File writes go to `background` (a callable that runs a
+    function elsewhere, e.g. a one-thread executor's `submit`; None: at once, on the calling thread),
+    which reports each finished write through a deque; the engine thread takes those reports (`_settle`)
+    before it looks at the index, so the index is only ever touched by one thread, and a page becomes
+    visible to `contains` only once its file is complete. The counts of pages written, read back and
+    dropped as damaged are kept since start."""
 
-    def __init__(self, directory: str | Path, capacity_bytes: int, pool: KVPool, identity: str) -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        capacity_bytes: int,
+        pool: KVPool,
+        identity: str,
+        background: Callable[[Callable[[], None]], object] | None = None,
+    ) -> None:
         if capacity_bytes < pool.layout.page_bytes:
             raise ValueError(f"the disk tier's capacity ({capacity_bytes} bytes) is less than one KV page")
         self.base_dir = Path(directory)
         self.capacity_bytes = capacity_bytes
         self.pool = pool
         self.num_saved = self.num_loaded = self.num_dropped = 0
-        self._lock = threading.Lock()
+        self._background = background
         self._index: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # digest -> file bytes, LRU first
         self._num_bytes = 0
         self._pending: set[bytes] = set()
-        self._writes: queue.Queue[tuple[bytes, bytes]] = queue.Queue()
-        self._writer: threading.Thread | None = None
+        self._written: collections.deque[tuple[bytes, int]] = collections.deque()  # (digest, bytes; 0: failed)
         self.set_identity(identity)
 
     # ---- naming -----------------------------------------------------------------------
@@ -74,15 +85,14 @@ class DiskTier:
         self._identity = hashlib.blake2b(text.encode(), digest_size=DIGEST_BYTES).digest()
         self.directory = self.base_dir / self._identity.hex()
         self.directory.mkdir(parents=True, exist_ok=True)
-        with self._lock:
-            self._index.clear()
-            self._num_bytes = 0
-            for path in sorted(self.directory.glob(f"*/*{_SUFFIX}*"), key=_mtime):
-                if path.name.endswith(_SUFFIX):
-                    self._index[bytes.fromhex(path.name[: -len(_SUFFIX)])] = size = path.stat().st_size
-                    self._num_bytes += size
-                else:  # a write cut short by a crash
-                    path.unlink(missing_ok=True)
+        self._index.clear()
+        self._num_bytes = 0
+        for path in sorted(self.directory.glob(f"*/*{_SUFFIX}*"), key=_mtime):
+            if path.name.endswith(_SUFFIX):
+                self._index[bytes.fromhex(path.name[: -len(_SUFFIX)])] = size = path.stat().st_size
+                self._num_bytes += size
+            else:  # a write cut short by a crash
+                path.unlink(missing_ok=True)
         if self._index:
             logger.info("KV disk tier: %d pages found in %s", len(self._index), self.directory)
 
@@ -94,26 +104,28 @@ class DiskTier:
         name = digest.hex()
         return self.directory / name[:2] / f"{name}{_SUFFIX}"
 
-    # ---- the engine thread ------------------------------------------------------------
+    # ---- reads and writes ---------------------------------------------------------------
 
     def contains(self, digest: bytes) -> bool:
-        with self._lock:
-            return digest in self._index
+        self._settle()
+        return digest in self._index
 
     def save(self, digest: bytes, page_id: int) -> None:
-        """Keep page `page_id` (whose KV is complete) as `digest`, unless it is kept already."""
-        with self._lock:
-            if digest in self._index:
-                self._index.move_to_end(digest)
-                return
-            if digest in self._pending:
-                return
-            self._pending.add(digest)
+        """Keep page `page_id` (whose KV is complete) as `digest`, unless it is kept already. The page
+        is copied now: its slot may be reused as soon as the prefix cache evicts it."""
+        self._settle()
+        if digest in self._index:
+            self._index.move_to_end(digest)
+            return
+        if digest in self._pending:
+            return
+        self._pending.add(digest)
         payload = self.pool.tensor[page_id].contiguous().view(torch.uint8).cpu().numpy().tobytes()
-        if self._writer is None:
-            self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
-            self._writer.start()
-        self._writes.put((digest, payload))
+        path = self._path(digest)
+        if self._background is None:
+            self._write(path, digest, payload)
+        else:
+            self._background(lambda: self._write(path, digest, payload))
 
     def load(self, digest: bytes, page_id: int) -> bool:
         """Copy the page named `digest` into pool page `page_id`. False, the file deleted, when it is
@@ -126,70 +138,68 @@ class DiskTier:
         problem = _check(data, digest, self.pool.layout.page_bytes)
         if problem is not None:
             logger.warning("KV disk tier: dropped %s (%s); its tokens are computed again", path.name, problem)
-            self._forget(digest, path)
+            self._forget(digest)
+            path.unlink(missing_ok=True)
             self.num_dropped += 1
             return False
         page = torch.frombuffer(bytearray(data[_HEADER.size :]), dtype=torch.uint8)
         self.pool.tensor[page_id].view(torch.uint8).view(-1).copy_(page)
-        with self._lock:
-            if digest in self._index:
-                self._index.move_to_end(digest)
+        if digest in self._index:
+            self._index.move_to_end(digest)
         self.num_loaded += 1
         return True
 
     def flush(self) -> None:
-        """Wait until every page handed to `save` is on disk."""
-        if self._writer is not None:
-            self._writes.join()
-
-    # ---- the writer thread ------------------------------------------------------------
-
-    def _write_loop(self) -> None:
-        while True:
-            digest, payload = self._writes.get()
-            try:
-                self._write(digest, payload)
-            except OSError as exc:
-                logger.warning("KV disk tier: a page could not be written (%s)", exc)
-            finally:
-                with self._lock:
-                    self._pending.discard(digest)
-                self._writes.task_done()
-
-    def _write(self, digest: bytes, payload: bytes) -> None:
-        path = self._path(digest)
-        path.parent.mkdir(exist_ok=True)
-        header = _HEADER.pack(_MAGIC, _VERSION, 0, digest, len(payload), zlib.crc32(payload))
-        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        with open(temporary, "wb") as f:
-            f.write(header)
-            f.write(payload)
-        os.replace(temporary, path)
-        size = _HEADER.size + len(payload)
-        with self._lock:
-            self._index[digest] = size
-            self._num_bytes += size
-            self.num_saved += 1
-            victims = []
-            while self._num_bytes > self.capacity_bytes and len(self._index) > 1:
-                old, old_size = self._index.popitem(last=False)
-                self._num_bytes -= old_size
-                victims.append(old)
-        for old in victims:
-            self._path(old).unlink(missing_ok=True)
-
-    def _forget(self, digest: bytes, path: Path) -> None:
-        with self._lock:
-            size = self._index.pop(digest, None)
-            if size is not None:
-                self._num_bytes -= size
-        path.unlink(missing_ok=True)
+        """Wait until every page handed to `save` is on disk (or failed)."""
+        while self._pending:
+            self._settle()
+            if self._pending:
+                time.sleep(0.001)
 
     @property
     def num_pages(self) -> int:
         """Pages on disk now."""
-        with self._lock:
-            return len(self._index)
+        self._settle()
+        return len(self._index)
+
+    def _settle(self) -> None:
+        """Take the writes finished since the last call into the index, deleting the least recently used
+        pages beyond the capacity."""
+        while self._written:
+            digest, size = self._written.popleft()
+            self._pending.discard(digest)
+            if not size:
+                continue
+            self._index[digest] = size
+            self._num_bytes += size
+            self.num_saved += 1
+        while self._num_bytes > self.capacity_bytes and len(self._index) > 1:
+            old, old_size = self._index.popitem(last=False)
+            self._num_bytes -= old_size
+            self._path(old).unlink(missing_ok=True)
+
+    def _forget(self, digest: bytes) -> None:
+        size = self._index.pop(digest, None)
+        if size is not None:
+            self._num_bytes -= size
+
+    def _write(self, path: Path, digest: bytes, payload: bytes) -> None:
+        """Write one page file (on the `background` thread): to a temporary name, then renamed, so no
+        reader sees a partial file. Reports the outcome through `_written`; touches nothing else."""
+        header = _HEADER.pack(_MAGIC, _VERSION, 0, digest, len(payload), zlib.crc32(payload))
+        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        size = 0
+        try:
+            path.parent.mkdir(exist_ok=True)
+            with open(temporary, "wb") as f:
+                f.write(header)
+                f.write(payload)
+            os.replace(temporary, path)
+            size = len(header) + len(payload)
+        except OSError as exc:
+            logger.warning("KV disk tier: a page could not be written (%s)", exc)
+            temporary.unlink(missing_ok=True)
+        self._written.append((digest, size))
 
 
 def _check(data: bytes, digest: bytes, page_bytes: int) -> str | None:

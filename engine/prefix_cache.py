@@ -23,16 +23,23 @@ import itertools
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from engine.errors import CapacityError
 from engine.page_allocator import PageAllocator
 from engine.page_pool import PagePool
 
-if TYPE_CHECKING:
-    from engine.kv_disk_tier import DiskTier
-
 DIGEST_BYTES = 16
+
+
+class PageTier(Protocol):
+    """Where cached pages are kept beyond the pool, by `page_digest` (engine/kv_disk_tier.py's `DiskTier`)."""
+
+    def root(self, namespace: str) -> bytes: ...
+    def contains(self, digest: bytes) -> bool: ...
+    def save(self, digest: bytes, page_id: int) -> None: ...
+    def load(self, digest: bytes, page_id: int) -> bool: ...
+
 
 _ROOT = -1  # the base model's root; each other namespace gets a root of its own below it (-2, -3, ...)
 
@@ -61,7 +68,7 @@ class _Node:
 class PrefixCache(PagePool):
     """Owns the pages of cached nodes; the allocator owns the free ones. Single-threaded, like the engine."""
 
-    def __init__(self, allocator: PageAllocator, page_size: int, tier: DiskTier | None = None) -> None:
+    def __init__(self, allocator: PageAllocator, page_size: int, tier: PageTier | None = None) -> None:
         super().__init__(allocator, page_size)
         self.tier = tier
         self._by_key: dict[tuple[int, tuple[int, ...]], int] = {}

@@ -9,6 +9,7 @@ what a worker process runs. Tests build workers in-process the same way, on port
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import signal
@@ -213,7 +214,10 @@ def build_engine(config: WorkerConfig) -> Engine:
     _set_torch_threads(config)
     use_device(config.engine.device)  # the model loads and the CUDA graphs are captured on this thread
     checkpoint = open_checkpoint(config.model_path)
-    return Engine(checkpoint, config.engine, faults=fault_hooks_from_env())
+    background = None
+    if config.engine.kv_disk_cache_dir is not None:  # the disk tier's writes, off the engine thread
+        background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-disk-writer").submit
+    return Engine(checkpoint, config.engine, faults=fault_hooks_from_env(), background=background)
 
 
 def fault_hooks_from_env() -> FaultHooks:

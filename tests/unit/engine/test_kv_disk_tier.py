@@ -5,6 +5,7 @@ same greedy tokens as an engine that computes everything."""
 
 from __future__ import annotations
 
+import concurrent.futures
 from pathlib import Path
 
 import pytest
@@ -76,7 +77,8 @@ def test_a_damaged_file_is_dropped_and_never_copied_into_the_pool(tmp_path: Path
 def test_the_capacity_deletes_the_least_recently_used_pages(tmp_path: Path) -> None:
     pool = _pool()
     file_bytes = LAYOUT.page_bytes + 64
-    tier = DiskTier(tmp_path, 2 * file_bytes, pool, "weights-a")
+    writer = concurrent.futures.ThreadPoolExecutor(1)   # as a worker runs it: writes off the calling thread
+    tier = DiskTier(tmp_path, 2 * file_bytes, pool, "weights-a", background=writer.submit)
     digests = [page_digest(tier.root(""), [i] * 4) for i in range(3)]
     tier.save(digests[0], 0)
     tier.save(digests[1], 1)
@@ -86,6 +88,7 @@ def test_the_capacity_deletes_the_least_recently_used_pages(tmp_path: Path) -> N
     tier.flush()
     assert [tier.contains(d) for d in digests] == [True, False, True]
     assert len(list(tier.directory.glob("*/*.kv"))) == 2
+    writer.shutdown()
 
 
 PROMPT = [3, 17, 42, 99, 5, 61, 7, 200, 31, 8, 44, 12, 90, 1]   # 14 tokens: three full pages of 4
