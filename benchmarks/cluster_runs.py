@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.e2e.cluster_stack import ClusterServices, assert_no_pages_held, wait_workers_ready  # noqa: E402
-from tests.e2e.stack import _launch, free_port  # noqa: E402
+from tests.e2e.stack import _launch, free_port, stop_processes  # noqa: E402
 
 
 @dataclass
@@ -33,10 +33,8 @@ class Cluster:
     procs: list = field(default_factory=list)
 
     def stop(self) -> None:
-        for proc in self.procs:
-            proc.terminate()
-        for proc in self.procs:
-            proc.wait(30)
+        """SIGTERM the gateways, then the workers; any process not gone within 30 s is killed."""
+        stop_processes(self.procs, grace_s=30)
         self.services.stop()
 
 
@@ -77,16 +75,24 @@ def fresh(cluster: Cluster, url: str) -> None:
     assert reply.status_code == 200, reply.text
 
 
-def generate(url: str, input_ids: list[int], max_new_tokens: int) -> dict:
-    """One greedy /generate of `input_ids`; its meta_info, with the client's own seconds added."""
+def generate_reply(url: str, input_ids: list[int], max_new_tokens: int) -> dict:
+    """One greedy /generate of `input_ids` (exactly `max_new_tokens` out: eos ignored); the whole JSON
+    answer, with the client's own seconds added to its meta_info. RuntimeError on any status but 200."""
     body = {"input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens,
                                                         "ignore_eos": True}}
     started = time.perf_counter()
     reply = httpx.post(f"{url}/generate", json=body, timeout=900)
-    reply.raise_for_status()
-    meta = reply.json()["meta_info"]
-    meta["client_seconds"] = time.perf_counter() - started
-    return meta
+    if reply.status_code != 200:
+        raise RuntimeError(f"/generate of a {len(input_ids)}-token prompt answered {reply.status_code}: "
+                           f"{reply.text[:2000]}")
+    answer = reply.json()
+    answer["meta_info"]["client_seconds"] = time.perf_counter() - started
+    return answer
+
+
+def generate(url: str, input_ids: list[int], max_new_tokens: int) -> dict:
+    """One greedy /generate of `input_ids`; its meta_info, with the client's own seconds added."""
+    return generate_reply(url, input_ids, max_new_tokens)["meta_info"]
 
 
 def closed_loop(url: str, prompts: list[list[int]], concurrency: int, max_new_tokens: int) -> list[dict]:
