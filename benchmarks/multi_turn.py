@@ -14,18 +14,23 @@ user message of 16 to 48 random token ids; turn k+1's is turn k's prompt, turn k
 user message. Each turn is one greedy /generate of token ids, exactly --max-new-tokens out (eos
 ignored). --concurrency chats run at once; a chat's turns run in order.
 
-Two phases, each on its own fresh cluster of --prefill-workers + --decode-workers processes (the bundled
-SmolLM2, the workers' default model) and one gateway with `--router-policy prefix_aware --local-prefill-threshold
---threshold`: "before" starts the decode workers with --disable-decode-prefix-cache (every handoff
-sends the whole prompt's KV), "after" without it (decode keeps what it served, so a next turn needs only
-its new tokens' KV, or none when the gateway prefills it on the decode worker).
+Three phases, each on its own fresh cluster of --prefill-workers + --decode-workers processes (the
+bundled SmolLM2, the workers' default model) and one gateway with `--router-policy prefix_aware
+--local-prefill-threshold --threshold`: "before" starts the decode workers with
+--disable-decode-prefix-cache and no disk tier (every handoff sends the whole prompt's KV: the system
+as it was), "after" without it and with a shared --kv-disk-cache-dir (decode keeps what it served, so a
+next turn needs only its new tokens' KV, or none when the gateway prefills it on the decode worker),
+"restarted" on new workers over the disk tier "after" filled (the same workload again: its prompts'
+pages come back from disk instead of being computed).
 
 Reports, per phase: median and p90 time to first token (the gateway's `tandem_timings.first_token_ms`)
 of turn 1 and of turns >= 2; the median KV bytes sent per turn >= 2 (0 for a turn prefilled on its
 decode worker); how many turns went local and disaggregated; the sum of `decode_cached_tokens` where the
 gateway reports it. Then the ratios after / before (issue 27's targets: TTFT of turns >= 2 at most
-0.3x, KV bytes per turn at most 0.2x) and how many turns' output ids differ between the phases (greedy
-output must not change: 0). A markdown table on stdout; --json writes the figures and every turn's record.
+0.3x, KV bytes per turn at most 0.2x), the share of the cacheable prompt tokens (full pages of prompts
+an earlier phase computed) served from a cache (target after the restart: at least 0.8), and how many
+turns' output ids differ between the phases (greedy output must not change: 0). A markdown table on
+stdout; --json writes the figures and every turn's record.
 """
 
 from __future__ import annotations
@@ -45,8 +50,9 @@ from cluster_runs import generate_reply, median, percentile, start_cluster
 
 from tests.e2e.cluster_stack import assert_no_pages_held
 
-PHASES = ("before", "after")
-PHASE_DECODE_FLAGS = {"before": ["--disable-decode-prefix-cache"], "after": []}
+PHASES = ("before", "after", "restarted")
+PHASE_DECODE_FLAGS = {"before": ["--disable-decode-prefix-cache"], "after": [], "restarted": []}
+PAGE_SIZE = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +137,8 @@ def run_phase(phase: str, args: argparse.Namespace, work: Workload, run_dir: Pat
         "--max-total-tokens",
         str(args.pool_tokens),
     ]
+    if phase != "before":  # "restarted" starts new workers over the disk tier "after" filled
+        common += ["--kv-disk-cache-dir", str(run_dir / "kv-disk")]
     gateway = ["--router-policy", "prefix_aware", "--local-prefill-threshold", str(args.threshold)]
     phase_dir = run_dir / phase
     phase_dir.mkdir()
@@ -177,6 +185,8 @@ def summary(turns: list[Turn], seconds: float) -> dict:
         "local_turns": sum(t.prefill_path == "local" for t in turns),
         "disaggregated_turns": sum(t.prefill_path == "disaggregated" for t in turns),
         "cached_tokens": sum(t.cached_tokens for t in turns),
+        # every full page of every prompt but its last token was computed in an earlier phase
+        "cacheable_tokens": sum((t.prompt_len - 1) // PAGE_SIZE * PAGE_SIZE for t in turns),
         "decode_cached_tokens": sum(reported) if reported else None,
         "median_ttft_ms_by_turn": {
             k: median([t.ttft_ms for t in turns if t.turn == k]) for k in sorted({t.turn for t in turns})
@@ -207,7 +217,11 @@ def report(results: dict[str, dict], turns: dict[str, list[Turn]]) -> dict:
         "later_p90_ttft": ratio(after["later_ttft_ms"]["p90"], before["later_ttft_ms"]["p90"]),
         "turn1_median_ttft": ratio(after["turn1_ttft_ms"]["median"], before["turn1_ttft_ms"]["median"]),
         "later_median_kv_bytes": ratio(after["later_median_kv_bytes"], before["later_median_kv_bytes"]),
-        "differing_turns": differing,
+        "differing_turns": differing
+        + sum(a.output_ids != r.output_ids for a, r in zip(turns["after"], turns["restarted"], strict=True)),
+        "restarted_cached_share": results["restarted"]["cached_tokens"]
+        / max(1, results["restarted"]["cacheable_tokens"]),
+        "after_cached_share": after["cached_tokens"] / max(1, after["cacheable_tokens"]),
     }
 
 
@@ -219,8 +233,8 @@ def markdown(results: dict[str, dict], ratios: dict, num_turns: int) -> str:
 
     rows = [
         "| phase | turn 1 TTFT ms median / p90 | turns >= 2 TTFT ms median / p90 | KV bytes per turn >= 2 "
-        "(median) | local / disaggregated | decode cached tokens |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "(median) | local / disaggregated | decode cached tokens | cached / cacheable tokens |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for phase in PHASES:
         r = results[phase]
@@ -228,7 +242,7 @@ def markdown(results: dict[str, dict], ratios: dict, num_turns: int) -> str:
             f"| {phase} | {cell(r['turn1_ttft_ms']['median'])} / {cell(r['turn1_ttft_ms']['p90'])} | "
             f"{cell(r['later_ttft_ms']['median'])} / {cell(r['later_ttft_ms']['p90'])} | "
             f"{cell(r['later_median_kv_bytes'])} | {r['local_turns']} / {r['disaggregated_turns']} | "
-            f"{cell(r['decode_cached_tokens'])} |"
+            f"{cell(r['decode_cached_tokens'])} | {r['cached_tokens']} / {r['cacheable_tokens']} |"
         )
     rows.append("")
     rows.append(
@@ -237,7 +251,12 @@ def markdown(results: dict[str, dict], ratios: dict, num_turns: int) -> str:
         f"**{cell(ratios['later_median_kv_bytes'], 3)}x** (target <= 0.2); turn 1 TTFT "
         f"{cell(ratios['turn1_median_ttft'], 3)}x"
     )
-    rows.append(f"output ids differing between the phases: {ratios['differing_turns']} of {num_turns} turns")
+    rows.append(
+        f"prompt tokens served from a cache over the cacheable ones (full pages of prompts an earlier phase "
+        f"computed): after {cell(ratios['after_cached_share'], 3)}, restarted (every worker new, over the disk "
+        f"tier) **{cell(ratios['restarted_cached_share'], 3)}** (target >= 0.8)"
+    )
+    rows.append(f"output ids differing between the phases: {ratios['differing_turns']} of {2 * num_turns} turn pairs")
     return "\n".join(rows)
 
 
