@@ -211,6 +211,7 @@ class EngineConfig:
     int8_activations: bool = False  # quantized matmuls round activations to int8 blocks (llama.cpp's way)
     kv_cache_dtype: str | None = None
     enable_prefix_cache: bool = False
+    kv_host_cache_gib: float = 0.0  # the prefix cache's host-memory tier (engine/kv_host_tier.py); 0: none
     kv_disk_cache_dir: str | None = None  # the prefix cache's disk tier (engine/kv_disk_tier.py); None: none
     kv_disk_cache_gib: float = 16.0
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
@@ -236,8 +237,10 @@ class EngineConfig:
             raise ConfigError(f"max_total_tokens must be >= page_size, got {self.max_total_tokens}")
         if self.kv_cache_gib <= 0:
             raise ConfigError(f"kv_cache_gib must be positive, got {self.kv_cache_gib}")
-        if self.kv_disk_cache_dir is not None and not self.enable_prefix_cache:
-            raise ConfigError("a KV disk cache is a tier of the prefix cache: it needs the prefix cache on")
+        if (self.kv_disk_cache_dir is not None or self.kv_host_cache_gib) and not self.enable_prefix_cache:
+            raise ConfigError("a KV host or disk cache is a tier of the prefix cache: it needs the prefix cache on")
+        if self.kv_host_cache_gib < 0:
+            raise ConfigError(f"kv_host_cache_gib must be >= 0, got {self.kv_host_cache_gib}")
         if self.kv_disk_cache_gib <= 0:
             raise ConfigError(f"kv_disk_cache_gib must be positive, got {self.kv_disk_cache_gib}")
         if self.max_running_requests <= 0 or self.max_prefill_tokens <= 0:

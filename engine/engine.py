@@ -30,6 +30,8 @@ from engine.errors import (
 )
 from engine.grammar import GrammarBackend
 from engine.kv_disk_tier import DiskTier
+from engine.kv_host_tier import HostTier, TierChain
+from engine.kv_pool import KVPool
 from engine.lora import LoraAdapter
 from engine.lora_slots import LoraSlots
 from engine.outputs import accept_token, append_token, finish_output
@@ -41,7 +43,7 @@ from engine.request import FinishReason, PromptLimits, Request, SamplingParams, 
 from engine.reservations import Reservation, Reservations, ReservedPages
 from engine.runner import FaultHooks, ModelRunner
 from engine.scheduler import Scheduler
-from engine.stats import DiskTierStats, EngineStats
+from engine.stats import EngineStats
 from engine.step_costs import DecodePacer, DecodeStepTimes, DraftBudget
 from engine.step_records import ModelOutput, SampledToken, SchedulerOutput
 from engine.weights import Checkpoint
@@ -74,14 +76,9 @@ class Engine:
         self.grammar = GrammarBackend(checkpoint.path, mc.vocab_size)
         self.runner = ModelRunner(checkpoint, config, self.context_len, progress=progress, faults=faults)
         self.allocator = PageAllocator(self.runner.kv_pool.num_pages)
-        self.disk_tier = None
-        if config.kv_disk_cache_dir is not None:
-            capacity = int(config.kv_disk_cache_gib * 2**30)
-            self.disk_tier = DiskTier(
-                config.kv_disk_cache_dir, capacity, self.runner.kv_pool, checkpoint.identity, background
-            )
+        self.kv_tiers = _kv_tiers(config, self.runner.kv_pool, checkpoint.identity, background)
         if config.enable_prefix_cache:
-            self.pages: PagePool = PrefixCache(self.allocator, config.page_size, self.disk_tier)
+            self.pages: PagePool = PrefixCache(self.allocator, config.page_size, self.kv_tiers)
         else:
             self.pages = NoPrefixCache(self.allocator, config.page_size)
         self.step_times = DecodeStepTimes()
@@ -286,8 +283,8 @@ class Engine:
         self.runner.load_weights(checkpoint)
         self.flush_prefix_cache()
         self.weights_id = checkpoint.identity
-        if self.disk_tier is not None:  # pages computed with the old weights are never found again
-            self.disk_tier.set_identity(checkpoint.identity)
+        if self.kv_tiers is not None:  # pages computed with the old weights are never found again
+            self.kv_tiers.set_identity(checkpoint.identity)
         return [o for o in outputs if o is not None]
 
     def release(self, request_id: str) -> None:
@@ -345,9 +342,7 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             num_draft_tokens=self.scheduler.num_draft_tokens,
             num_accepted_tokens=self.scheduler.num_accepted_tokens,
-            disk_tier=None
-            if (tier := self.disk_tier) is None
-            else DiskTierStats(tier.num_pages, tier.num_saved, tier.num_loaded, tier.num_dropped),
+            tiers=() if self.kv_tiers is None else self.kv_tiers.stats(),
         )
 
     # ---- the step ------------------------------------------------------------------------
@@ -396,3 +391,18 @@ class Engine:
                 if req.is_prefill_only and req.finish_reason is None:  # its KV awaits the transfer
                     self._held[req.request_id] = req
         return outputs
+
+
+def _kv_tiers(
+    config: EngineConfig,
+    pool: KVPool,
+    weights_identity: str,
+    background: Callable[[Callable[[], None]], object] | None,
+) -> TierChain | None:
+    """The prefix cache's tiers beyond the pool, from `config` (None: neither a host nor a disk tier)."""
+    host = HostTier(int(config.kv_host_cache_gib * 2**30), pool) if config.kv_host_cache_gib else None
+    disk = None
+    if config.kv_disk_cache_dir is not None:
+        capacity = int(config.kv_disk_cache_gib * 2**30)
+        disk = DiskTier(config.kv_disk_cache_dir, capacity, pool, weights_identity, background)
+    return TierChain(host, disk, weights_identity) if host or disk else None

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kv_pool import KVPool
+from engine.kv_pool import KVLayout, KVPool
 from engine.prefix_cache import DIGEST_BYTES
 
 logger = logging.getLogger(__name__)
@@ -79,10 +79,7 @@ class DiskTier:
     def set_identity(self, identity: str) -> None:
         """Serve pages computed with the weights named `identity` (from now on; after a weight update)."""
         self.flush()
-        layout = self.pool.layout
-        shape = f"{layout.num_layers}x{layout.page_size}x{layout.num_kv_heads}x{layout.head_dim}"
-        text = f"{identity}/{shape}/{layout.dtype}"
-        self._identity = hashlib.blake2b(text.encode(), digest_size=DIGEST_BYTES).digest()
+        self._identity = kv_identity(identity, self.pool.layout)
         self.directory = self.base_dir / self._identity.hex()
         self.directory.mkdir(parents=True, exist_ok=True)
         self._index.clear()
@@ -97,8 +94,7 @@ class DiskTier:
             logger.info("KV disk tier: %d pages found in %s", len(self._index), self.directory)
 
     def root(self, namespace: str) -> bytes:
-        """The digest every page chain of `namespace` (a LoRA adapter's cache id; "" the base model) starts from."""
-        return hashlib.blake2b(self._identity + namespace.encode(), digest_size=DIGEST_BYTES).digest()
+        return root_digest(self._identity, namespace)
 
     def _path(self, digest: bytes) -> Path:
         name = digest.hex()
@@ -200,6 +196,19 @@ class DiskTier:
             logger.warning("KV disk tier: a page could not be written (%s)", exc)
             temporary.unlink(missing_ok=True)
         self._written.append((digest, size))
+
+
+def kv_identity(weights_identity: str, layout: KVLayout) -> bytes:
+    """Names KV computed with the weights `weights_identity` into pages of `layout`."""
+    shape = f"{layout.num_layers}x{layout.page_size}x{layout.num_kv_heads}x{layout.head_dim}"
+    text = f"{weights_identity}/{shape}/{layout.dtype}"
+    return hashlib.blake2b(text.encode(), digest_size=DIGEST_BYTES).digest()
+
+
+def root_digest(identity: bytes, namespace: str) -> bytes:
+    """The digest every page chain of `namespace` (a LoRA adapter's cache id; "" the base model) starts
+    from, under `identity` (`kv_identity`)."""
+    return hashlib.blake2b(identity + namespace.encode(), digest_size=DIGEST_BYTES).digest()
 
 
 def _check(data: bytes, digest: bytes, page_bytes: int) -> str | None:

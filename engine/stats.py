@@ -17,14 +17,16 @@ class EngineStats:
     num_preemptions: int  # running requests paused for lack of pages, since start
     num_draft_tokens: int = 0  # speculative draft tokens verified, since start
     num_accepted_tokens: int = 0  # of those, accepted as output
-    disk_tier: DiskTierStats | None = None  # the prefix cache's disk tier, when it has one
+    tiers: tuple[TierStats, ...] = ()  # the prefix cache's tiers beyond the pool, fastest first
 
 
 @dataclass(frozen=True, slots=True)
-class DiskTierStats:
-    """The disk tier (engine/kv_disk_tier.py): pages on disk now, and since start the pages written,
-    read back into the pool (prefix-cache hits served from disk) and dropped as damaged."""
+class TierStats:
+    """One tier of the prefix cache beyond the pool ("host" or "disk": engine/kv_host_tier.py,
+    engine/kv_disk_tier.py): its pages now, and since start the pages saved to it, read back into the
+    pool (cache hits it served) and dropped as damaged."""
 
+    tier: str
     num_pages: int
     num_saved: int
     num_loaded: int

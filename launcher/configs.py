@@ -179,6 +179,7 @@ def engine_config(args: argparse.Namespace, role: str, is_embedding: bool) -> En
             if args.kv_disk_cache_dir and has_prefix_cache
             else None,
             kv_disk_cache_gib=args.kv_disk_cache_gb,
+            kv_host_cache_gib=args.kv_host_cache_gb if has_prefix_cache else 0.0,
             cuda_graph_batch_sizes=_graph_batch_sizes(args),
         )
     except ValueError as exc:

@@ -240,6 +240,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="recompute every prompt instead of reusing cached prefix pages (prefill and decode workers)",
     )
     p.add_argument(
+        "--kv-host-cache-gb",
+        type=non_negative_float,
+        default=field_default(EngineConfig, "kv_host_cache_gib"),
+        help="keep copies of the prefix cache's full KV pages in this many GiB of host memory (pinned on a GPU), "
+        "so a page the pool evicts comes back by a copy instead of a recompute; default 0: none",
+    )
+    p.add_argument(
         "--kv-disk-cache-dir",
         default=None,
         help="keep the prefix cache's full KV pages as files here too (checksummed, named by the tokens they "
@@ -414,4 +421,15 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value

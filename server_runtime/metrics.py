@@ -120,11 +120,11 @@ class WorkerMetrics:
             "Accepted draft tokens over draft tokens verified, since start",
             registry=r,
         )
-        self.kv_disk_pages = Gauge(
-            "tandem_worker_kv_disk_tier_pages",
-            "The prefix cache's disk tier (--kv-disk-cache-dir): pages on disk now (stored), and since start "
-            "pages written (saved), read back as cache hits (loaded) and dropped as damaged (dropped)",
-            ["state"],
+        self.kv_tier_pages = Gauge(
+            "tandem_worker_kv_tier_pages",
+            "The prefix cache's tiers beyond the pool (tier: host, disk): pages held now (stored), and since "
+            "start pages saved to it (saved), read back as cache hits (loaded) and dropped as damaged (dropped)",
+            ["tier", "state"],
             registry=r,
         )
         self._num_prompt_tokens = 0
@@ -149,14 +149,14 @@ class WorkerMetrics:
         self.draft_tokens.set(stats.num_draft_tokens)
         self.accepted_tokens.set(stats.num_accepted_tokens)
         self.acceptance_rate.set(stats.num_accepted_tokens / max(1, stats.num_draft_tokens))
-        if (disk := stats.disk_tier) is not None:
+        for tier in stats.tiers:
             for state, value in (
-                ("stored", disk.num_pages),
-                ("saved", disk.num_saved),
-                ("loaded", disk.num_loaded),
-                ("dropped", disk.num_dropped),
+                ("stored", tier.num_pages),
+                ("saved", tier.num_saved),
+                ("loaded", tier.num_loaded),
+                ("dropped", tier.num_dropped),
             ):
-                self.kv_disk_pages.labels(state).set(value)
+                self.kv_tier_pages.labels(tier.tier, state).set(value)
 
     def record_prefill(
         self, num_prompt_tokens: int, num_cached_tokens: int, kv_bytes: int, transfer_seconds: float

@@ -119,19 +119,19 @@ def test_a_restarted_engine_serves_the_prefix_from_disk_with_the_same_tokens(tmp
     expected, _ = _run(_engine(model_dir, None), PROMPT)
     first = _engine(model_dir, tmp_path / "kv")
     assert _run(first, PROMPT) == (expected, 0)
-    first.disk_tier.flush()
+    first.kv_tiers.disk.flush()
     # 14 + 6 - 1 tokens had KV: four full pages on disk (the prompt's three and one of its output)
-    assert first.disk_tier.num_pages == 4
+    assert first.kv_tiers.disk.num_pages == 4
 
     restarted = _engine(model_dir, tmp_path / "kv")
     assert _run(restarted, PROMPT) == (expected, 12)   # three pages read back; the last 2 tokens computed
-    assert restarted.stats().disk_tier.num_loaded == 3
+    assert restarted.stats().tiers[0].num_loaded == 3
     restarted.pages.check_integrity()
 
-    for path in restarted.disk_tier.directory.glob("*/*.kv"):   # every file damaged: all recomputed
+    for path in restarted.kv_tiers.disk.directory.glob("*/*.kv"):   # every file damaged: all recomputed
         data = bytearray(path.read_bytes())
         data[-1] ^= 0xFF
         path.write_bytes(bytes(data))
     damaged = _engine(model_dir, tmp_path / "kv")
     assert _run(damaged, PROMPT) == (expected, 0)
-    assert damaged.disk_tier.num_dropped == 1   # the first page's: the walk stops there
+    assert damaged.kv_tiers.disk.num_dropped == 1   # the first page's: the walk stops there
