@@ -235,7 +235,11 @@ async def _reserve(
         route = routes[0]
         try:
             call = route.decode.client.reserve(
-                rid, len(request.prompt_ids), timeout_s=config.reserve_timeout_s, priority=request.priority
+                rid,
+                request.prompt_ids,
+                timeout_s=config.reserve_timeout_s,
+                priority=request.priority,
+                lora_name=request.lora_name,
             )
             return await unless_stalled(route.decode, call, config.stall_timeout_s)
         except APIError:

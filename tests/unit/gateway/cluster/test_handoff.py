@@ -221,7 +221,7 @@ def test_the_adapter_name_reaches_every_worker_call_of_the_trip(tmp_path: Path) 
         [e async for e in run_handoff(pool, config, GatewayMetrics(), "r2", PROMPT, SAMPLING, lora_name="sql")]
         calls = [r for w in (a, b) for r in w.prefill.received + w.decode.received if hasattr(r, "lora_name")]
         names = sorted(type(r).__name__ for r in calls)
-        assert names == ["GenerateRequest", "PrefillAndGenerateRequest", "PrefillRequest"]
+        assert names == ["GenerateRequest", "PrefillAndGenerateRequest", "PrefillRequest", "ReserveRequest"]
         assert {r.lora_name for r in calls} == {"sql"}
 
     _run_pair(tmp_path, scenario, RoutingConfig(policy=RouterPolicy.ROUND_ROBIN, local_prefill_threshold=8))
