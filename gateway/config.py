@@ -21,16 +21,18 @@ class RouterPolicy(enum.StrEnum):
 
     ROUND_ROBIN = "round_robin"  # each role in turn
     LEAST_LOAD = "least_load"  # the worker with the fewest requests (decode: then the most free pages)
-    PREFIX_AWARE = "prefix_aware"  # prefill: where the prompt's prefix is likely cached; decode: least load
+    PREFIX_AWARE = "prefix_aware"  # each role: where the prompt's prefix is likely cached, within the load guard
 
 
 @dataclass(frozen=True, slots=True)
 class RoutingConfig:
     """Where requests go. `policy` picks the workers; `prefix_load_guard` is how many more requests
-    in flight the prefill worker holding a prompt's prefix may have than the least loaded one before
-    the prompt goes elsewhere (prefix_aware only). A prompt shorter than `local_prefill_threshold`
-    tokens, or one arriving while every prefill worker has `prefill_busy_threshold` requests or more
-    in flight, is prefilled by its decode worker, with no KV transfer (0 turns either off)."""
+    in flight the worker (prefill or decode) holding a prompt's prefix may have than the least loaded
+    one of its role before the prompt goes elsewhere (prefix_aware only). A prompt of which its decode
+    worker likely lacks fewer than `local_prefill_threshold` tokens (the whole prompt unless
+    prefix_aware finds part of it cached there), or one arriving while every prefill worker has
+    `prefill_busy_threshold` requests or more in flight, is prefilled by its decode worker, with no
+    KV transfer (0 turns either off)."""
 
     policy: RouterPolicy = RouterPolicy.PREFIX_AWARE
     prefix_load_guard: int = 4

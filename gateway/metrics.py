@@ -5,7 +5,8 @@ writes what: `MetricsMiddleware` (`gateway/api/metrics_routes.py`) counts every 
 template, method and status and keeps the in-flight gauge; the handoff records time to first token,
 inter-token latency, end-to-end latency, its per-phase timings and token counts; admission, the
 queue's depth, waits and refusals; the trip, each routing decision (policy, worker, reason), the
-cached tokens the router estimated and those the prefill worker reported, and failovers. The number
+cached tokens the router estimated and those the prefill worker reported, the prompt tokens decode
+workers already held, and failovers. The number
 of ready workers per role and each worker's load are read from the pool at scrape time (`watch_pool`,
 `watch_loads`). Everything runs on the event loop.
 """
@@ -84,6 +85,12 @@ class GatewayMetrics:
             "Prompt tokens the prefill servers served from their prefix cache",
             registry=r,
         )
+        self.decode_cached_prompt_tokens = Counter(
+            "tandem_gateway_decode_cached_prompt_tokens",
+            "Prompt tokens the decode workers already held in their prefix cache: a handoff's reservation "
+            "(the prefill server did not write them) or a local prefill's cache hits",
+            registry=r,
+        )
         self.generation_tokens = Counter(
             "tandem_gateway_generation_tokens", "Tokens received from the workers", registry=r
         )
@@ -118,7 +125,8 @@ class GatewayMetrics:
         self.route_decisions = Counter(
             "tandem_gateway_route_decisions",
             "Workers chosen for requests, by router policy, role, worker address and reason (round_robin, "
-            "least_load, prefix_match, load_guard); a prompt its decode worker prefills has no prefill decision "
+            "least_load, prefix_match, load_guard; for decode too); a prompt its decode worker prefills has no "
+            "prefill decision "
             "(see tandem_gateway_prefill_path)",
             ["policy", "role", "worker", "reason"],
             registry=r,
@@ -126,7 +134,7 @@ class GatewayMetrics:
         self.prefill_path = Counter(
             "tandem_gateway_prefill_path",
             "Requests by the worker that prefilled them: disaggregated (a prefill worker) or local (the decode "
-            "worker: short_prompt, prefill_busy), with the reason",
+            "worker: short_prompt, decode_cached, prefill_busy), with the reason",
             ["path", "reason"],
             registry=r,
         )
@@ -181,6 +189,7 @@ class GatewayMetrics:
         self.kv_transfer_bytes.inc(timings.kv_bytes)
         self.prompt_tokens.inc(num_prompt_tokens)
         self.cached_prompt_tokens.inc(timings.cached_tokens)
+        self.decode_cached_prompt_tokens.inc(timings.decode_cached_tokens)
         self.generation_tokens.inc()
 
     def observe_decode_queue(self, ms: float) -> None:

@@ -35,7 +35,9 @@ class HandoffTimings:
     """Per-phase timings of one request, in milliseconds. `first_token_ms` counts from the trip's
     start; `gateway_queue_ms` is the time before it (from the HTTP request's arrival), and
     `decode_queue_ms` arrives with the decode server's first message (None until then). `prefill_path`
-    says which worker prefilled the prompt."""
+    says which worker prefilled the prompt. `cached_tokens` are the prompt tokens the prefilling
+    worker served from its prefix cache; `decode_cached_tokens` those the decode worker already held
+    (the reservation's, which the prefill worker did not write; for a local prefill, `cached_tokens`)."""
 
     reserve_ms: float
     prefill_queue_ms: float
@@ -47,6 +49,7 @@ class HandoffTimings:
     gateway_queue_ms: float = 0.0
     decode_queue_ms: float | None = None
     prefill_path: PrefillPath = PrefillPath.DISAGGREGATED
+    decode_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

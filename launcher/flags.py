@@ -41,22 +41,23 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
         default=field_default(RoutingConfig, "policy").value,
         choices=[policy.value for policy in RouterPolicy],
         help="how requests are placed on the workers: round_robin; least_load (fewest requests in flight, "
-        "decode then most free pages); prefix_aware (prefill where the prompt's prefix is likely cached, "
-        "within --prefix-load-guard; decode least_load)",
+        "decode then most free pages); prefix_aware (prefill and decode each where the prompt's prefix is "
+        "likely cached, within --prefix-load-guard; else least_load)",
     )
     p.add_argument(
         "--prefix-load-guard",
         type=int,
         default=field_default(RoutingConfig, "prefix_load_guard"),
-        help="prefix_aware: a prompt goes to the prefill worker holding its prefix only while that worker has "
-        "at most this many more requests in flight than the least loaded one",
+        help="prefix_aware: a prompt goes to the prefill (or decode) worker holding its prefix only while that "
+        "worker has at most this many more requests in flight than the least loaded one of its role",
     )
     p.add_argument(
         "--local-prefill-threshold",
         type=int,
         default=field_default(RoutingConfig, "local_prefill_threshold"),
-        help="prompts shorter than this many tokens are prefilled by their decode worker, with no KV "
-        "transfer (0: never)",
+        help="prompts of which their decode worker likely lacks fewer than this many tokens (the whole "
+        "prompt, unless prefix_aware finds part of it in that worker's prefix cache) are prefilled by "
+        "it, with no KV transfer (0: never)",
     )
     p.add_argument(
         "--prefill-busy-threshold",

@@ -94,16 +94,26 @@ class WorkerClient:
 
     # --- the handoff -------------------------------------------------------------------------
 
-    async def reserve(self, request_id: str, prompt_len: int, timeout_s: float, priority: int = 0) -> Reservation:
-        """Decode: hold KV pages for a prompt of `prompt_len` tokens (running requests of a worse
-        `priority` may be preempted for them)."""
+    async def reserve(
+        self, request_id: str, prompt_ids: list[int], timeout_s: float, priority: int = 0, lora_name: str = ""
+    ) -> Reservation:
+        """Decode: hold KV pages for the prompt `prompt_ids` (running requests of a worse `priority`
+        may be preempted for them). The worker matches the prompt in its prefix cache under the
+        adapter `lora_name` ("" the base model): the pages it holds already are shared into the
+        reservation (`Reservation.cached_tokens`) and left out of the target."""
         reply = await self._call(
             self._decode.Reserve(
-                decode_pb2.ReserveRequest(request_id=request_id, prompt_len=prompt_len, priority=priority),
+                decode_pb2.ReserveRequest(
+                    request_id=request_id,
+                    prompt_len=len(prompt_ids),
+                    priority=priority,
+                    prompt_token_ids=prompt_ids,
+                    lora_name=lora_name,
+                ),
                 timeout=timeout_s,
             )
         )
-        return Reservation(convert.kv_target_from_proto(reply.kv_target), reply.ttl_ms)
+        return Reservation(convert.kv_target_from_proto(reply.kv_target), reply.ttl_ms, reply.cached_tokens)
 
     async def prefill(
         self,

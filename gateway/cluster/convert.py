@@ -2,7 +2,8 @@
 
 Presence is kept both ways: a record field that is None is an unset proto field, and an unset
 optional proto field reads as None. The proto's enums (finish reason, worker role) map to
-`FinishReason` and `Role` here and nowhere else.
+`FinishReason` and `Role` here and nowhere else. A decode worker's `KvTarget` is not decoded: it
+stays the bytes the worker sent, so that the prefill worker gets every field of it.
 """
 
 from __future__ import annotations
@@ -66,38 +67,14 @@ def layout_from_proto(msg: common_pb2.KvLayout) -> KvLayout:
     return KvLayout(msg.num_layers, msg.page_size, msg.num_kv_heads, msg.head_dim, msg.dtype, msg.page_bytes, msg.order)
 
 
-def _layout_to_proto(layout: KvLayout) -> common_pb2.KvLayout:
-    return common_pb2.KvLayout(
-        num_layers=layout.num_layers,
-        page_size=layout.page_size,
-        num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim,
-        dtype=layout.dtype,
-        page_bytes=layout.page_bytes,
-        order=layout.order,
-    )
-
-
 def kv_target_from_proto(msg: common_pb2.KvTarget) -> KvTarget:
-    return KvTarget(
-        msg.session_id,
-        msg.base_addr,
-        layout_from_proto(msg.layout) if msg.HasField("layout") else None,
-        tuple(msg.page_ids),
-        msg.grant,
-        msg.grant_expires_unix_ms,
-    )
+    """The target as its bytes: fields this gateway's stubs do not know are kept (as unknown fields)
+    and serialized with the rest."""
+    return KvTarget(msg.SerializeToString(), msg.grant)
 
 
 def kv_target_to_proto(target: KvTarget) -> common_pb2.KvTarget:
-    return common_pb2.KvTarget(
-        session_id=target.session_id,
-        base_addr=target.base_addr,
-        layout=_layout_to_proto(target.layout) if target.layout is not None else None,
-        page_ids=target.page_ids,
-        grant=target.grant,
-        grant_expires_unix_ms=target.grant_expires_unix_ms,
-    )
+    return common_pb2.KvTarget.FromString(target.wire)
 
 
 def prefill_from_proto(msg: prefill_pb2.PrefillResponse) -> PrefillResult:

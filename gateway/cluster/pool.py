@@ -187,25 +187,26 @@ class WorkerPool:
         may_prefill_locally: bool = True,
     ) -> Route:
         """The workers of one request, counted in flight on each from now (`Route.end`): by the
-        router's policy among routable workers not in `avoid` that may be paired, or a decode worker
-        alone when the router says it should prefill the prompt itself (and `may_prefill_locally`).
-        503 when no such pair exists. The router's prefix index learns the prompt only once the
-        route's prefill is sent (`Router.routed`, the trip's call). A prompt run under a LoRA adapter
-        (`prompt.lora_name`) goes only to workers that hold it, on both legs."""
+        router's policy among routable workers not in `avoid` that may be paired, the decode worker
+        first; then that worker alone when the router says it should prefill the prompt itself (and
+        `may_prefill_locally`, and its pool could hold the prompt), else a prefill worker it may be
+        paired with. 503 when no such pair exists. The router's prefix indexes learn the prompt only
+        once the route's first call is sent (`Router.routed`, the trip's call). A prompt run under a
+        LoRA adapter (`prompt.lora_name`) goes only to workers that hold it, on both legs."""
         pairs = self._pairs(avoid, lora_name=prompt.lora_name)
         decodes = [d for d, prefills in pairs.items() if prefills]
         if not decodes:
             raise self._no_pair_error(prompt.lora_name)
-        prefills = list(dict.fromkeys(p for d in decodes for p in pairs[d]))
+        decode = self.router.choose_decode(prompt, decodes)
+        prefills = pairs[decode.worker]
+        local = None
+        if may_prefill_locally and _fits(decode.worker, len(prompt)):
+            local = self.router.local_reason(len(prompt), decode.estimated_cached_tokens, prefills)
         policy = self.router.config.policy
-        local = self.router.local_reason(len(prompt), prefills) if may_prefill_locally else None
-        fitting = [d for d in decodes if _fits(d, len(prompt))]
-        if local is not None and fitting:
-            decode = self.router.choose_decode(fitting)
+        if local is not None:
             route = Route(None, decode.worker, policy, local, decode.reason)
         else:
             prefill = self.router.choose_prefill(prompt, prefills)
-            decode = self.router.choose_decode([d for d in decodes if prefill.worker in pairs[d]])
             route = Route(
                 prefill.worker,
                 decode.worker,
@@ -215,6 +216,8 @@ class WorkerPool:
                 prefill.estimated_cached_tokens,
                 prefill.page_hashes,
             )
+        route.estimated_decode_cached_tokens = decode.estimated_cached_tokens
+        route.decode_page_hashes = decode.page_hashes
         route.begin()
         return route
 

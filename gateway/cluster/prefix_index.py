@@ -1,16 +1,18 @@
-"""An approximate index of what one prefill worker's prefix cache holds, kept by the gateway.
+"""An approximate index of what one worker's prefix cache holds, kept by the gateway (one per prefill
+and per decode worker: `gateway/cluster/routing.py`).
 
-The worker's cache (engine/prefix_cache.py) holds full pages of prompt tokens, keyed by the page and
+The worker's cache (engine/prefix_cache.py) holds full pages of tokens, keyed by the page and
 everything before it. The gateway cannot see it, so it remembers the page-aligned prefixes it routed
 to the worker: `page_hashes` names each full page of a prompt by a hash chained over every page up to
 it, so one hash stands for a whole prefix and two prompts share a hash exactly when they share that
 many pages. The index is bounded (at most the worker's pool, in pages) and evicts the least recently
 routed prefix first, deepest pages first, as the worker's own cache evicts leaves first. A prompt run
 under a LoRA adapter chains its hashes from the adapter's name, as the worker keys its cache by
-adapter: the same tokens under another adapter (or none) share no page. Each prefill's
-answer corrects it (`correct`): the worker's `cached_tokens` says how much of the prompt it really
-held, so an index that promised more shrinks towards the worker's real cache, and one that promised
-less (another gateway sent that prefix there) grows. No I/O; event loop only.
+adapter: the same tokens under another adapter (or none) share no page. Each answer that reports
+cache hits (a prefill's, a decode worker's Reserve or local prefill) corrects it (`correct`): the
+worker's `cached_tokens` says how much of the prompt it really held, so an index that promised more
+shrinks towards the worker's real cache, and one that promised less (another gateway sent that
+prefix there) grows. No I/O; event loop only.
 """
 
 from __future__ import annotations

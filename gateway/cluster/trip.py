@@ -74,7 +74,7 @@ async def run_trip(
     trace.routed(route)
     if route.is_local:
         _observe(metrics, route)
-        events = _local_trip(config, route, request, started, trace)
+        events = _local_trip(pool, config, route, request, started, trace)
     else:
         events = _disaggregated_trip(pool, config, metrics, route, request, started, avoid, trace)
     try:
@@ -112,6 +112,7 @@ async def _disaggregated_trip(
     try:
         _observe(metrics, route)
         pool.router.routed(route)  # only now: a route chosen on an admission retry and dropped is never sent
+        pool.router.decode_matched(route, reservation.cached_tokens)
         call = prefill.client.prefill(
             rid,
             request.prompt_ids,
@@ -138,7 +139,9 @@ async def _disaggregated_trip(
             (time.perf_counter() - started) * 1000,
             first.cached_tokens,
             request.gateway_queue_ms,
+            decode_cached_tokens=reservation.cached_tokens,
         )
+        output_ids = [first.first_token.token_id]
         yield TokenChunk([first.first_token], timings=timings, prompt_logprobs=list(first.prompt_logprobs))
         stream = decode.client.generate(
             rid,
@@ -154,6 +157,9 @@ async def _disaggregated_trip(
         )
         async for chunk in chunks(decode, stream, config.stall_timeout_s):
             finished = chunk.finish is not None
+            output_ids.extend(chunk.token_ids)
+            if finished:  # told before the last event: a reader may stop at it
+                pool.router.finished(route, request.prompt_ids + output_ids, request.lora_name)
             yield _event(chunk, timings)
             if finished:
                 return
@@ -170,11 +176,14 @@ async def _disaggregated_trip(
 
 
 async def _local_trip(
-    config: GatewayConfig, route: Route, request: TripRequest, started: float, trace: TripTrace
+    pool: WorkerPool, config: GatewayConfig, route: Route, request: TripRequest, started: float, trace: TripTrace
 ) -> AsyncGenerator[TokenChunk, None]:
     """The decode worker prefills the prompt and streams every token. The first token comes alone in
-    the first event, with the timings; cancelling the stream frees the request's pages on the worker."""
+    the first event, with the timings; cancelling the stream frees the request's pages on the worker.
+    The router learns what the worker held of the prompt (its first chunk's `cached_tokens`) and, at
+    the finish, the sequence it caches."""
     decode = route.decode
+    pool.router.routed(route)
     stream = decode.client.prefill_and_generate(
         request.request_id,
         request.prompt_ids,
@@ -186,10 +195,15 @@ async def _local_trip(
     )
     timings: HandoffTimings | None = None
     finished = False
+    output_ids: list[int] = []
     try:
         async for chunk in chunks(decode, stream, config.stall_timeout_s):
             finished = chunk.finish is not None
+            output_ids.extend(chunk.token_ids)
+            if finished:  # told before the last event: a reader may stop at it
+                pool.router.finished(route, request.prompt_ids + output_ids, request.lora_name)
             if timings is None:
+                pool.router.decode_matched(route, chunk.cached_tokens)
                 timings = HandoffTimings(
                     0.0,
                     chunk.queue_ms or 0.0,
@@ -200,6 +214,7 @@ async def _local_trip(
                     chunk.cached_tokens,
                     request.gateway_queue_ms,
                     prefill_path=PrefillPath.LOCAL,
+                    decode_cached_tokens=chunk.cached_tokens,
                 )
                 first = chunk.tokens[:1]
                 rest = replace(chunk, tokens=chunk.tokens[1:], queue_ms=None) if len(chunk.tokens) > 1 else None
@@ -235,7 +250,11 @@ async def _reserve(
         route = routes[0]
         try:
             call = route.decode.client.reserve(
-                rid, len(request.prompt_ids), timeout_s=config.reserve_timeout_s, priority=request.priority
+                rid,
+                request.prompt_ids,
+                timeout_s=config.reserve_timeout_s,
+                priority=request.priority,
+                lora_name=request.lora_name,
             )
             return await unless_stalled(route.decode, call, config.stall_timeout_s)
         except APIError:

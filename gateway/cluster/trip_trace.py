@@ -42,6 +42,7 @@ class TripTrace:
             "tandem.prefill_worker": "" if route.prefill is None else route.prefill.address,
             "tandem.prefill_path": "local" if route.is_local else "disaggregated",
             "tandem.estimated_cached_tokens": route.estimated_cached_tokens,
+            "tandem.estimated_decode_cached_tokens": route.estimated_decode_cached_tokens,
         }
         self._phase("route", attributes)
 

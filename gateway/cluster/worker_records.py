@@ -5,7 +5,7 @@ reasons, sampling options) are in `gateway/records.py`."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.records import GeneratedToken, Role
 
@@ -44,22 +44,24 @@ class KvLayout:
 @dataclass(frozen=True, slots=True)
 class KvTarget:
     """Pages a decode worker reserved for one request, where the prefill worker writes its KV, with
-    the grant that permits exactly that write. The gateway only passes it on."""
+    the grant that permits exactly that write. The gateway only passes it on: `wire` is the proto
+    (`tandem.v1.KvTarget`) serialized as the decode worker sent it, handed to the prefill worker
+    unchanged, so that every field of it arrives there, those this gateway does not know included.
+    `grant` is the one field the gateway itself reads (Generate and CancelPrefill name it)."""
 
-    session_id: str
-    base_addr: int
-    layout: KvLayout | None
-    page_ids: tuple[int, ...]
+    wire: bytes = field(repr=False)
     grant: str
-    grant_expires_unix_ms: int
 
 
 @dataclass(frozen=True, slots=True)
 class Reservation:
-    """A decode worker's answer to Reserve: the pages are held for `ttl_ms` waiting for Generate."""
+    """A decode worker's answer to Reserve: the pages are held for `ttl_ms` waiting for Generate.
+    `cached_tokens`: leading prompt tokens whose KV the worker already held (its prefix cache; whole
+    pages), which the prefill worker does not write."""
 
     kv_target: KvTarget
     ttl_ms: int
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

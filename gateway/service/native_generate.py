@@ -211,6 +211,7 @@ def _timings(result: GenerationResult) -> TandemTimings | None:
         decode_queue_ms=t.decode_queue_ms,
         first_token_ms=t.gateway_queue_ms + t.first_token_ms,
         prefill_path=t.prefill_path.value,
+        decode_cached_tokens=t.decode_cached_tokens,
     )
 
 

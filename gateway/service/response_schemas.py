@@ -204,7 +204,9 @@ class AbortFinish(BaseModel):
 class TandemTimings(BaseModel):
     """Per-phase milliseconds of one generation (see `HandoffTimings`); `first_token_ms` counts from the
     HTTP request's arrival. `prefill_path` says which worker prefilled the prompt: "disaggregated" (a
-    prefill worker, the KV transferred) or "local" (the decode worker; reserve and KV transfer are 0)."""
+    prefill worker, the KV transferred) or "local" (the decode worker; reserve and KV transfer are 0).
+    `decode_cached_tokens`: leading prompt tokens the decode worker already held in its prefix cache
+    (not transferred; for a local prefill, the decode worker's cache hits)."""
 
     gateway_queue_ms: float
     reserve_ms: float
@@ -215,6 +217,7 @@ class TandemTimings(BaseModel):
     decode_queue_ms: float | None
     first_token_ms: float
     prefill_path: str
+    decode_cached_tokens: int = 0
 
 
 # [logprob, token id, token text]: the logprob is None at prompt position 0, the text None unless asked for.

@@ -17,6 +17,7 @@ import pytest
 from engine.engine import Engine
 from engine.request import Request, SamplingParams
 from engine.weights import open_checkpoint
+from gateway.cluster.convert import kv_target_to_proto
 from gateway.cluster.handoff import run_handoff
 from gateway.cluster.pool import WorkerPool
 from gateway.cluster.prefix_index import PromptPages
@@ -153,9 +154,10 @@ def test_an_expired_reservation_frees_its_pages_and_its_grant_is_refused(model_p
             route = pool.route(PromptPages(PROMPT))
             prefill, decode = route.prefill, route.decode
             assert prefill is not None
-            reservation = await decode.client.reserve("late", len(PROMPT), _TIMEOUT_S)
+            reservation = await decode.client.reserve("late", PROMPT, _TIMEOUT_S)
             held = await decode.client.load(_TIMEOUT_S)
-            assert held.num_total_pages - held.num_free_pages == len(reservation.kv_target.page_ids) == 3
+            page_ids = kv_target_to_proto(reservation.kv_target).page_ids
+            assert held.num_total_pages - held.num_free_pages == len(page_ids) == 3
             await _all_pages_back(pool, within_s=5.0)
             with pytest.raises(APIError) as refused:
                 await prefill.client.prefill("late", PROMPT, GREEDY, reservation.kv_target, None, _TIMEOUT_S)

@@ -48,9 +48,10 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
 
 
 class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
-    """Reserve answers RESOURCE_EXHAUSTED (no free pages) `num_full_reserves` times first. Generate
-    streams token 8 (with queue_ms), then aborts with `failure`, or hangs while `is_stuck`, or ends with
-    token 2 and FINISH_REASON_STOP."""
+    """Reserve answers RESOURCE_EXHAUSTED (no free pages) `num_full_reserves` times first, then
+    `kv_target` with `cached_tokens` (what its prefix cache held). Generate streams token 8 (with
+    queue_ms), then aborts with `failure`, or hangs while `is_stuck`, or ends with token 2 and
+    FINISH_REASON_STOP. PrefillAndGenerate reports `cached_tokens` too."""
 
     def __init__(self) -> None:
         self.received: list = []
@@ -58,6 +59,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
         self.is_stuck = False
         self.fails_reserve = True  # False: only the Generate stream fails with `failure`; Reserve answers
         self.num_full_reserves = 0
+        self.kv_target = KV_TARGET
+        self.cached_tokens = 0
 
     async def Reserve(self, request, context):
         self.received.append(request)
@@ -66,7 +69,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
         if self.num_full_reserves > 0:
             self.num_full_reserves -= 1
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free pages")
-        return decode_pb2.ReserveResponse(request_id=request.request_id, kv_target=KV_TARGET, ttl_ms=5000)
+        return decode_pb2.ReserveResponse(request_id=request.request_id, kv_target=self.kv_target, ttl_ms=5000,
+                                          cached_tokens=self.cached_tokens)
 
     async def Generate(self, request, context):
         self.received.append(request)
@@ -86,7 +90,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
         if self.failure is not None:
             await context.abort(*self.failure)
         yield decode_pb2.GenerateResponse(request_id=request.request_id, tokens=[token(7), token(8)], queue_ms=0.25,
-                                          prefill_compute_ms=1.75, cached_tokens=0)
+                                          prefill_compute_ms=1.75, cached_tokens=self.cached_tokens)
         yield decode_pb2.GenerateResponse(request_id=request.request_id, tokens=[token(2)],
                                           finish_reason=common_pb2.FINISH_REASON_STOP, matched_token_id=2)
 

@@ -15,12 +15,12 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from gateway.cluster.client import WorkerClient
-from gateway.cluster.convert import sampling_to_proto
+from gateway.cluster.convert import kv_target_to_proto, sampling_to_proto
 from gateway.cluster.worker_errors import WorkerError
-from gateway.cluster.worker_records import ExpertCounts, ExpertRecordOp, FlushResult, Health, KvLayout, KvTarget
+from gateway.cluster.worker_records import ExpertCounts, ExpertRecordOp, FlushResult, Health, KvTarget
 from gateway.records import Finish, FinishReason, GeneratedToken, Role
 from tandem.sampling import GrammarKind, GrammarSpec, SamplingSpec
-from tandem.v1 import common_pb2
+from tandem.v1 import common_pb2, decode_pb2
 from tests.unit.gateway.cluster.fake_worker import KV_TARGET, FakeWorker, serve_fake_worker, token
 
 
@@ -60,9 +60,13 @@ def test_the_grammar_is_the_protos_constraint(grammar: GrammarSpec) -> None:
 
 def test_a_trip_crosses_the_wire_as_records() -> None:
     async def scenario(client: WorkerClient, worker: FakeWorker) -> None:
-        reservation = await client.reserve("r1", prompt_len=20, timeout_s=5)
-        assert reservation.ttl_ms == 5000 and reservation.kv_target.page_ids == (3, 4)
-        assert reservation.kv_target.layout == KvLayout(2, 16, 2, 8, "bfloat16", 2048)
+        worker.decode.cached_tokens = 16
+        reservation = await client.reserve("r1", list(range(20)), timeout_s=5, priority=3, lora_name="sql")
+        assert (reservation.ttl_ms, reservation.cached_tokens, reservation.kv_target.grant) == (5000, 16, "g-1")
+        assert kv_target_to_proto(reservation.kv_target) == KV_TARGET
+        reserve = worker.decode.received[0]
+        assert (reserve.prompt_len, list(reserve.prompt_token_ids)) == (20, list(range(20)))
+        assert (reserve.priority, reserve.lora_name) == (3, "sql")
         sampling = SamplingSpec(temperature=0.0, max_new_tokens=8, ignore_eos=False, logit_bias=((5, 1.5),),
                                 grammar=GrammarSpec(GrammarKind.JSON_OBJECT))
         first = await client.prefill("r1", [1, 2, 3], sampling, reservation.kv_target, None, timeout_s=5)
@@ -95,6 +99,43 @@ def test_a_trip_crosses_the_wire_as_records() -> None:
     _run(scenario)
 
 
+def test_the_kv_target_reaches_the_prefill_worker_as_the_decode_worker_sent_it() -> None:
+    """The gateway never rebuilds the target: skip_tokens and the page ids, and a field its stubs do not
+    know (number 100 here, as a newer decode worker might add), arrive byte-identical, on Prefill and
+    on CancelPrefill."""
+    async def scenario(client: WorkerClient, worker: FakeWorker) -> None:
+        known = common_pb2.KvTarget()
+        known.CopyFrom(KV_TARGET)
+        known.skip_tokens = 32
+        wire = known.SerializeToString() + b"\xa0\x06\x2a"   # field 100, varint 42
+        worker.decode.kv_target = common_pb2.KvTarget.FromString(wire)
+        worker.decode.cached_tokens = 32
+        reservation = await client.reserve("r1", list(range(50)), timeout_s=5)
+        assert reservation.cached_tokens == 32 and reservation.kv_target.wire == wire
+        await client.prefill("r1", list(range(50)), SamplingSpec(), reservation.kv_target, None, timeout_s=5)
+        await client.cancel_prefill("r1", reservation.kv_target, timeout_s=5)
+        sent = [r.kv_target for r in worker.prefill.received]
+        assert [t.SerializeToString() for t in sent] == [wire, wire]
+        assert sent[0].skip_tokens == 32 and list(sent[0].page_ids) == [3, 4] and sent[0].grant == "g-1"
+
+    _run(scenario)
+
+
+def test_a_reserve_without_a_prompt_sends_none() -> None:
+    """Reserve's prompt is what the worker matches in its cache; an empty one is matched against nothing."""
+    async def scenario(client: WorkerClient, worker: FakeWorker) -> None:
+        reservation = await client.reserve("r1", [], timeout_s=5)
+        assert reservation.cached_tokens == 0
+        assert worker.decode.received[0] == decode_pb2.ReserveRequest(request_id="r1")
+
+    _run(scenario)
+
+
+def _target(session_id: str, page_ids: list[int], grant: str) -> KvTarget:
+    return KvTarget(common_pb2.KvTarget(session_id=session_id, page_ids=page_ids, grant=grant).SerializeToString(),
+                    grant)
+
+
 def test_probes_and_admin_calls_answer_records() -> None:
     async def scenario(client: WorkerClient, worker: FakeWorker) -> None:
         info = await client.model_info(timeout_s=5)
@@ -114,13 +155,13 @@ def test_errors_the_worker_answers_are_the_tables_api_errors() -> None:
     async def scenario(client: WorkerClient, worker: FakeWorker) -> None:
         worker.decode.failure = (grpc.StatusCode.RESOURCE_EXHAUSTED, "no free pages on 127.0.0.1:31002")
         with pytest.raises(WorkerError) as full:
-            await client.reserve("r1", 20, timeout_s=5)
+            await client.reserve("r1", [1] * 20, timeout_s=5)
         assert (full.value.status, full.value.code) == (503, "capacity_exceeded")
         assert full.value.headers == {"Retry-After": "1"}
         assert full.value.message == "the decode worker: no free pages on <address>" and full.value.is_settled
 
         worker.prefill.failure = (grpc.StatusCode.OUT_OF_RANGE, "the prompt has 3000 tokens")
-        target = KvTarget("s", 0, None, (1,), "g", 0)
+        target = _target("s", [1], "g")
         with pytest.raises(WorkerError) as long:
             await client.prefill("r1", [1], SamplingSpec(), target, None, timeout_s=5)
         assert (long.value.status, long.value.code, long.value.message) == (
@@ -146,8 +187,7 @@ def test_a_deadline_is_a_504_and_leaves_the_call_unsettled() -> None:
     async def scenario(client: WorkerClient, worker: FakeWorker) -> None:
         worker.prefill.delay_s = 5.0
         with pytest.raises(WorkerError) as late:
-            await client.prefill("r1", [1], SamplingSpec(), KvTarget("s", 0, None, (1,), "g", 0), None,
-                                 timeout_s=0.2)
+            await client.prefill("r1", [1], SamplingSpec(), _target("s", [1], "g"), None, timeout_s=0.2)
         assert (late.value.status, late.value.message) == (504, "the prefill worker did not answer in time")
         assert not late.value.is_settled   # the prefill may still be writing
 
@@ -164,7 +204,7 @@ def test_a_worker_that_is_not_there_is_a_503_naming_the_role_only() -> None:
             assert await client.health(timeout_s=2) is Health.NO_ANSWER
             assert await client.model_info(timeout_s=2) is None and not await client.responds(timeout_s=2)
             with pytest.raises(WorkerError) as gone:
-                await client.reserve("r1", 20, timeout_s=2)
+                await client.reserve("r1", [1] * 20, timeout_s=2)
             assert (gone.value.status, gone.value.code) == (503, "worker_unavailable")
             assert gone.value.message == "the decode worker is unavailable" and gone.value.retry_after_s == 1
             assert not gone.value.is_settled and str(port) not in gone.value.body()["error"]["message"]

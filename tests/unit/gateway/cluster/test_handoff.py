@@ -221,7 +221,7 @@ def test_the_adapter_name_reaches_every_worker_call_of_the_trip(tmp_path: Path) 
         [e async for e in run_handoff(pool, config, GatewayMetrics(), "r2", PROMPT, SAMPLING, lora_name="sql")]
         calls = [r for w in (a, b) for r in w.prefill.received + w.decode.received if hasattr(r, "lora_name")]
         names = sorted(type(r).__name__ for r in calls)
-        assert names == ["GenerateRequest", "PrefillAndGenerateRequest", "PrefillRequest"]
+        assert names == ["GenerateRequest", "PrefillAndGenerateRequest", "PrefillRequest", "ReserveRequest"]
         assert {r.lora_name for r in calls} == {"sql"}
 
     _run_pair(tmp_path, scenario, RoutingConfig(policy=RouterPolicy.ROUND_ROBIN, local_prefill_threshold=8))
@@ -256,3 +256,33 @@ def test_every_trip_wakes_the_admission_queue_once(tmp_path: Path, monkeypatch: 
         assert len(wakes) == 2   # disaggregated: once too
 
     _run_pair(tmp_path, scenario, RoutingConfig(policy=RouterPolicy.ROUND_ROBIN, local_prefill_threshold=8))
+
+
+def test_the_decode_workers_cache_is_reported_learnt_and_decides_a_local_prefill(tmp_path: Path) -> None:
+    """Reserve names the prompt; what the decode worker held comes back in the timings and the metric,
+    its KV target (skip_tokens) reaches the prefill worker as sent; the finished sequence teaches the
+    router, so a next turn that lacks little of it is prefilled by that decode worker."""
+    async def scenario(pool: WorkerPool, config: GatewayConfig, a: FakeWorker, b: FakeWorker) -> None:
+        target = decode_pb2.ReserveResponse(kv_target=KV_TARGET).kv_target
+        target.skip_tokens = 16
+        b.decode.kv_target, b.decode.cached_tokens = target, 16
+        metrics = GatewayMetrics()
+        prompt = list(range(100, 147))   # 47 tokens: over the threshold, and nothing held yet
+        events = [e async for e in run_handoff(pool, config, metrics, "r1", prompt, SAMPLING, lora_name="")]
+        assert events[0].timings.prefill_path is PrefillPath.DISAGGREGATED
+        assert events[0].timings.decode_cached_tokens == 16
+        assert metrics.decode_cached_prompt_tokens._value.get() == 16
+        reserve = next(r for r in b.decode.received if isinstance(r, decode_pb2.ReserveRequest))
+        assert (reserve.prompt_len, list(reserve.prompt_token_ids)) == (47, prompt)
+        prefill = next(r for w in (a, b) for r in w.prefill.received)
+        assert prefill.kv_target.SerializeToString() == target.SerializeToString()
+        assert prefill.kv_target.skip_tokens == 16
+
+        b.decode.cached_tokens = 48   # prompt + [7, 8] (the last output, 2, never computed): 3 pages
+        turn = prompt + [7, 8, 2] + [9] * 10   # 60 tokens, 12 of them past what decode holds
+        events = [e async for e in run_handoff(pool, config, metrics, "r2", turn, SAMPLING)]
+        assert events[0].timings.prefill_path is PrefillPath.LOCAL and events[0].timings.decode_cached_tokens == 48
+        assert metrics.prefill_path.labels("local", "decode_cached")._value.get() == 1
+        assert metrics.decode_cached_prompt_tokens._value.get() == 64
+
+    _run_pair(tmp_path, scenario, RoutingConfig(policy=RouterPolicy.PREFIX_AWARE, local_prefill_threshold=20))

@@ -158,14 +158,14 @@ def test_decisions_counted_in_flight_spread_a_burst_over_decode_workers() -> Non
         router, decodes = Router(RoutingConfig(RouterPolicy.LEAST_LOAD)), _workers(Role.DECODE, 2)
         picks = []
         for _ in range(16):   # all decided before any worker reports again
-            choice = router.choose_decode(decodes)
+            choice = router.choose_decode(_prompt(1, 0), decodes)
             choice.worker.num_in_flight += 1
             picks.append(choice.worker.address)
         assert Counter(picks) == Counter({decodes[0].address: 8, decodes[1].address: 8})
         assert picks[:4] == [decodes[0].address, decodes[1].address] * 2   # ties: the pool's order
         decodes[0].num_in_flight = decodes[1].num_in_flight = 0
         decodes[0].load = WorkerLoad(0, 0, 10, 64, 0)   # same requests, fewer free pages
-        assert router.choose_decode(decodes).worker is decodes[1]
+        assert router.choose_decode(_prompt(1, 0), decodes).worker is decodes[1]
 
     _in_loop(test)
 
@@ -184,13 +184,14 @@ def test_short_prompts_and_a_busy_prefill_pool_prefill_on_decode() -> None:
     def test() -> None:
         prefills = _workers(Role.PREFILL, 2)
         router = Router(RoutingConfig(local_prefill_threshold=32, prefill_busy_threshold=3))
-        assert router.local_reason(31, prefills) is RouteReason.SHORT_PROMPT
-        assert router.local_reason(32, prefills) is None
+        assert router.local_reason(31, 0, prefills) is RouteReason.SHORT_PROMPT
+        assert router.local_reason(32, 0, prefills) is None
+        assert router.local_reason(40, 16, prefills) is RouteReason.DECODE_CACHED   # decode lacks only 24
         prefills[0].num_in_flight = 3
-        assert router.local_reason(500, prefills) is None   # one prefill worker still has room
+        assert router.local_reason(500, 0, prefills) is None   # one prefill worker still has room
         prefills[1].num_in_flight = 3
-        assert router.local_reason(500, prefills) is RouteReason.PREFILL_BUSY
-        assert Router(RoutingConfig()).local_reason(1, prefills) is None   # both off by default
+        assert router.local_reason(500, 0, prefills) is RouteReason.PREFILL_BUSY
+        assert Router(RoutingConfig()).local_reason(1, 0, prefills) is None   # both off by default
 
     _in_loop(test)
 
