@@ -87,6 +87,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     ) -> common_pb2.GetModelInfoResponse:
         ctx = self.ctx
         info = model_info_to_proto(ctx.facts, ctx.config.model_path, ctx.config.role, ctx.version, ctx.weights_id)
+        info.prefix_cache_disabled = not ctx.config.engine.enable_prefix_cache
         if ctx.loras is not None:
             info.max_loras = ctx.loras.registry.max_loras
             info.lora_adapters.extend(

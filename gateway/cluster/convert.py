@@ -125,6 +125,7 @@ def model_info_from_proto(msg: common_pb2.GetModelInfoResponse) -> ModelInfo:
         is_classifier=msg.is_classifier,
         lora_adapters=tuple(LoraAdapterInfo(a.name, a.rank) for a in msg.lora_adapters),
         max_loras=msg.max_loras,
+        prefix_cache_disabled=msg.prefix_cache_disabled,
     )
 
 

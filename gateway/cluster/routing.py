@@ -212,9 +212,20 @@ class Router:
         turns, index = indexes.get(worker.address, (-1, None))
         if index is None or turns != worker.num_ready_changes:
             num_pages = worker.info.num_pages if worker.info is not None and worker.info.num_pages else 1 << 16
-            index = PrefixIndex(num_pages)
+            has_cache = worker.info is None or not worker.info.prefix_cache_disabled
+            index = PrefixIndex(num_pages) if has_cache else _NothingCached(num_pages)
             indexes[worker.address] = (worker.num_ready_changes, index)
         return index
+
+
+class _NothingCached(PrefixIndex):
+    """The index of a worker that keeps no prefix cache: it never holds a prompt's pages."""
+
+    def match(self, hashes: Sequence[int]) -> int:
+        return 0
+
+    def insert(self, hashes: Sequence[int]) -> None:
+        pass
 
 
 def _decode_load(worker: Worker) -> tuple[int, int]:

@@ -111,6 +111,7 @@ class ModelInfo:
     is_classifier: bool = False  # embedding workers: the vectors are a sequence classifier's logits
     lora_adapters: tuple[LoraAdapterInfo, ...] = ()  # the LoRA adapters loaded now
     max_loras: int = 0  # how many adapters the worker holds at once (0: it serves none)
+    prefix_cache_disabled: bool = False  # it keeps no prefix cache: the router expects no hit there
 
     @property
     def lora_names(self) -> frozenset[str]:

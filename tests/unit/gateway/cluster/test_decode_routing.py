@@ -7,6 +7,7 @@ info are set by hand (no process behind them: the router only reads what the poo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 
 from gateway.cluster.pool import WorkerPool
@@ -150,6 +151,21 @@ def test_the_local_decision_counts_only_what_the_decode_worker_lacks() -> None:
         third.end()
         short = pool.route(PromptPages([4] * 20))
         assert (short.prefill, short.prefill_reason) == (None, RouteReason.SHORT_PROMPT)
+
+    _in_loop(test)
+
+
+def test_a_decode_worker_without_a_prefix_cache_is_never_expected_to_hold_a_prompt() -> None:
+    def test() -> None:
+        pool = _pool(RoutingConfig(RouterPolicy.PREFIX_AWARE, local_prefill_threshold=32), num_decodes=1)
+        [decode] = pool.workers["decode"]
+        assert decode.info is not None
+        decode.info = dataclasses.replace(decode.info, prefix_cache_disabled=True)   # --disable-decode-prefix-cache
+        first = _sent(pool, PromptPages(SYSTEM + [1] * 20))
+        pool.router.finished(first, SYSTEM + [1] * 30, "")
+        again = pool.route(PromptPages(SYSTEM + [2] * 20))   # would go local if the worker cached SYSTEM
+        assert again.prefill is not None and again.estimated_decode_cached_tokens == 0
+        assert again.decode_reason is RouteReason.LEAST_LOAD
 
     _in_loop(test)
 
