@@ -34,7 +34,7 @@ def test_the_gateway_finds_both_workers_and_all_three_share_one_token(tmp_path: 
                                                                                              str(tmp_path))
     assert stack.prefill.credentials == stack.decode.credentials == stack.gateway.internal
     assert [c.drain_timeout_s for c in stack.children] == [7, 7, 7]
-    assert (stack.prefill.engine.enable_prefix_cache, stack.decode.engine.enable_prefix_cache) == (True, False)
+    assert (stack.prefill.engine.enable_prefix_cache, stack.decode.engine.enable_prefix_cache) == (True, True)
     assert (stack.prefill.torch_threads, stack.decode.torch_threads) == (
         default_torch_threads("prefill"), default_torch_threads("decode"))
     assert (stack.prefill.max_torch_threads, stack.decode.max_torch_threads) == (0, default_torch_threads("prefill"))
@@ -117,3 +117,19 @@ def test_default_threads_give_prefill_the_cores_and_decode_its_share(
         monkeypatch: pytest.MonkeyPatch, cores: int, workers: tuple[int, int], expected: tuple[int, int]) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))   # the machine's cores
     assert (default_torch_threads("prefill", *workers), default_torch_threads("decode", *workers)) == expected
+
+
+def test_prefix_cache_flags_reach_each_role(tmp_path: Path) -> None:
+    both = _stack("--kv-disk-cache-dir", str(tmp_path / "kv"), "--kv-disk-cache-gb", "2", "--kv-host-cache-gb", "0.5")
+    assert both.decode is not None
+    for engine in (both.prefill.engine, both.decode.engine):
+        assert engine.enable_prefix_cache and engine.kv_disk_cache_dir == str(tmp_path / "kv")
+        assert (engine.kv_disk_cache_gib, engine.kv_host_cache_gib) == (2.0, 0.5)
+    apart = _stack("--disable-decode-prefix-cache", "--kv-disk-cache-dir", str(tmp_path / "kv"))
+    assert apart.decode is not None and apart.prefill.engine.kv_disk_cache_dir == str(tmp_path / "kv")
+    assert (apart.decode.engine.enable_prefix_cache, apart.decode.engine.kv_disk_cache_dir) == (False, None)
+    none = _stack("--disable-prefix-cache")
+    assert none.decode is not None
+    assert not none.prefill.engine.enable_prefix_cache and not none.decode.engine.enable_prefix_cache
+    with pytest.raises(SystemExit):
+        _stack("--kv-disk-cache-gb", "0")
