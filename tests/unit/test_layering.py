@@ -118,9 +118,10 @@ RULES: dict[str, Rule] = {
     "kernels imports no in-repo package": _only_in_repo("kernels", ()),
     # tandem.limits and tandem.sampling (standard library only) are the one table of sampling ranges the gateway
     # checks too and the one sampling record it sends; tandem.converted_tokenizer keeps a GGUF file's tokenizer
-    # conversion for the gateway and the grammar backend
-    "engine imports only engine, kernels, tandem.limits, tandem.sampling and tandem.converted_tokenizer":
-        _only_in_repo("engine", ("kernels", "tandem.limits", "tandem.sampling", "tandem.converted_tokenizer")),
+    # conversion for the gateway and the grammar backend; tandem.page_keys names cached pages for the router
+    "engine imports only engine, kernels, tandem.limits, tandem.sampling, tandem.converted_tokenizer and "
+    "tandem.page_keys": _only_in_repo(
+        "engine", ("kernels", "tandem.limits", "tandem.sampling", "tandem.converted_tokenizer", "tandem.page_keys")),
     "engine has no network, gRPC, HTTP or threads": _never("engine", ENGINE_FORBIDDEN),
     "kv_transfer imports only engine types": _only_in_repo("kv_transfer", KV_TRANSFER_ENGINE_TYPES),
     "server_runtime imports only engine, kernels, kv_transfer and protos":
@@ -280,7 +281,8 @@ def test_checker_reports_violations_with_file_and_line(tmp_path: Path) -> None:
         "kernels/attention.py:3: kernels.attention imports engine.errors"]
     assert found["engine has no network, gRPC, HTTP or threads"] == [
         "engine/loop.py:1: engine.loop imports threading", "engine/loop.py:5: engine.loop imports grpc"]
-    engine_rule = "engine imports only engine, kernels, tandem.limits, tandem.sampling and tandem.converted_tokenizer"
+    engine_rule = ("engine imports only engine, kernels, tandem.limits, tandem.sampling, tandem.converted_tokenizer "
+                   "and tandem.page_keys")
     assert found[engine_rule] == [   # `from . import errors`: engine.errors
         "engine/request.py:2: engine.request imports tandem.v1"]
     assert found["kv_transfer imports only engine types"] == [
