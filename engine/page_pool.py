@@ -26,6 +26,7 @@ class PagePool(ABC):
     def __init__(self, allocator: PageAllocator, page_size: int) -> None:
         self.allocator = allocator
         self.page_size = page_size
+        self.is_recording_events = False
 
     @property
     def num_pages(self) -> int:
@@ -67,6 +68,15 @@ class PagePool(ABC):
     @abstractmethod
     def cached_page_refs(self) -> Mapping[int, int]:
         """Each cached page and how many requests use it (a copy; for checks and tests)."""
+
+    def page_keys(self) -> list[int]:
+        """The page key (tandem/page_keys.py) of every cached page: what KV events snapshot."""
+        return []
+
+    def take_events(self) -> tuple[list[int], list[int]]:
+        """The page keys stored in and removed from the cache since the last call, while
+        `is_recording_events` is set (a KV events publisher: server_runtime/engine_loop.py)."""
+        return [], []
 
     def can_allocate(self, num: int) -> bool:
         return self.allocator.num_free + self.num_evictable_pages >= num

@@ -28,6 +28,7 @@ from typing import Protocol
 from engine.errors import CapacityError
 from engine.page_allocator import PageAllocator
 from engine.page_pool import PagePool
+from tandem.page_keys import next_key, root_key
 
 DIGEST_BYTES = 16
 
@@ -42,6 +43,11 @@ class PageTier(Protocol):
 
 
 _ROOT = -1  # the base model's root; each other namespace gets a root of its own below it (-2, -3, ...)
+
+
+def _adapter_name(namespace: str) -> str:
+    """The LoRA adapter's name in a cache namespace (its id, `name#load`: server_runtime/lora_serving.py)."""
+    return namespace.rpartition("#")[0] if "#" in namespace else namespace
 
 
 def page_digest(parent: bytes, tokens: tuple[int, ...] | list[int]) -> bytes:
@@ -59,6 +65,7 @@ class _Node:
     ref_count: int = 1
     last_access: int = 0
     digest: bytes = b""  # its name in the disk tier (engine/kv_disk_tier.py); b"" without one
+    route_key: int = 0  # its page key (tandem/page_keys.py): its name in KV events and the gateway's router
 
     @property
     def is_evictable(self) -> bool:
@@ -79,6 +86,8 @@ class PrefixCache(PagePool):
         # was touched since (its last_access moved on), or is no longer an unused leaf
         self._evictable: list[tuple[int, int]] = []
         self._roots: dict[str, int] = {"": _ROOT}
+        self._stored: list[int] = []
+        self._removed: list[int] = []
 
     @property
     def num_cached_pages(self) -> int:
@@ -129,7 +138,7 @@ class PrefixCache(PagePool):
             if not self.tier.load(digest, page_id):
                 self.allocator.free([page_id])
                 break
-            self._add_node(_Node(page_id, (parent, tokens), parent, last_access=now, digest=digest))
+            self._add_node(_Node(page_id, (parent, tokens), parent, last_access=now, digest=digest), namespace)
             pages.append(page_id)
             parent = page_id
         return pages
@@ -139,7 +148,11 @@ class PrefixCache(PagePool):
         assert self.tier is not None
         return self._nodes[parent].digest if parent >= 0 else self.tier.root(namespace)
 
-    def _add_node(self, node: _Node) -> None:
+    def _add_node(self, node: _Node, namespace: str) -> None:
+        parent_key = self._nodes[node.parent].route_key if node.parent >= 0 else root_key(_adapter_name(namespace))
+        node.route_key = next_key(parent_key, node.key[1])
+        if self.is_recording_events:
+            self._stored.append(node.route_key)
         self._nodes[node.page_id] = node
         self._by_key[node.key] = node.page_id
         if node.parent >= 0:
@@ -168,7 +181,7 @@ class PrefixCache(PagePool):
             if self.tier is not None:  # a full page with its KV computed: kept on disk too
                 node.digest = page_digest(self._digest(parent, namespace), key[1])
                 self.tier.save(node.digest, page_id)
-            self._add_node(node)
+            self._add_node(node, namespace)
             parent = page_id
 
     def release(self, page_ids: list[int]) -> None:
@@ -206,6 +219,8 @@ class PrefixCache(PagePool):
         while freed < num and (node := self._pop_evictable()) is not None:
             del self._nodes[node.page_id]
             del self._by_key[node.key]
+            if self.is_recording_events:
+                self._removed.append(node.route_key)
             self._num_unused -= 1
             self.allocator.free([node.page_id])
             freed += 1
@@ -221,6 +236,13 @@ class PrefixCache(PagePool):
 
     def cached_page_refs(self) -> Mapping[int, int]:
         return {page_id: node.ref_count for page_id, node in self._nodes.items()}
+
+    def page_keys(self) -> list[int]:
+        return [node.route_key for node in self._nodes.values()]
+
+    def take_events(self) -> tuple[list[int], list[int]]:
+        stored, removed, self._stored, self._removed = self._stored, self._removed, [], []
+        return stored, removed
 
     def _push_if_evictable(self, node: _Node) -> None:
         if not node.is_evictable:

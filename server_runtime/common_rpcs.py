@@ -1,16 +1,18 @@
 """WorkerService: the RPCs every worker answers, whatever its kind.
 
 `WorkerInfoServicer` (GetModelInfo, GetLoad; Abort finds nothing) is an embedding worker's;
-`WorkerServicer` is an engine worker's: Abort, FlushCache, UpdateWeights and the expert distribution
-record too. Each worker kind registers its own (`add_worker_info_servicer`, `add_worker_servicer`)
-next to its role's service.
+`WorkerServicer` is an engine worker's: Abort, FlushCache, UpdateWeights, SubscribeKvEvents (the prefix
+cache's pages as they change, for the gateway's router) and the expert distribution record too. Each
+worker kind registers its own (`add_worker_info_servicer`, `add_worker_servicer`) next to its role's
+service.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 import grpc
@@ -81,6 +83,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
+
+    async def SubscribeKvEvents(
+        self, request: worker_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.KvEvents]:
+        if self.ctx.is_draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
+        events = await self.ctx.loop.subscribe_kv_events()
+        try:
+            while (change := await events.get()) is not None:  # None: the worker drains
+                yield worker_pb2.KvEvents(is_snapshot=change.is_snapshot, stored=change.stored, removed=change.removed)
+        finally:
+            await asyncio.shield(self.ctx.loop.unsubscribe_kv_events(events))
 
     async def GetModelInfo(
         self, request: common_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext

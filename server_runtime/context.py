@@ -98,6 +98,7 @@ class WorkerContext:
         """Refuse new requests, then wait until the engine holds nothing, `deadline` (monotonic)
         passes or `stop` is set. True when the engine is idle."""
         self.is_draining = True
+        await self.loop.end_kv_events()  # subscribers' streams end now, not at the server's grace
         logger.info(
             "%s server draining: up to %g s for the requests in flight (--drain-timeout)",
             self.config.role,

@@ -169,6 +169,7 @@ class EngineLoop:
             1, thread_name_prefix="engine-compute", initializer=use_device, initargs=(engine.config.device,)
         )
         self._sinks: dict[str, asyncio.Queue] = {}  # touched only on the engine thread
+        self._kv_subscribers: list[asyncio.Queue[KvEvents | None]] = []  # touched only on the engine thread
         self._stopped = threading.Event()
         self._grammar = engine.grammar  # its load and compile may run off the engine thread
         self._grammar_lane = self.work.lane()
@@ -309,7 +310,53 @@ class EngineLoop:
 
         return await self.call(update)
 
+    async def subscribe_kv_events(self) -> asyncio.Queue[KvEvents | None]:
+        """A queue of the prefix cache's changes: first a snapshot of every page key it holds, then
+        what was stored and removed, about every 0.25 s when something changed; None once
+        `end_kv_events` ended it. Pass it to `unsubscribe_kv_events` when done."""
+        events: asyncio.Queue[KvEvents | None] = asyncio.Queue()
+
+        def subscribe(engine: Engine) -> None:
+            self._publish_kv_events()  # the others get what happened before this snapshot
+            engine.pages.is_recording_events = True
+            self._kv_subscribers.append(events)
+            snapshot = KvEvents(True, engine.pages.page_keys(), [])
+            self._loop.call_soon_threadsafe(events.put_nowait, snapshot)  # callbacks run in order: before any delta
+
+        await self.call(subscribe)
+        return events
+
+    async def end_kv_events(self) -> None:
+        """End every subscription: each queue gets None (the worker is shutting down)."""
+
+        def end(engine: Engine) -> None:
+            for events in self._kv_subscribers:
+                self._loop.call_soon_threadsafe(events.put_nowait, None)
+            self._kv_subscribers.clear()
+            engine.pages.is_recording_events = False
+            engine.pages.take_events()
+
+        await self.call(end)
+
+    async def unsubscribe_kv_events(self, events: asyncio.Queue[KvEvents | None]) -> None:
+        def unsubscribe(engine: Engine) -> None:
+            if events in self._kv_subscribers:
+                self._kv_subscribers.remove(events)
+            if not self._kv_subscribers:
+                engine.pages.is_recording_events = False
+                engine.pages.take_events()
+
+        await self.call(unsubscribe)
+
     # ---- engine thread -------------------------------------------------------------------
+
+    def _publish_kv_events(self) -> None:
+        if not self._kv_subscribers:
+            return
+        stored, removed = self.engine.pages.take_events()
+        if stored or removed:
+            for events in self._kv_subscribers:
+                self._loop.call_soon_threadsafe(events.put_nowait, KvEvents(False, stored, removed))
 
     def _run(self) -> None:
         use_device(self.engine.config.device)
@@ -321,6 +368,7 @@ class EngineLoop:
                 self.engine.expire_reservations(now)
                 # not every step: counting cached pages walks the cache
                 self.metrics.observe_stats(self.engine.stats())
+                self._publish_kv_events()
                 next_expiry = now + _EXPIRY_INTERVAL_S
             if self.engine.has_work:
                 self._step()
@@ -411,6 +459,16 @@ class EngineLoop:
         if output.finish_reason is not None or self.engine.is_awaiting_release(output.request_id):
             del self._sinks[output.request_id]
         self._loop.call_soon_threadsafe(sink.put_nowait, output)
+
+
+@dataclass(frozen=True, slots=True)
+class KvEvents:
+    """One message of `EngineLoop.subscribe_kv_events`: page keys (tandem/page_keys.py) stored in and
+    removed from the prefix cache; a snapshot's `stored` is every page it holds."""
+
+    is_snapshot: bool
+    stored: list[int]
+    removed: list[int]
 
 
 def _set_result(future: asyncio.Future, result: Any) -> None:

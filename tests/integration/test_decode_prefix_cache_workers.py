@@ -2,7 +2,8 @@
 random Qwen2 in fp32, KV over a LocalTransport): Reserve with the prompt's tokens answers the tokens the
 decode worker kept from the first turn (its prompt and answer), the prefill worker writes only the pages
 after them, and the tokens decoded equal one engine's run of the whole second prompt. A target whose
-skip_tokens was changed on the way is refused by the grant."""
+skip_tokens was changed on the way is refused by the grant. A worker publishes the pages its prefix cache
+stores and removes (SubscribeKvEvents) under the router's page keys."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 from engine.engine import Engine
 from engine.request import Request, SamplingParams
 from engine.weights import open_checkpoint
-from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2_grpc
+from tandem.page_keys import page_keys
+from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.integration.inprocess_workers import ENGINE, running_workers
 from tests.tiny_models import save_tiny_qwen2
 
@@ -98,3 +100,39 @@ def _whole_run(model_path: Path, prompt: list[int]) -> list[int]:
     while engine.has_work:
         tokens += [output.token_id for output in engine.step() if output.token_id is not None]
     return tokens
+
+
+def test_a_worker_publishes_what_its_prefix_cache_stores_and_removes(tmp_path: Path) -> None:
+    model_path = save_tiny_qwen2(tmp_path / "qwen2")
+
+    async def scenario() -> None:
+        async with running_workers(model_path) as workers, \
+                grpc.aio.insecure_channel(workers.decode.address) as channel:
+            worker = worker_pb2_grpc.WorkerServiceStub(channel)
+            stream = worker.SubscribeKvEvents(worker_pb2.SubscribeKvEventsRequest())
+            snapshot = await stream.read()
+            assert snapshot.is_snapshot and not snapshot.stored
+            sampling = common_pb2.SamplingParams(temperature=0, max_new_tokens=NUM_NEW, ignore_eos=True)
+            tokens = []
+            async for reply in decode_pb2_grpc.DecodeServiceStub(channel).PrefillAndGenerate(
+                    decode_pb2.PrefillAndGenerateRequest(request_id="local", prompt_token_ids=PROMPT,
+                                                         sampling_params=sampling)):
+                tokens += [t.token_id for t in reply.tokens]
+            expected = page_keys(PROMPT + tokens[:-1], PAGE)   # every token with KV: three full pages
+            stored: list[int] = []
+            while len(stored) < len(expected):
+                change = await asyncio.wait_for(stream.read(), 5)
+                assert not change.is_snapshot and not change.removed
+                stored += change.stored
+            assert stored == list(expected)
+            late = worker.SubscribeKvEvents(worker_pb2.SubscribeKvEventsRequest())   # a second subscriber
+            assert sorted((await late.read()).stored) == sorted(expected)
+            await worker.FlushCache(common_pb2.FlushCacheRequest())
+            for subscriber in (stream, late):
+                change = await asyncio.wait_for(subscriber.read(), 5)
+                assert sorted(change.removed) == sorted(expected) and not change.stored
+            stream.cancel()
+            await workers.decode.drain(asyncio.Event())   # shutting down ends the streams at once
+            assert await asyncio.wait_for(late.read(), 5) == grpc.aio.EOF
+
+    asyncio.run(scenario())

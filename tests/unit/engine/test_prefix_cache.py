@@ -7,6 +7,7 @@ import pytest
 from engine.errors import CapacityError
 from engine.page_allocator import PageAllocator
 from engine.prefix_cache import PrefixCache
+from tandem.page_keys import page_keys
 
 PS = 4
 
@@ -92,3 +93,23 @@ def test_the_same_prompt_prefilled_twice_at_once_caches_one_copy() -> None:
     with pytest.raises(ValueError):
         cache.release([first[0]]) or cache.release([first[0]])
     cache.check_integrity()
+
+
+def test_kv_events_name_pages_by_the_routers_page_keys() -> None:
+    cache = _cache(num_pages=4)
+    first = list(range(12))                      # three full pages
+    pages, _ = _prefill(cache, first)            # not recording: no event kept
+    assert cache.take_events() == ([], [])
+    assert cache.page_keys() == list(page_keys(first, PS))
+    cache.release(pages)
+    cache.is_recording_events = True
+    adapted = [7] * 8
+    pages, _ = _prefill(cache, adapted, "sql#3")  # the adapter's id names its load; the key names the adapter
+    stored, removed = cache.take_events()
+    assert stored == list(page_keys(adapted, PS, "sql")) and len(removed) == 1   # one of `first`'s, evicted
+    assert removed[0] in page_keys(first, PS) and removed[0] not in cache.page_keys()
+    assert cache.take_events() == ([], [])
+    cache.release(pages)
+    cache.flush()
+    assert sorted(cache.take_events()[1]) == sorted(page_keys(first, PS)[:2] + page_keys(adapted, PS, "sql"))
+    assert cache.page_keys() == []
