@@ -138,10 +138,13 @@ class WorkerPool:
 
     def _follow_kv_events(self) -> None:
         """Start following the KV events of each ready worker with a prefix cache that has no stream
-        task running (`kv_events.follow_kv_events`)."""
+        task running (`kv_events.follow_kv_events`); stop for one that came back without a cache."""
         for worker in self.all_workers():
             info = worker.info
-            if not worker.is_ready or info is None or info.prefix_cache_disabled or info.is_embedding:
+            if info is not None and (info.prefix_cache_disabled or info.is_embedding):
+                self._unfollow(worker)
+                continue
+            if not worker.is_ready or info is None:
                 continue
             turn, task = self._kv_feeds.get(worker, (-1, None))
             if task is not None and (not task.done() or turn == worker.num_ready_changes):

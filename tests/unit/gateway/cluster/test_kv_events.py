@@ -171,7 +171,7 @@ def test_a_worker_without_the_rpc_is_asked_once_and_left_to_the_guess() -> None:
 def test_the_pool_follows_ready_workers_with_the_token_and_routes_by_their_events() -> None:
     """Two prefill workers: an older one (UNIMPLEMENTED) and one whose events say it holds prompt A,
     which this gateway never sent anywhere. A prompt A goes to the second; the first is not asked
-    again on later probes; closing the pool ends the stream."""
+    again on later probes until it turns ready again; closing the pool ends the streams."""
     async def main() -> None:
         credentials = InternalCredentials(token="t" * 16)
         old, new = Publisher(), Publisher([Stream([snapshot(*KEYS_A)])])
@@ -192,6 +192,10 @@ def test_the_pool_follows_ready_workers_with_the_token_and_routes_by_their_event
                 route = pool.route(PromptPages(PROMPT_A))
                 assert route.prefill.address == b and route.estimated_cached_tokens == 48
                 route.end()
+                older = next(w for w in pool.workers["prefill"] if w.address == a)
+                older.num_ready_changes += 1   # it turned ready again (a restart may bring a newer version)
+                await pool.probe_all()
+                await until(lambda: old.num_calls == 2)   # asked once more, then left alone again
                 sample = metrics.registry.get_sample_value
                 assert sample("tandem_gateway_kv_events_total", {"kind": "snapshot"}) == 2
                 assert sample("tandem_gateway_kv_events_total", {"kind": "stored"}) == 3
