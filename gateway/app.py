@@ -88,8 +88,10 @@ def create_app(config: GatewayConfig, is_stopping: Callable[[], bool] = lambda: 
             credentials=config.internal,
             admission=Admission(config.max_queued_requests, config.max_queue_wait_s, gateway_metrics),
             routing=config.routing,
+            metrics=gateway_metrics,
         )
         gateway_metrics.watch_pool(pool.num_ready)
+        gateway_metrics.watch_kv_events(pool.num_kv_events_live)
         gateway_metrics.watch_loads(pool.loads)
         generation = GenerationService(pool, config, tokenizer, gateway_metrics)
         app.state.gateway = GatewayState(config, tokenizer, pool, gateway_metrics, generation)

@@ -6,9 +6,10 @@ template, method and status and keeps the in-flight gauge; the handoff records t
 inter-token latency, end-to-end latency, its per-phase timings and token counts; admission, the
 queue's depth, waits and refusals; the trip, each routing decision (policy, worker, reason), the
 cached tokens the router estimated and those the prefill worker reported, the prompt tokens decode
-workers already held, and failovers. The number
-of ready workers per role and each worker's load are read from the pool at scrape time (`watch_pool`,
-`watch_loads`). Everything runs on the event loop.
+workers already held, and failovers; the pool's KV event streams, the events received. The number
+of ready workers per role, of workers whose KV events are live, and each worker's load are read from
+the pool at scrape time (`watch_pool`, `watch_kv_events`, `watch_loads`). Everything runs on the
+event loop.
 """
 
 from __future__ import annotations
@@ -145,6 +146,21 @@ class GatewayMetrics:
             ["worker", "kind"],
             registry=r,
         )
+        self.kv_events = Counter(
+            "tandem_gateway_kv_events",
+            "What the workers' KV event streams told the router: snapshots received (kind=snapshot), and page "
+            "keys stored in and removed from their prefix caches (kind=stored, kind=removed; a snapshot's own "
+            "keys count as stored)",
+            ["kind"],
+            registry=r,
+        )
+        self.kv_events_live_workers = Gauge(
+            "tandem_gateway_kv_events_live_workers",
+            "Workers whose KV event stream is live, by role: the router reads their prefix cache exactly "
+            "(the others' it guesses from what it routed there)",
+            ["role"],
+            registry=r,
+        )
         self.failovers = Counter(
             "tandem_gateway_failovers",
             "Requests tried again on other workers after a worker failed before their first token",
@@ -211,6 +227,21 @@ class GatewayMetrics:
         """Read the ready workers of each role through `num_ready` whenever /metrics is scraped."""
         for role in Role:
             self.workers_ready.labels(role.value).set_function(functools.partial(num_ready, role))
+
+    def observe_kv_events(self, is_snapshot: bool, num_stored: int, num_removed: int) -> None:
+        """One message of a worker's KV event stream: a snapshot or a delta, with its keys' counts."""
+        if is_snapshot:
+            self.kv_events.labels("snapshot").inc()
+        if num_stored:
+            self.kv_events.labels("stored").inc(num_stored)
+        if num_removed:
+            self.kv_events.labels("removed").inc(num_removed)
+
+    def watch_kv_events(self, num_live: Callable[[Role], int]) -> None:
+        """Read the workers of each role whose KV events are live through `num_live` whenever /metrics
+        is scraped."""
+        for role in Role:
+            self.kv_events_live_workers.labels(role.value).set_function(functools.partial(num_live, role))
 
     def watch_loads(self, read: Callable[[], Iterable[tuple[str, str, dict[str, float]]]]) -> None:
         """Serve `tandem_gateway_worker_load{role,worker,measure}` from `read()` at each scrape: per worker

@@ -20,6 +20,7 @@ from gateway.cluster.worker_records import (
     ExpertRecordOp,
     FlushResult,
     Health,
+    KvEvents,
     KvTarget,
     ModelInfo,
     PrefillResult,
@@ -31,14 +32,24 @@ from gateway.records import GeneratedToken, Role, TokenChunk
 from tandem.internal_auth import InternalCredentials
 from tandem.sampling import SamplingSpec
 from tandem.tracing import Metadata
-from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2_grpc
+from tandem.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 
 # gRPC backs off reconnecting to a worker that went away by up to 120 s; cap it at half a second, so that
 # a worker that starts or restarts is seen by the pool's next probes (every 0.2 s while the pool cannot serve,
 # gateway/cluster/pool.py). Keepalive pings every 10 s close a
 # connection whose worker stopped answering (a wedged or frozen process, a dead host) within 15 s,
 # failing the calls on it, even between calls; the workers accept pings that often (server_runtime/worker.py).
+# Answers up to the workers' own send limit: a KV event snapshot lists every page of the pool, 8 bytes each.
 CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", 64 * 2**20),
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 500),
     ("grpc.keepalive_time_ms", 10_000),
@@ -301,6 +312,11 @@ class WorkerClient:
         )
         return convert.expert_counts_from_proto(reply)
 
+    def kv_events(self) -> KvEventStream:
+        """Subscribe to the worker's KV events (SubscribeKvEvents): a snapshot of the pages its prefix
+        cache holds, then what is stored and removed. No deadline: it runs until cancelled."""
+        return KvEventStream(self._control.SubscribeKvEvents(worker_pb2.SubscribeKvEventsRequest()))
+
     async def _call(self, call):
         """The answer of a unary call; its failure as a `WorkerError`."""
         try:
@@ -340,3 +356,35 @@ class DecodeStream:
         if chunk is None:
             raise StopAsyncIteration
         return chunk
+
+
+class KvEventsEnded(Exception):
+    """A worker's KV event stream ended: it closed it, the call failed (`detail` says how), or the
+    worker does not know the RPC (`is_unsupported`: UNIMPLEMENTED, an older worker)."""
+
+    def __init__(self, detail: str, is_unsupported: bool = False) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.is_unsupported = is_unsupported
+
+
+class KvEventStream:
+    """A SubscribeKvEvents call under way: `read()` its messages in order; `cancel()` ends it. Its
+    failures are not `WorkerError`s: no request waits on it, and it ends each time its worker restarts."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+        self._call = call
+
+    async def read(self) -> KvEvents:
+        """The next message; `KvEventsEnded` once the stream is over, however it ended."""
+        try:
+            message = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            raise KvEventsEnded(f"{code.name}: {exc.details()}", code == grpc.StatusCode.UNIMPLEMENTED) from None
+        if message is grpc.aio.EOF:
+            raise KvEventsEnded("the worker closed the stream")
+        return convert.kv_events_from_proto(message)
+
+    def cancel(self) -> None:
+        self._call.cancel()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from gateway.cluster.worker_records import (
     ExpertCounts,
+    KvEvents,
     KvLayout,
     KvTarget,
     LoraAdapterInfo,
@@ -19,7 +20,7 @@ from gateway.cluster.worker_records import (
 )
 from gateway.records import Finish, FinishReason, GeneratedToken, Role, TokenChunk
 from tandem.sampling import SCALAR_FIELDS, GrammarKind, SamplingSpec
-from tandem.v1 import common_pb2, decode_pb2, prefill_pb2
+from tandem.v1 import common_pb2, decode_pb2, prefill_pb2, worker_pb2
 
 _FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
@@ -131,6 +132,10 @@ def model_info_from_proto(msg: common_pb2.GetModelInfoResponse) -> ModelInfo:
 
 def load_from_proto(msg: common_pb2.GetLoadResponse) -> WorkerLoad:
     return WorkerLoad(msg.num_running, msg.num_waiting, msg.num_free_pages, msg.num_total_pages, msg.num_cached_pages)
+
+
+def kv_events_from_proto(msg: worker_pb2.KvEvents) -> KvEvents:
+    return KvEvents(msg.is_snapshot, tuple(msg.stored), tuple(msg.removed))
 
 
 def expert_counts_from_proto(msg: common_pb2.DumpExpertDistributionRecordResponse) -> ExpertCounts:

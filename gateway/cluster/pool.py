@@ -1,5 +1,6 @@
 """The prefill and decode workers: membership (static and DNS), readiness and load polling, which
-prefill and decode workers may be paired (`compatibility.py`), and each request's `Route` through them
+prefill and decode workers may be paired (`compatibility.py`), each worker's KV event stream
+(`kv_events.py`, followed while it is a member), and each request's `Route` through them
 (`routing.py`). Each `Worker` (`worker.py`) talks to its process through its own `WorkerClient`."""
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ from dataclasses import dataclass
 from gateway.cluster.admission import Admission
 from gateway.cluster.compatibility import Mismatch, mismatches
 from gateway.cluster.discovery import REFRESH_INTERVAL_S, RoleDiscovery
+from gateway.cluster.kv_events import follow_kv_events
 from gateway.cluster.prefix_index import PromptPages
 from gateway.cluster.routing import Route, Router
 from gateway.cluster.worker import Worker
+from gateway.cluster.worker_records import KvEvents
 from gateway.config import DEFAULT_MAX_QUEUE_WAIT_S, DEFAULT_MAX_QUEUED, RoutingConfig
 from gateway.errors import WORKER_RETRY_AFTER_S, APIError
+from gateway.metrics import GatewayMetrics
 from gateway.records import Role
 from tandem.internal_auth import InternalCredentials
 
@@ -54,7 +58,8 @@ class WorkerPool:
     """The prefill and decode workers: static addresses, plus `dns:///name:port` ones re-resolved
     (`gateway/cluster/discovery.py`) on every probe round once their refresh interval has passed.
     Every channel carries `credentials` (the internal token, TLS). Handoffs wait for decode KV space
-    through `admission` and are placed by `router` (`routing`'s policy)."""
+    through `admission` and are placed by `router` (`routing`'s policy). Each ready worker with a
+    prefix cache has its KV events followed into its `event_index`, counted in `metrics`."""
 
     def __init__(
         self,
@@ -64,8 +69,10 @@ class WorkerPool:
         credentials: InternalCredentials = InternalCredentials(),
         admission: Admission | None = None,
         routing: RoutingConfig = RoutingConfig(),
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self.admission = admission or Admission(DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUE_WAIT_S)
+        self._metrics = metrics or GatewayMetrics()  # a pool built without an app keeps its own
         self.router = Router(routing)
         self._credentials = credentials
         self._discovery = {
@@ -85,6 +92,9 @@ class WorkerPool:
         self.lora_paths: dict[str, str] = {}
         self._restored_turns: dict[str, int] = {}  # address -> the ready turn its adapters were restored for
         self._restores: set[asyncio.Task] = set()
+        # Each followed worker's KV event task, with the ready turn it was started in: one that returned
+        # (the worker does not know the RPC) is started again only once the worker turns ready again.
+        self._kv_feeds: dict[Worker, tuple[int, asyncio.Task]] = {}
 
     def start(self) -> None:
         self._poller = asyncio.create_task(self._poll_forever())
@@ -94,6 +104,10 @@ class WorkerPool:
             self._poller.cancel()
         for task in self._restores:
             task.cancel()
+        feeds = [task for _, task in self._kv_feeds.values()]
+        for worker in list(self._kv_feeds):
+            self._unfollow(worker)
+        await asyncio.gather(*feeds, return_exceptions=True)
         for worker in self.all_workers() + [w for _, w in self._retired]:
             await worker.client.close()
 
@@ -105,6 +119,7 @@ class WorkerPool:
         await asyncio.gather(*(w.probe() for w in self.all_workers()))
         self.incompatible_pairs()  # logs each new mismatch once
         self._restore_adapters()
+        self._follow_kv_events()
 
     def _restore_adapters(self) -> None:
         """Start loading the run-time adapters (`lora_paths`) a worker lacks on each worker that has
@@ -120,6 +135,35 @@ class WorkerPool:
                 task = asyncio.create_task(_restore(worker, missing))
                 self._restores.add(task)
                 task.add_done_callback(self._restores.discard)
+
+    def _follow_kv_events(self) -> None:
+        """Start following the KV events of each ready worker with a prefix cache that has no stream
+        task running (`kv_events.follow_kv_events`); stop for one that came back without a cache."""
+        for worker in self.all_workers():
+            info = worker.info
+            if info is not None and (info.prefix_cache_disabled or info.is_embedding):
+                self._unfollow(worker)
+                continue
+            if not worker.is_ready or info is None:
+                continue
+            turn, task = self._kv_feeds.get(worker, (-1, None))
+            if task is not None and (not task.done() or turn == worker.num_ready_changes):
+                continue
+            task = asyncio.create_task(follow_kv_events(worker.client, worker.event_index, self._count_kv_events))
+            self._kv_feeds[worker] = (worker.num_ready_changes, task)
+
+    def _count_kv_events(self, events: KvEvents) -> None:
+        self._metrics.observe_kv_events(events.is_snapshot, len(events.stored), len(events.removed))
+
+    def _unfollow(self, worker: Worker) -> None:
+        """Stop following the worker's KV events (it left the pool, or the pool closes)."""
+        _, task = self._kv_feeds.pop(worker, (-1, None))
+        if task is not None:
+            task.cancel()
+
+    def num_kv_events_live(self, role: Role) -> int:
+        """Workers of `role` whose KV event stream is live (the router reads their cache exactly)."""
+        return sum(w.event_index.is_live for w in self.workers[role])
 
     async def wait_restores(self) -> None:
         """Until the adapter restores under way have ended."""
@@ -139,6 +183,7 @@ class WorkerPool:
                 if worker.address not in wanted:
                     logger.info("%s worker %s is gone from DNS; it gets no new requests", role, worker.address)
                     worker.is_ready = False
+                    self._unfollow(worker)
                     self._retired.append((time.monotonic() + _RETIRED_CHANNEL_GRACE_S, worker))
             self.workers[role] = [w for w in self.workers[role] if w.address in wanted] + [
                 Worker(role, a, self._credentials) for a in wanted if a not in known

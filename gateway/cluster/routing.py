@@ -5,13 +5,16 @@ prefills it), by the `--router-policy` (`RouterPolicy`).
 - least_load: the candidate with the fewest requests on it (`Worker.queue_load`: this gateway's in
   flight, counted from the moment of the decision so that a burst spreads before any worker reports,
   plus what others put there at its last report); a decode worker then by the most free pages.
-- prefix_aware: each role where the prompt's page-aligned prefix is most likely cached (a
-  `PrefixIndex` per worker, kept apart per role), unless that worker has more than
-  `prefix_load_guard` requests in flight beyond the least loaded one: then the best match among those
-  within the guard. A prefill worker's index learns the prompts sent there and is corrected by the
-  `cached_tokens` each prefill reports. A decode worker's learns the prompts sent there, is corrected
-  by the `cached_tokens` its Reserve (or its own prefill, for a local trip) reports, and learns each
-  finished request's sequence, prompt and output, which the worker caches. A prompt no worker holds
+- prefix_aware: each role where the prompt's page-aligned prefix is most likely cached, unless that
+  worker has more than `prefix_load_guard` requests in flight beyond the least loaded one: then the
+  best match among those within the guard. A worker whose KV events are live (`Worker.event_index`,
+  fed by `gateway/cluster/kv_events.py`) is read exactly: what its events say it holds, plus the
+  prompts routed there in the last few seconds (their events lag). Any other is guessed (a
+  `PrefixIndex` per worker, kept apart per role): a prefill worker's index learns the prompts sent
+  there and is corrected by the `cached_tokens` each prefill reports; a decode worker's learns the
+  prompts sent there, is corrected by the `cached_tokens` its Reserve (or its own prefill, for a local
+  trip) reports, and learns each finished request's sequence, prompt and output, which the worker
+  caches. The guess learns even while the events are live, to be ready when they stop. A prompt no worker holds
   goes to the least loaded: a prefill worker then to the one whose index holds least (so new
   prefixes spread over the workers), a decode worker then to the one with the most free pages.
 
@@ -32,7 +35,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gateway.cluster.prefix_index import PrefixIndex, PromptPages, page_hashes
+from gateway.cluster.prefix_index import EventIndex, PrefixIndex, PromptPages, page_hashes
 from gateway.cluster.worker import Worker
 from gateway.config import RouterPolicy, RoutingConfig
 from gateway.records import Role
@@ -98,8 +101,8 @@ class _Choice:
 
 
 class Router:
-    """The routing policy and its state: round-robin turns and a `PrefixIndex` per worker, kept apart
-    per role (one address could serve both)."""
+    """The routing policy and its state: round-robin turns and a guessed `PrefixIndex` per worker, kept
+    apart per role (one address could serve both); each `Worker` brings its own `event_index`."""
 
     def __init__(self, config: RoutingConfig) -> None:
         self.config = config
@@ -146,18 +149,19 @@ class Router:
         starts): the prompt's pages will be in its prefill worker's cache once it ran there, and in its
         decode worker's. A route chosen but never used is not told here."""
         if route.prefill is not None and route.page_hashes:
-            self._index(route.prefill).insert(route.page_hashes)
+            self._learn(route.prefill, route.page_hashes)
         if route.decode_page_hashes:
-            self._index(route.decode).insert(route.decode_page_hashes)
+            self._learn(route.decode, route.decode_page_hashes)
 
     def prefilled(self, route: Route, cached_tokens: int) -> None:
-        """The prefill worker answered with `cached_tokens` served from its cache: correct its index."""
+        """The prefill worker answered with `cached_tokens` served from its cache: correct its index
+        (a guess; live events are the truth)."""
         if route.prefill is not None and route.page_hashes:
             self._correct(route.prefill, route.page_hashes, route.estimated_cached_tokens, cached_tokens)
 
     def decode_matched(self, route: Route, cached_tokens: int) -> None:
         """The decode worker reported `cached_tokens` of the prompt already held (its Reserve's answer,
-        or a local prefill's first chunk): correct its index."""
+        or a local prefill's first chunk): correct its index (a guess; live events are the truth)."""
         if route.decode_page_hashes:
             self._correct(route.decode, route.decode_page_hashes, route.estimated_decode_cached_tokens, cached_tokens)
 
@@ -166,10 +170,10 @@ class Router:
         every output token) under the adapter `lora_name`: the worker caches the full pages of every
         token but the last (sampled last, its KV never computed). prefix_aware only."""
         if self.config.policy is RouterPolicy.PREFIX_AWARE:
-            self._index(route.decode).insert(page_hashes(token_ids[:-1], _page_size(route.decode), lora_name))
+            self._learn(route.decode, page_hashes(token_ids[:-1], _page_size(route.decode), lora_name))
 
     def forget_all(self) -> None:
-        """Every prefix cache was flushed."""
+        """Every prefix cache was flushed: the guesses are emptied (live events report what left)."""
         for indexes in self._indexes.values():
             for _, index in indexes.values():
                 index.clear()
@@ -205,9 +209,22 @@ class Router:
         page_size = _page_size(worker)
         self._index(worker).correct(hashes, estimated_tokens // page_size, real_tokens // page_size)
 
-    def _index(self, worker: Worker) -> PrefixIndex:
-        """The worker's index (its role's), emptied when it has turned ready again since (a restart
-        empties its cache)."""
+    def _index(self, worker: Worker) -> PrefixIndex | EventIndex:
+        """The worker's index as routing reads it: its `event_index` while its KV events are live (and
+        it keeps a prefix cache), else the guess."""
+        has_cache = worker.info is None or not worker.info.prefix_cache_disabled
+        return worker.event_index if worker.event_index.is_live and has_cache else self._guess(worker)
+
+    def _learn(self, worker: Worker, hashes: Sequence[int]) -> None:
+        """The worker was sent (or finished) a sequence with these page keys: its guess learns them and
+        so, while live, does its event index (they count as held until its events catch up)."""
+        self._guess(worker).insert(hashes)
+        if worker.event_index.is_live:
+            worker.event_index.insert(hashes)
+
+    def _guess(self, worker: Worker) -> PrefixIndex:
+        """The worker's guessed index (its role's), emptied when it has turned ready again since (a
+        restart empties its cache)."""
         indexes = self._indexes[worker.role]
         turns, index = indexes.get(worker.address, (-1, None))
         if index is None or turns != worker.num_ready_changes:

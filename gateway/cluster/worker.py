@@ -1,6 +1,7 @@
 """`Worker`: one prefill or decode worker as the gateway sees it. Its `WorkerClient`, whether it is
 ready (health SERVING and model info reported), its last reported load and this gateway's requests on
-it now, and how often its calls failed in a row (a worker that keeps failing is skipped a while)."""
+it now, what its KV events say its prefix cache holds, and how often its calls failed in a row (a
+worker that keeps failing is skipped a while)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 import time
 
 from gateway.cluster.client import WorkerClient
+from gateway.cluster.prefix_index import EventIndex
 from gateway.cluster.worker_errors import WorkerError
 from gateway.cluster.worker_records import ModelInfo, WorkerLoad
 from gateway.records import Role
@@ -29,7 +31,8 @@ class Worker:
     each probe while ready. `num_in_flight`: this gateway's requests on it now, counted from the
     routing decision (so a burst decided before the next probe spreads) to the end of its part of the
     trip. `num_ready_changes` counts its turns to ready, so a restart (which passes through not ready)
-    is seen even between two reads. Event loop only."""
+    is seen even between two reads. `event_index`: the pages its KV events say its prefix cache
+    holds, live while the pool follows its stream (`gateway/cluster/kv_events.py`). Event loop only."""
 
     def __init__(
         self, role: Role | str, address: str, credentials: InternalCredentials = InternalCredentials()
@@ -40,6 +43,7 @@ class Worker:
         self.load: WorkerLoad | None = None
         self.num_in_flight = 0
         self.num_ready_changes = 0
+        self.event_index = EventIndex()
         self._in_flight_at_load = 0  # num_in_flight when `load` was taken
         self._num_failures = 0  # calls failed in a row
         self._skip_until = 0.0  # time.monotonic()

@@ -138,6 +138,17 @@ class WorkerLoad:
 
 
 @dataclass(frozen=True, slots=True)
+class KvEvents:
+    """One message of a worker's KV event stream (SubscribeKvEvents): page keys (`tandem.page_keys`)
+    that joined its prefix cache (`stored`) and left it (`removed`) since the last message; a snapshot
+    (`is_snapshot`, the stream's first) lists in `stored` every page it holds now."""
+
+    is_snapshot: bool
+    stored: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class FlushResult:
     """FlushCache's answer: refused (`success` False, `message` says why) while requests run."""
 

@@ -1,12 +1,15 @@
-"""The router's approximate view of a prefill worker's prefix cache: chained page hashes, leading
-matches, least-recently-routed eviction of the deepest pages first, and correction from the cached
-tokens the worker reports."""
+"""The router's views of a worker's prefix cache: page keys (the workers' own, `tandem.page_keys`), the
+guess (leading matches, least-recently-routed eviction of the deepest pages first, and correction from
+the cached tokens the worker reports) and the exact index its KV events feed (a snapshot replaces it,
+deltas apply, routed prompts count as held a while)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.cluster.prefix_index import PrefixIndex, PromptPages, page_hashes
+from gateway.cluster.prefix_index import EventIndex, PrefixIndex, PromptPages, page_hashes
+from gateway.cluster.worker_records import KvEvents
+from tandem.page_keys import next_key, page_keys, root_key
 
 PAGE = 4
 
@@ -74,3 +77,55 @@ def test_the_same_tokens_under_another_adapter_share_no_page() -> None:
     index = PrefixIndex(64)
     index.insert(a)
     assert (index.match(a), index.match(b), index.match(base)) == (3, 0, 0)
+
+
+def test_page_hashes_are_the_workers_page_keys() -> None:
+    tokens = list(range(40))
+    for lora_name in ("", "sql"):
+        keys = page_hashes(tokens, 16, lora_name)
+        assert keys == page_keys(tokens, 16, lora_name) and len(keys) == 2
+        assert keys[1] == next_key(next_key(root_key(lora_name), tokens[:16]), tokens[16:32])
+    assert page_hashes(tokens, 16, "sql") != page_hashes(tokens, 16)
+    # fixed across processes and runs (unlike Python's hash() of a str): a key the workers publish
+    assert page_hashes([1] * 4, 4) == (0x9B9D3B7F3596F49E,)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_snapshot_replaces_what_the_events_said_and_deltas_apply() -> None:
+    a, b = page_hashes(list(range(48)), 16), page_hashes([7] * 48, 16)
+    index = EventIndex()
+    index.apply(KvEvents(False, stored=a))   # a delta before any snapshot: not the whole picture
+    assert not index.is_live and index.match(a) == 0
+    index.apply(KvEvents(True, stored=a))
+    assert index.is_live and index.match(a) == 3 and len(index) == 3
+    index.apply(KvEvents(False, stored=b[:2], removed=a[1:2]))
+    assert (index.match(a), index.match(b)) == (1, 2)   # the leading keys only: a's third is held, its second not
+    index.apply(KvEvents(True, stored=b))   # a restarted worker's new stream: what was known is forgotten
+    assert (index.match(a), index.match(b), len(index)) == (0, 3, 3)
+    index.lose()
+    assert not index.is_live and len(index) == 0
+
+
+def test_a_routed_prompt_counts_as_held_until_its_events_come_or_its_hold_ends() -> None:
+    clock, a, b = _Clock(), page_hashes(list(range(48)), 16), page_hashes([7] * 48, 16)
+    index = EventIndex(hold_s=5.0, clock=clock)
+    index.apply(KvEvents(True))
+    index.insert(a)
+    index.insert(b)
+    assert (index.match(a), index.match(b)) == (3, 3)
+    index.apply(KvEvents(False, stored=a[:2], removed=b[:1]))   # a's pages arrive; b's first was evicted
+    assert (index.match(a), index.match(b)) == (3, 0)
+    clock.now += 5.0   # the hold is over: only what the events said stays
+    assert (index.match(a), index.match(b), len(index)) == (2, 0, 2)
+    index.correct(a, estimated_pages=2, real_pages=0)   # events are the truth: a report changes nothing
+    assert index.match(a) == 2
+    index.insert(b)
+    index.clear()   # a flush: the worker's events will say what left; the routed guesses go now
+    assert (index.match(a), index.match(b)) == (2, 0)

@@ -1,5 +1,5 @@
-"""The routing policies over workers whose load and model info are set by hand (no process behind
-them: the router only reads what the pool's probes would have recorded)."""
+"""The routing policies over workers whose load, model info and KV events are set by hand (no process
+behind them: the router only reads what the pool's probes and event streams would have recorded)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from gateway.cluster.pool import WorkerPool
 from gateway.cluster.prefix_index import PromptPages
 from gateway.cluster.routing import Route, Router, RouteReason
 from gateway.cluster.worker import Worker
-from gateway.cluster.worker_records import KvLayout, LoraAdapterInfo, ModelInfo, WorkerLoad
+from gateway.cluster.worker_records import KvEvents, KvLayout, LoraAdapterInfo, ModelInfo, WorkerLoad
 from gateway.config import RouterPolicy, RoutingConfig
 from gateway.errors import APIError
 from gateway.records import Role
@@ -221,6 +221,69 @@ def test_a_route_counts_its_request_in_flight_until_each_part_ends() -> None:
         route.end()
         route.end()
         assert (prefill.num_in_flight, decode.num_in_flight) == (0, 0)
+
+    _in_loop(test)
+
+
+def _routed(router: Router, choice, decode: Worker) -> None:
+    router.routed(Route(choice.worker, decode, RouterPolicy.PREFIX_AWARE, choice.reason, RouteReason.LEAST_LOAD,
+                        choice.estimated_cached_tokens, choice.page_hashes))
+
+
+def test_a_worker_whose_events_hold_a_prefix_gets_it_though_this_gateway_never_sent_it_there() -> None:
+    def test() -> None:
+        pool = WorkerPool((), (), routing=RoutingConfig(RouterPolicy.PREFIX_AWARE))
+        prefills, decodes = _workers(Role.PREFILL, 2), _workers(Role.DECODE, 2)
+        pool.workers = {"prefill": prefills, "decode": decodes}
+        prompt = _prompt(9, 0)
+        for worker in prefills + decodes:
+            worker.event_index.apply(KvEvents(True))
+        for worker in (prefills[1], decodes[1]):   # another gateway sent the prefix to the second of each role
+            worker.event_index.apply(KvEvents(False, stored=prompt.hashes(16)))
+        route = pool.route(prompt)
+        assert (route.prefill, route.decode) == (prefills[1], decodes[1])
+        assert route.estimated_cached_tokens == route.estimated_decode_cached_tokens == 64
+        assert route.prefill_reason is route.decode_reason is RouteReason.PREFIX_MATCH
+        route.end()
+
+    _in_loop(test)
+
+
+def test_live_events_overrule_the_guess_and_the_guess_returns_when_they_stop() -> None:
+    def test() -> None:
+        router, prefills = Router(RoutingConfig(RouterPolicy.PREFIX_AWARE)), _workers(Role.PREFILL, 2)
+        first = router.choose_prefill(_prompt(3, 0), prefills)   # no stream yet: the guess learns it
+        _routed(router, first, prefills[0])
+        guessed = first.worker
+        other = prefills[1] if guessed is prefills[0] else prefills[0]
+        guessed.event_index.apply(KvEvents(True))   # its cache holds none of it (evicted, or never run)
+        other.event_index.apply(KvEvents(True, stored=_prompt(3, 0).hashes(16)))
+        live = router.choose_prefill(_prompt(3, 1), prefills)
+        assert live.worker is other and live.estimated_cached_tokens == 64
+        route = Route(other, prefills[0], RouterPolicy.PREFIX_AWARE, live.reason, RouteReason.LEAST_LOAD,
+                      live.estimated_cached_tokens, live.page_hashes)
+        router.prefilled(route, cached_tokens=0)   # a report does not correct an exact index
+        assert router.choose_prefill(_prompt(3, 2), prefills).worker is other
+        for worker in prefills:
+            worker.event_index.lose()   # the streams broke: back to what this gateway routed
+        back = router.choose_prefill(_prompt(3, 3), prefills)
+        assert back.worker is guessed and back.estimated_cached_tokens == 64
+
+    _in_loop(test)
+
+
+def test_a_burst_of_one_new_prefix_stays_on_one_worker_while_its_events_lag() -> None:
+    def test() -> None:
+        router, prefills = Router(RoutingConfig(RouterPolicy.PREFIX_AWARE)), _workers(Role.PREFILL, 3)
+        for worker in prefills:
+            worker.event_index.apply(KvEvents(True))
+        choices = []
+        for question in range(6):   # decided before any stored event arrives
+            choice = router.choose_prefill(_prompt(11, question), prefills)
+            _routed(router, choice, prefills[0])
+            choices.append(choice)
+        assert len({c.worker.address for c in choices}) == 1
+        assert [c.reason for c in choices] == [RouteReason.LEAST_LOAD] + [RouteReason.PREFIX_MATCH] * 5
 
     _in_loop(test)
 
