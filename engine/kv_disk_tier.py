@@ -14,7 +14,8 @@ renamed, so a reader never sees half a file. `load` checks all of it: a truncate
 misnamed file is deleted and reported as a miss, never copied into the pool. Files are grouped by
 root identity, one directory per weights and layout, and the tier keeps at most `capacity_bytes`
 of them, deleting the least recently used first. At start it indexes the files already there, so a
-restarted worker finds what it (or another worker sharing the directory) saved before.
+restarted worker finds what it (or another worker sharing the directory) saved before; a page another
+process writes later is found by its file when the index misses it.
 """
 
 from __future__ import annotations
@@ -103,8 +104,20 @@ class DiskTier:
     # ---- reads and writes ---------------------------------------------------------------
 
     def contains(self, digest: bytes) -> bool:
+        """Whether the page named `digest` is on disk: in the index, or written since by another
+        process sharing the directory (one stat per miss; a walk stops at its first)."""
         self._settle()
-        return digest in self._index
+        if digest in self._index:
+            return True
+        if digest in self._pending:
+            return False
+        try:
+            size = self._path(digest).stat().st_size
+        except OSError:
+            return False
+        self._index[digest] = size
+        self._num_bytes += size
+        return True
 
     def save(self, digest: bytes, page_id: int) -> None:
         """Keep page `page_id` (whose KV is complete) as `digest`, unless it is kept already. The page

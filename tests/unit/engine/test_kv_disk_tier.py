@@ -135,3 +135,12 @@ def test_a_restarted_engine_serves_the_prefix_from_disk_with_the_same_tokens(tmp
     damaged = _engine(model_dir, tmp_path / "kv")
     assert _run(damaged, PROMPT) == (expected, 0)
     assert damaged.kv_tiers.disk.num_dropped == 1   # the first page's: the walk stops there
+
+
+def test_a_page_another_process_writes_later_is_found_by_its_file(tmp_path: Path) -> None:
+    pool = _pool()
+    reader = DiskTier(tmp_path, 2**20, pool, "weights-a")   # started first: its index holds nothing
+    writer, digest = _saved(tmp_path, pool, 3, [1, 2, 3, 4])   # another worker sharing the directory
+    assert reader.contains(digest) and reader.load(digest, 6)
+    assert torch.equal(pool.tensor[6], pool.tensor[3])
+    assert not reader.contains(page_digest(reader.root(""), [5, 5, 5, 5]))
