@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from engine.config import ConfigError
 from engine.kv_pool import KVLayout, KVPool
 from engine.prefix_cache import DIGEST_BYTES
 
@@ -68,6 +69,7 @@ class DiskTier:
         self.capacity_bytes = capacity_bytes
         self.pool = pool
         self.num_saved = self.num_loaded = self.num_dropped = 0
+        self.num_write_failures = 0  # counted on the writer's thread; logged now and then, not per page
         self._background = background
         self._index: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # digest -> file bytes, LRU first
         self._num_bytes = 0
@@ -82,7 +84,13 @@ class DiskTier:
         self.flush()
         self._identity = kv_identity(identity, self.pool.layout)
         self.directory = self.base_dir / self._identity.hex()
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:  # a directory it cannot write is a start-up error, not a warning per page
+            self.directory.mkdir(parents=True, exist_ok=True)
+            probe = self.directory / f".probe.{os.getpid()}.tmp"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError(f"--kv-disk-cache-dir {self.base_dir}: cannot write there ({exc.strerror})") from None
         self._index.clear()
         self._num_bytes = 0
         for path in sorted(self.directory.glob(f"*/*{_SUFFIX}*"), key=_mtime):
@@ -206,7 +214,9 @@ class DiskTier:
             os.replace(temporary, path)
             size = len(header) + len(payload)
         except OSError as exc:
-            logger.warning("KV disk tier: a page could not be written (%s)", exc)
+            self.num_write_failures += 1
+            if self.num_write_failures in (1, 10, 100) or self.num_write_failures % 1000 == 0:
+                logger.warning("KV disk tier: %d pages could not be written (%s)", self.num_write_failures, exc)
             temporary.unlink(missing_ok=True)
         self._written.append((digest, size))
 

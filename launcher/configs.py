@@ -175,7 +175,7 @@ def engine_config(args: argparse.Namespace, role: str, is_embedding: bool) -> En
             sampling_backend=args.sampling_backend,
             int8_activations=args.int8_activations,
             enable_prefix_cache=has_prefix_cache,
-            kv_disk_cache_dir=os.path.abspath(args.kv_disk_cache_dir)
+            kv_disk_cache_dir=_writable_dir(args.kv_disk_cache_dir, args.command)
             if args.kv_disk_cache_dir and has_prefix_cache
             else None,
             kv_disk_cache_gib=args.kv_disk_cache_gb,
@@ -184,6 +184,20 @@ def engine_config(args: argparse.Namespace, role: str, is_embedding: bool) -> En
         )
     except ValueError as exc:
         raise SystemExit(f"tandem {args.command}: {exc}") from None
+
+
+def _writable_dir(path: str, command: str) -> str:
+    """`path` made absolute, created if missing; exits with the reason when this process cannot write there."""
+    path = os.path.abspath(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".probe.{os.getpid()}.tmp")
+        with open(probe, "wb"):
+            pass
+        os.unlink(probe)
+    except OSError as exc:
+        raise SystemExit(f"tandem {command}: --kv-disk-cache-dir {path}: cannot write there ({exc.strerror})") from None
+    return path
 
 
 def _worker_device(flag: str, kv_transport: str | None) -> str:

@@ -133,3 +133,6 @@ def test_prefix_cache_flags_reach_each_role(tmp_path: Path) -> None:
     assert not none.prefill.engine.enable_prefix_cache and not none.decode.engine.enable_prefix_cache
     with pytest.raises(SystemExit):
         _stack("--kv-disk-cache-gb", "0")
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit, match="cannot write there"):   # one line at start-up, before any weight
+        _stack("--kv-disk-cache-dir", str(tmp_path / "a-file" / "kv"))
