@@ -21,6 +21,7 @@ from launcher.defaults import (
     default_data_dir,
     default_dtype,
     default_model_path,
+    field_default,
     is_bundled_model,
     served_name_for,
 )
@@ -176,9 +177,9 @@ def engine_config(args: argparse.Namespace, role: str, is_embedding: bool) -> En
             int8_activations=args.int8_activations,
             enable_prefix_cache=has_prefix_cache,
             kv_disk_cache_dir=_writable_dir(args.kv_disk_cache_dir, args.command)
-            if args.kv_disk_cache_dir and has_prefix_cache
+            if args.kv_disk_cache_dir and args.kv_disk_cache_gb and has_prefix_cache
             else None,
-            kv_disk_cache_gib=args.kv_disk_cache_gb,
+            kv_disk_cache_gib=args.kv_disk_cache_gb or field_default(EngineConfig, "kv_disk_cache_gib"),
             kv_host_cache_gib=args.kv_host_cache_gb if has_prefix_cache else 0.0,
             cuda_graph_batch_sizes=_graph_batch_sizes(args),
         )

@@ -255,9 +255,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kv-disk-cache-gb",
-        type=positive_float,
+        type=non_negative_float,
         default=field_default(EngineConfig, "kv_disk_cache_gib"),
-        help="most GiB of KV pages the disk tier keeps (least recently used deleted first; default 16)",
+        help="most GiB of KV pages the disk tier keeps (least recently used deleted first; default 16; "
+        "0: no disk tier, even with --kv-disk-cache-dir)",
     )
     p.add_argument(
         "--disable-decode-prefix-cache",
@@ -411,17 +412,6 @@ def metrics_port(flag: int | None, grpc_port: int) -> int:
         return flag
     port = grpc_port + METRICS_PORT_OFFSET
     return port if grpc_port and port < 65536 else 0
-
-
-def positive_float(text: str) -> float:
-    """An argparse type: a number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
 
 
 def non_negative_float(text: str) -> float:

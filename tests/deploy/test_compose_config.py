@@ -125,6 +125,17 @@ def test_one_model_volume_shared_by_all_three():
     assert "models" in config["volumes"]
 
 
+def test_the_workers_share_one_kv_cache_volume_for_the_disk_tier_off_by_default():
+    for env, gib in (({}, "0"), ({"TANDEM_KV_DISK_CACHE_GB": "8"}, "8")):
+        services = compose_config(**env)["services"]
+        for role in WORKERS:
+            (volume,) = [v for v in services[role]["volumes"] if v["target"] == "/var/cache/tandem-kv"]
+            assert volume["source"] == "kv-cache" and not volume.get("read_only")
+            assert flag(services[role]["command"], "kv-disk-cache-dir") == "/var/cache/tandem-kv"
+            assert flag(services[role]["command"], "kv-disk-cache-gb") == gib   # 0: no disk tier
+        assert all(v["target"] != "/var/cache/tandem-kv" for v in services["gateway"]["volumes"])
+
+
 def test_settings_come_from_the_environment():
     config = compose_config(TANDEM_MODELS="/srv/models", TANDEM_MODEL_PATH="/models/Qwen2-0.5B-Instruct",
                             TANDEM_SERVED_MODEL_NAME="qwen", TANDEM_PORT="8080", TANDEM_GRPC_PORT="9051",
@@ -255,8 +266,10 @@ def run_token_script(tmp_path: Path, user_token: str) -> tuple[Path, Path, list[
 def test_the_one_shot_script_keeps_a_generated_token_or_writes_the_given_one(tmp_path):
     token, grant, calls = run_token_script(tmp_path, user_token="")
     assert token.read_text() == "generated\n" and grant.read_text() == "generated\n"
+    kv_cache = tmp_path / "kv-cache"                         # the workers' disk tier, theirs to write
     assert calls == [f"tandem internal-token --file {token}", f"chown 10001:10001 {token}",
-                     f"tandem internal-token --file {grant}", f"chown 10001:10001 {grant}"]
+                     f"tandem internal-token --file {grant}", f"chown 10001:10001 {grant}",
+                     f"chown 10001:10001 {kv_cache}"]
     for secret in (token, grant):
         assert stat.S_IMODE(secret.stat().st_mode) == 0o400  # readable by its owner, uid 10001, only
     (tmp_path / "given").mkdir()
@@ -264,5 +277,6 @@ def test_the_one_shot_script_keeps_a_generated_token_or_writes_the_given_one(tmp
     assert token.read_text() == "s3cret from env\n"          # the servers strip the newline
     assert grant.read_text() == "generated\n"                # never the token: the gateway holds that
     assert calls == [f"chown 10001:10001 {token}", f"tandem internal-token --file {grant}",
-                     f"chown 10001:10001 {grant}"]           # tandem was not asked for a token
+                     f"chown 10001:10001 {grant}",           # tandem was not asked for a token
+                     f"chown 10001:10001 {tmp_path / 'given' / 'kv-cache'}"]
     assert stat.S_IMODE(token.stat().st_mode) == 0o400

@@ -131,8 +131,10 @@ def test_prefix_cache_flags_reach_each_role(tmp_path: Path) -> None:
     none = _stack("--disable-prefix-cache")
     assert none.decode is not None
     assert not none.prefill.engine.enable_prefix_cache and not none.decode.engine.enable_prefix_cache
+    off = _stack("--kv-disk-cache-dir", str(tmp_path / "kv"), "--kv-disk-cache-gb", "0")   # compose's default
+    assert off.prefill.engine.kv_disk_cache_dir is None
     with pytest.raises(SystemExit):
-        _stack("--kv-disk-cache-gb", "0")
+        _stack("--kv-disk-cache-gb", "-1")
     (tmp_path / "a-file").write_text("")
     with pytest.raises(SystemExit, match="cannot write there"):   # one line at start-up, before any weight
         _stack("--kv-disk-cache-dir", str(tmp_path / "a-file" / "kv"))
