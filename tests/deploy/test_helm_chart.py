@@ -193,6 +193,25 @@ def test_model_from_a_pvc_is_mounted_everywhere_and_needs_a_claim():
         render({"model": {"source": "pvc"}})
 
 
+def test_the_prefix_cache_tiers_are_off_by_default_and_a_disk_tier_gets_its_own_volume():
+    def worker(values: dict | None) -> tuple[dict, dict, dict]:
+        docs = render(values)
+        pod = deployment(docs, "decode")["spec"]["template"]["spec"]
+        (config,) = by_kind(docs, "ConfigMap").values()
+        return pod, pod["containers"][0], config["data"]
+
+    pod, c, config = worker(None)
+    assert "--kv-host-cache-gb=$(TANDEM_KV_HOST_CACHE_GIB)" in c["args"] and config["TANDEM_KV_HOST_CACHE_GIB"] == "0"
+    assert not [a for a in c["args"] if a.startswith("--kv-disk-cache")]
+    assert "kv-cache" not in {v["name"] for v in pod["volumes"]}
+    pod, c, config = worker(EVERYTHING_ON)
+    assert config["TANDEM_KV_HOST_CACHE_GIB"] == "2"
+    assert {"--kv-disk-cache-dir=/var/cache/tandem-kv", "--kv-disk-cache-gb=20"} <= set(c["args"])
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "kv-cache"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "kv-cache"]
+    assert mount["mountPath"] == "/var/cache/tandem-kv" and volume["emptyDir"] == {"sizeLimit": "21Gi"}
+
+
 def test_optional_ingress_autoscaler_and_replicas():
     docs = render(EVERYTHING_ON)
     ingress = by_kind(docs, "Ingress")[f"{RELEASE}-gateway"]
