@@ -26,8 +26,9 @@ from engine.kv_disk_tier import DiskTier  # noqa: E402
 from engine.kv_host_tier import HostTier, TierChain  # noqa: E402
 from engine.kv_pool import KVLayout, KVPool  # noqa: E402
 from engine.prefix_cache import page_digest  # noqa: E402
-from engine.request import Request, SamplingParams  # noqa: E402
+from engine.request import SamplingParams  # noqa: E402
 from engine.weights import open_checkpoint  # noqa: E402
+from tests.engine_runs import run_alone  # noqa: E402
 from tests.tiny_models import save_tiny_llama  # noqa: E402
 
 PROMPTS = [[3, 17, 42, 99, 5, 61, 7, 200, 31, 8, 44, 12, 90], [11, 250, 9, 128, 77, 6, 5, 4, 3, 2, 1, 60, 61]]
@@ -54,27 +55,17 @@ def _engine(model_dir: Path, **tiers) -> Engine:
     return Engine(open_checkpoint(str(model_dir)), config, progress=False)
 
 
-def _run(engine: Engine, rid: str, prompt: list[int]) -> tuple[list[int], int]:
-    engine.add_request(Request(rid, list(prompt), GREEDY))
-    tokens, cached = [], -1
-    while engine.has_work:
-        for out in engine.step():
-            tokens += [out.token_id] if out.token_id is not None else []
-            cached = out.cached_tokens if cached < 0 else cached
-    return tokens, cached
-
-
 def test_an_engine_on_cuda_serves_evicted_pages_from_host_memory_and_from_disk_after_a_restart(tmp_path: Path) -> None:
     model_dir = save_tiny_llama(tmp_path / "llama")
     reference = _engine(model_dir)
-    expected = [_run(reference, f"r{i}", p)[0] for i, p in enumerate(PROMPTS)]
+    expected = [run_alone(reference, f"r{i}", p, GREEDY)[0] for i, p in enumerate(PROMPTS)]
     tiers = dict(kv_host_cache_gib=0.01, kv_disk_cache_dir=str(tmp_path / "kv"))
     tiered = _engine(model_dir, **tiers)
-    assert _run(tiered, "a", PROMPTS[0]) == (expected[0], 0)
-    assert _run(tiered, "b", PROMPTS[1]) == (expected[1], 0)   # a 4-page pool: the first prompt's pages go
-    assert _run(tiered, "a2", PROMPTS[0]) == (expected[0], 12)
+    assert run_alone(tiered, "a", PROMPTS[0], GREEDY) == (expected[0], 0)
+    assert run_alone(tiered, "b", PROMPTS[1], GREEDY) == (expected[1], 0)   # a 4-page pool: the first prompt's pages go
+    assert run_alone(tiered, "a2", PROMPTS[0], GREEDY) == (expected[0], 12)
     assert tiered.kv_tiers.host.num_loaded == 3
     tiered.kv_tiers.disk.flush()
     restarted = _engine(model_dir, **tiers)
-    assert _run(restarted, "a3", PROMPTS[0]) == (expected[0], 12)
+    assert run_alone(restarted, "a3", PROMPTS[0], GREEDY) == (expected[0], 12)
     assert restarted.kv_tiers.disk.num_loaded == 3

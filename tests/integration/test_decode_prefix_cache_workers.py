@@ -13,12 +13,19 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine.engine import Engine
-from engine.request import Request, SamplingParams
 from engine.weights import open_checkpoint
 from tandem.page_keys import page_keys
-from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tandem.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from tests.integration.inprocess_workers import ENGINE, running_workers
+from tests.real_models import engine_greedy
 from tests.tiny_models import save_tiny_qwen2
 
 PAGE = 16
@@ -93,13 +100,8 @@ async def _forged_skip_is_refused(prefill, decode, prompt: list[int]) -> None:
 
 
 def _whole_run(model_path: Path, prompt: list[int]) -> list[int]:
-    engine = Engine(open_checkpoint(str(model_path)), ENGINE, progress=False)
-    engine.add_request(Request("whole", list(prompt), SamplingParams(temperature=0, max_new_tokens=NUM_NEW,
-                                                                     ignore_eos=True)))
-    tokens = []
-    while engine.has_work:
-        tokens += [output.token_id for output in engine.step() if output.token_id is not None]
-    return tokens
+    """The prompt start to finish on one engine: the tokens a handoff must reproduce."""
+    return engine_greedy(open_checkpoint(str(model_path)), ENGINE, [prompt], NUM_NEW)[0]
 
 
 def test_a_worker_publishes_what_its_prefix_cache_stores_and_removes(tmp_path: Path) -> None:

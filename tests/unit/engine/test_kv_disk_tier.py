@@ -16,8 +16,9 @@ from engine.engine import Engine
 from engine.kv_disk_tier import DiskTier
 from engine.kv_pool import KVLayout, KVPool
 from engine.prefix_cache import page_digest
-from engine.request import Request, SamplingParams
+from engine.request import SamplingParams
 from engine.weights import open_checkpoint
+from tests.engine_runs import run_alone
 from tests.tiny_models import save_tiny_llama
 
 LAYOUT = KVLayout(num_layers=2, page_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
@@ -102,16 +103,7 @@ def _engine(model_dir: Path, disk: Path | None) -> Engine:
 
 
 def _run(engine: Engine, prompt: list[int]) -> tuple[list[int], int]:
-    """Greedy tokens of `prompt` and how many of its tokens came from the cache."""
-    engine.add_request(Request("r", list(prompt), GREEDY))
-    tokens, cached = [], -1
-    while engine.has_work:
-        for out in engine.step():
-            if out.token_id is not None:
-                tokens.append(out.token_id)
-            if cached < 0:
-                cached = out.cached_tokens
-    return tokens, cached
+    return run_alone(engine, "r", prompt, GREEDY)
 
 
 def test_a_restarted_engine_serves_the_prefix_from_disk_with_the_same_tokens(tmp_path: Path) -> None:

@@ -15,8 +15,9 @@ from engine.kv_disk_tier import DiskTier
 from engine.kv_host_tier import HostTier, TierChain
 from engine.kv_pool import KVLayout, KVPool
 from engine.prefix_cache import page_digest
-from engine.request import Request, SamplingParams
+from engine.request import SamplingParams
 from engine.weights import open_checkpoint
+from tests.engine_runs import run_alone
 from tests.tiny_models import save_tiny_llama
 
 LAYOUT = KVLayout(num_layers=2, page_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
@@ -58,16 +59,6 @@ PROMPTS = [[3, 17, 42, 99, 5, 61, 7, 200, 31, 8, 44, 12, 90], [11, 250, 9, 128, 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=3)
 
 
-def _run(engine: Engine, rid: str, prompt: list[int]) -> tuple[list[int], int]:
-    engine.add_request(Request(rid, list(prompt), GREEDY))
-    tokens, cached = [], -1
-    while engine.has_work:
-        for out in engine.step():
-            tokens += [out.token_id] if out.token_id is not None else []
-            cached = out.cached_tokens if cached < 0 else cached
-    return tokens, cached
-
-
 def test_pages_the_pool_evicted_come_back_from_host_memory(tmp_path: Path) -> None:
     model_dir = save_tiny_llama(tmp_path / "llama")
 
@@ -77,11 +68,11 @@ def test_pages_the_pool_evicted_come_back_from_host_memory(tmp_path: Path) -> No
         return Engine(open_checkpoint(str(model_dir)), config, progress=False)
 
     reference = engine(0.0)
-    expected = [_run(reference, f"r{i}", p)[0] for i, p in enumerate(PROMPTS)]
+    expected = [run_alone(reference, f"r{i}", p, GREEDY)[0] for i, p in enumerate(PROMPTS)]
     tiered = engine(0.01)   # a 4-page pool: the second prompt evicts the first's pages
-    assert _run(tiered, "a", PROMPTS[0]) == (expected[0], 0)
-    assert _run(tiered, "b", PROMPTS[1]) == (expected[1], 0)
-    assert _run(tiered, "a2", PROMPTS[0]) == (expected[0], 12)   # three pages copied back
+    assert run_alone(tiered, "a", PROMPTS[0], GREEDY) == (expected[0], 0)
+    assert run_alone(tiered, "b", PROMPTS[1], GREEDY) == (expected[1], 0)
+    assert run_alone(tiered, "a2", PROMPTS[0], GREEDY) == (expected[0], 12)   # three pages copied back
     [host] = tiered.stats().tiers
     assert host.tier == "host" and host.num_loaded == 3
     tiered.pages.check_integrity()
