@@ -52,13 +52,15 @@ SYSTEM = (
     "When a question is unclear, you ask for the missing detail first. You write plain text without "
     "lists, and you keep a friendly tone with every traveller. "
 )
+# Each question over 16 tokens: what its decode worker lacks (it keeps the instructions from the last one)
+# stays above --local-prefill-threshold, so every one goes through a prefill worker.
 QUESTIONS = (
-    "Where is Lima?",
-    "How long is the Nile?",
-    "Is Oslo cold in May?",
-    "What is K2?",
-    "Name a lake in Chile.",
-    "Which sea is salty?",
+    "Where exactly is the city of Lima, and which country is it the capital of, if any at all?",
+    "How long is the river Nile from its source to the sea, and which countries does it cross?",
+    "Is the city of Oslo usually cold in the month of May, or is it already warm enough for walks?",
+    "What is the mountain called K2, how high is it, and where does it stand on the map exactly?",
+    "Can you name one large lake in the south of Chile that travellers like to visit in summer?",
+    "Which of the seas between Europe and Asia is the saltiest, and why is its water so salty?",
 )
 
 
