@@ -55,7 +55,9 @@ def test_finish_reasons_and_phase_timings(stack: Stack) -> None:
     assert length["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
     timings = length["meta_info"]["tandem_timings"]
     assert set(timings) == {"gateway_queue_ms", "reserve_ms", "prefill_queue_ms", "prefill_compute_ms",
-                            "kv_transfer_ms", "kv_bytes", "decode_queue_ms", "first_token_ms", "prefill_path"}
+                            "kv_transfer_ms", "kv_bytes", "decode_queue_ms", "first_token_ms", "prefill_path",
+                            "decode_cached_tokens"}
+    assert timings["decode_cached_tokens"] == 0   # a prompt shorter than a page: nothing to hold
     assert timings["prefill_path"] == "disaggregated"   # the default: every prompt through a prefill worker
     assert timings["kv_bytes"] > 0 and timings["kv_transfer_ms"] >= 0
     assert timings["gateway_queue_ms"] > 0 and timings["prefill_queue_ms"] > 0 and timings["decode_queue_ms"] > 0
