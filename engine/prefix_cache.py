@@ -119,7 +119,7 @@ class PrefixCache(PagePool):
             node.last_access = now
             pages.append(page_id)
             parent = page_id
-        if self.tier is not None and len(pages) < len(starts):
+        if self.tier is not None and not namespace and len(pages) < len(starts):
             pages += self._load_from_tier(token_ids, starts[len(pages) :], parent, namespace, now)
         return pages
 
@@ -143,6 +143,8 @@ class PrefixCache(PagePool):
             parent = page_id
         return pages
 
+    # The tiers keep the base model's pages only: an adapter's cache id (`name#load`) names one load in one
+    # process, and the same id in another worker, or after a restart, may be other weights.
     def _digest(self, parent: int, namespace: str) -> bytes:
         """The disk tier's name of page `parent`, or of the root of `namespace` when `parent` is one."""
         assert self.tier is not None
@@ -178,7 +180,7 @@ class PrefixCache(PagePool):
                 continue
             page_id = page_ids[index]
             node = _Node(page_id, key, parent, last_access=now)
-            if self.tier is not None:  # a full page with its KV computed: kept on disk too
+            if self.tier is not None and not namespace:  # a full page with its KV computed: kept beyond the pool
                 node.digest = page_digest(self._digest(parent, namespace), key[1])
                 self.tier.save(node.digest, page_id)
             self._add_node(node, namespace)

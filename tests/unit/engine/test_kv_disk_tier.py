@@ -15,7 +15,8 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kv_disk_tier import DiskTier
 from engine.kv_pool import KVLayout, KVPool
-from engine.prefix_cache import page_digest
+from engine.page_allocator import PageAllocator
+from engine.prefix_cache import PrefixCache, page_digest
 from engine.request import SamplingParams
 from engine.weights import open_checkpoint
 from tests.engine_runs import run_alone
@@ -136,3 +137,20 @@ def test_a_page_another_process_writes_later_is_found_by_its_file(tmp_path: Path
     assert reader.contains(digest) and reader.load(digest, 6)
     assert torch.equal(pool.tensor[6], pool.tensor[3])
     assert not reader.contains(page_digest(reader.root(""), [5, 5, 5, 5]))
+
+
+def test_only_the_base_models_pages_go_beyond_the_pool(tmp_path: Path) -> None:
+    """An adapter's cache id names one load in one process: the same id after a restart may be other weights."""
+    pool = _pool()
+    tier = DiskTier(tmp_path, 2**20, pool, "weights-a")
+    cache = PrefixCache(PageAllocator(pool.num_pages), LAYOUT.page_size, tier)
+    tokens = list(range(9))   # two full pages
+    for namespace in ("sql#1", ""):
+        pages = cache.allocate(3)
+        cache.insert(tokens, pages, 0, namespace)
+        cache.release(pages)
+    tier.flush()
+    assert tier.num_pages == 2
+    cache.flush()
+    assert cache.match(tokens, "sql#1") == [] and len(cache.match(tokens, "")) == 2   # the base model's, from disk
+    assert tier.num_loaded == 2
