@@ -40,8 +40,9 @@ class Unavailable(Exception):
 def run(args: list[str], timeout: float = 600, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
     result = subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs)
     if check and result.returncode != 0:
-        raise RuntimeError(f"{' '.join(args)} exited {result.returncode}:\n{result.stdout[-4000:]}\n"
-                           f"{result.stderr[-4000:]}")
+        raise RuntimeError(
+            f"{' '.join(args)} exited {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+        )
     return result
 
 
@@ -80,8 +81,9 @@ def apt_install(*packages: str) -> None:
     update = run(["apt-get", "update", "-qq"], timeout=600, check=False, env=env)
     install = run(["apt-get", "install", "-y", "-qq", *packages], timeout=900, check=False, env=env)
     if install.returncode != 0:
-        raise Unavailable(f"apt-get install {' '.join(packages)} failed:\n{update.stderr[-1500:]}"
-                          f"{install.stderr[-2000:]}")
+        raise Unavailable(
+            f"apt-get install {' '.join(packages)} failed:\n{update.stderr[-1500:]}{install.stderr[-2000:]}"
+        )
 
 
 @dataclass
@@ -114,8 +116,9 @@ def ensure_engine() -> DockerEngine:
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     log_path = CACHE_DIR / "dockerd.log"
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(["dockerd", "--host", "unix:///var/run/docker.sock"], stdout=log, stderr=log,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            ["dockerd", "--host", "unix:///var/run/docker.sock"], stdout=log, stderr=log, start_new_session=True
+        )
     engine = DockerEngine(started=proc, log_path=log_path)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:

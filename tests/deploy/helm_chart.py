@@ -33,8 +33,13 @@ EVERYTHING_ON = {
         "servedModelName": "qwen",
         "pvc": {"claimName": "models", "subPath": "hf"},
     },
-    "config": {"maxTotalTokens": 65536, "contextLength": 4096, "defaultSampling": '{"temperature": 0.7}',
-               "kvHostCacheGib": 2, "kvDiskCacheGib": 20},
+    "config": {
+        "maxTotalTokens": 65536,
+        "contextLength": 4096,
+        "defaultSampling": '{"temperature": 0.7}',
+        "kvHostCacheGib": 2,
+        "kvDiskCacheGib": 20,
+    },
     "prefill": {"replicas": 3, "extraArgs": ["--max-prefill-tokens=16384"]},
 }
 EVERYTHING_ON["gateway"]["apiKeySecret"] = {"name": "tandem-api-key", "key": "key"}

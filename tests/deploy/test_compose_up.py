@@ -23,14 +23,22 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tests.deploy.docker_host import (REPO_ROOT, DockerEngine, Unavailable, dockerfile_base_image, ensure_base_image,
-                                      ensure_engine, install_compose_plugin, offer_local_build_inputs, run)
+from tests.deploy.docker_host import (
+    REPO_ROOT,
+    DockerEngine,
+    Unavailable,
+    dockerfile_base_image,
+    ensure_base_image,
+    ensure_engine,
+    install_compose_plugin,
+    offer_local_build_inputs,
+    run,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
 PROJECT = "tandem-test"
-SEED = {"model": "SmolLM2-135M-Instruct",
-        "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+SEED = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "What is the capital of France?"}]}
 STARTUP_TIMEOUT_S = 420
 
 
@@ -48,8 +56,13 @@ class ComposeStack:
     first_reply: httpx.Response | None = None
 
     def compose(self, *args: str, timeout: float = 600, check: bool = True):
-        return run(["docker", "compose", "-p", PROJECT, "-f", "docker-compose.yml", *args], timeout=timeout,
-                   check=check, env=self.env, cwd=REPO_ROOT)
+        return run(
+            ["docker", "compose", "-p", PROJECT, "-f", "docker-compose.yml", *args],
+            timeout=timeout,
+            check=check,
+            env=self.env,
+            cwd=REPO_ROOT,
+        )
 
     def logs(self, service: str) -> str:
         return self.compose("logs", "--no-color", service).stdout
@@ -80,11 +93,17 @@ def stack(engine: DockerEngine):
         pytest.skip(f"no base image {base}: {exc}")
     offer_local_build_inputs()
     port = free_port()
-    env = dict(os.environ, TANDEM_TAG="test", TANDEM_PORT=str(port), TANDEM_BIND="127.0.0.1",
-               TANDEM_LOG_LEVEL="debug", TANDEM_PREFILL_METRICS_PORT=str(free_port()),
-               TANDEM_DECODE_METRICS_PORT=str(free_port()))
+    env = dict(
+        os.environ,
+        TANDEM_TAG="test",
+        TANDEM_PORT=str(port),
+        TANDEM_BIND="127.0.0.1",
+        TANDEM_LOG_LEVEL="debug",
+        TANDEM_PREFILL_METRICS_PORT=str(free_port()),
+        TANDEM_DECODE_METRICS_PORT=str(free_port()),
+    )
     stack = ComposeStack(env=env, url=f"http://127.0.0.1:{port}")
-    stack.compose("down", "-v", "--remove-orphans", check=False)     # leftovers of an interrupted run
+    stack.compose("down", "-v", "--remove-orphans", check=False)  # leftovers of an interrupted run
     try:
         start = time.monotonic()
         stack.compose("build", timeout=1800)
@@ -137,13 +156,13 @@ def test_compose_up_answers_the_seed_request_with_paris(stack: ComposeStack, cap
 def health_states(stack: ComposeStack) -> dict[str, str]:
     listed = stack.compose("ps", "--format", "json").stdout
     rows = [json.loads(line) for line in listed.splitlines() if line.strip()]
-    if len(rows) == 1 and isinstance(rows[0], list):       # older Compose prints one JSON array
+    if len(rows) == 1 and isinstance(rows[0], list):  # older Compose prints one JSON array
         rows = rows[0]
     return {row["Service"]: row.get("Health", "") for row in rows}
 
 
 def test_all_three_containers_are_healthy_and_non_root(stack: ComposeStack):
-    deadline = time.monotonic() + 60       # Docker runs the gateway's check every 5 s
+    deadline = time.monotonic() + 60  # Docker runs the gateway's check every 5 s
     while (states := health_states(stack)) != dict.fromkeys(("gateway", "prefill", "decode"), "healthy"):
         assert time.monotonic() < deadline and "unhealthy" not in states.values(), states
         time.sleep(1)
@@ -154,7 +173,7 @@ def test_all_three_containers_are_healthy_and_non_root(stack: ComposeStack):
 def test_each_container_served_its_part(stack: ComposeStack):
     """The gateway took the HTTP request, the prefill container wrote the prompt's KV to the decode
     container over Mooncake, and the decode container ran the request in its batch."""
-    body = dict(SEED, stream=True, max_tokens=3000, ignore_eos=True)   # far longer than the checks take
+    body = dict(SEED, stream=True, max_tokens=3000, ignore_eos=True)  # far longer than the checks take
     first_chunk = threading.Event()
     loads: dict[str, str] = {}
 
@@ -169,28 +188,32 @@ def test_each_container_served_its_part(stack: ComposeStack):
                 break
     assert first_chunk.is_set()
     decode_running, _ = map(int, loads["decode"].split())
-    assert decode_running >= 1, loads     # the decode container holds the streaming request
+    assert decode_running >= 1, loads  # the decode container holds the streaming request
     prefill_running, _ = map(int, loads["prefill"].split())
-    assert prefill_running == 0, loads    # the prefill container handed it off
+    assert prefill_running == 0, loads  # the prefill container handed it off
 
     assert re.search(r'"POST /v1/chat/completions HTTP/1\.1" 200', stack.logs("gateway"))
     # Mooncake session ids are "<the address --kv-host names>:<port>": the decode container's own address,
     # which a scaled-out decode service's replicas do not share as they share its name.
-    assert re.search(r"wrote \d+ bytes in \d+ runs to \d+\.\d+\.\d+\.\d+:170\d\d", stack.logs("prefill")), \
-        stack.logs("prefill")[-3000:]
+    assert re.search(r"wrote \d+ bytes in \d+ runs to \d+\.\d+\.\d+\.\d+:170\d\d", stack.logs("prefill")), stack.logs(
+        "prefill"
+    )[-3000:]
     assert "decode server ready" in stack.logs("decode")
-    for role in ("prefill", "decode"):   # each worker's metrics are published on the host
-        text = httpx.get(f"http://127.0.0.1:{stack.env[f'TANDEM_{role.upper()}_METRICS_PORT']}/metrics",
-                         timeout=10).text
+    for role in ("prefill", "decode"):  # each worker's metrics are published on the host
+        text = httpx.get(
+            f"http://127.0.0.1:{stack.env[f'TANDEM_{role.upper()}_METRICS_PORT']}/metrics", timeout=10
+        ).text
         assert f'role="{role}"' in text and "tandem_worker_" in text, text[:500]
 
 
 # Workers listen on their service name, not 127.0.0.1, and answer only calls carrying the internal token.
-_GET_LOAD = ("import grpc; from tandem.v1 import common_pb2, worker_pb2_grpc as g; "
-             "token = open('/run/tandem-secrets/internal-token').read().strip(); "
-             "stub = g.WorkerServiceStub(grpc.insecure_channel('{service}:{port}')); "
-             "r = stub.GetLoad(common_pb2.GetLoadRequest(), timeout=10, metadata=[('authorization', 'Bearer ' + token)]); "
-             "print(r.num_running, r.num_free_pages)")
+_GET_LOAD = (
+    "import grpc; from tandem.v1 import common_pb2, worker_pb2_grpc as g; "
+    "token = open('/run/tandem-secrets/internal-token').read().strip(); "
+    "stub = g.WorkerServiceStub(grpc.insecure_channel('{service}:{port}')); "
+    "r = stub.GetLoad(common_pb2.GetLoadRequest(), timeout=10, metadata=[('authorization', 'Bearer ' + token)]); "
+    "print(r.num_running, r.num_free_pages)"
+)
 
 
 def test_images_are_non_root_with_health_checks(stack: ComposeStack, capsys):
@@ -208,8 +231,25 @@ def test_scaled_to_two_prefill_and_two_decode_replicas_the_gateway_uses_them_all
     """`docker compose up --scale prefill=2 --scale decode=2`: the gateway finds every replica by DNS, pairs
     them, and a burst reaches both decode replicas (the metrics ports left to Docker: one each)."""
     env = {k: v for k, v in stack.env.items() if not k.endswith("_METRICS_PORT")}
-    run(["docker", "compose", "-p", PROJECT, "-f", "docker-compose.yml", "up", "-d", "--scale", "prefill=2",
-         "--scale", "decode=2"], timeout=STARTUP_TIMEOUT_S, env=env, cwd=REPO_ROOT)
+    run(
+        [
+            "docker",
+            "compose",
+            "-p",
+            PROJECT,
+            "-f",
+            "docker-compose.yml",
+            "up",
+            "-d",
+            "--scale",
+            "prefill=2",
+            "--scale",
+            "decode=2",
+        ],
+        timeout=STARTUP_TIMEOUT_S,
+        env=env,
+        cwd=REPO_ROOT,
+    )
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         info = httpx.get(f"{stack.url}/get_server_info", timeout=10).json()
@@ -221,11 +261,11 @@ def test_scaled_to_two_prefill_and_two_decode_replicas_the_gateway_uses_them_all
         raise AssertionError(f"not every replica ready: {info['workers']}")
     assert info["incompatible_pairs"] == []
     body = {"text": "Count to five:", "sampling_params": {"temperature": 0, "max_new_tokens": 16}}
-    before = _decode_decisions(stack.url)   # the earlier tests' decode worker may have been replaced by `up`
+    before = _decode_decisions(stack.url)  # the earlier tests' decode worker may have been replaced by `up`
     with ThreadPoolExecutor(8) as pool:
         replies = list(pool.map(lambda _: httpx.post(f"{stack.url}/generate", json=body, timeout=300), range(8)))
     assert [r.status_code for r in replies] == [200] * 8
-    assert len({r.json()["text"] for r in replies}) == 1   # the same greedy answer from every pair
+    assert len({r.json()["text"] for r in replies}) == 1  # the same greedy answer from every pair
     after = _decode_decisions(stack.url)
     used = {worker for worker, count in after.items() if count > before.get(worker, 0)}
     assert len(used) == 2, (before, after)

@@ -211,11 +211,16 @@ def test_an_edit_of_tandem_rebuilds_only_the_last_layer_of_each_image():
     reads only the kernels' build script and C++ sources, and each image installs Tandem's wheel last."""
     for stage in ("requirements", "gateway-deps", "worker-deps", "model-wheel", "gateway-env", "worker-env"):
         copies = re.findall(r"^COPY (.*)$", _stage(stage), re.MULTILINE)
-        assert all(c.startswith(("docker/", "--from=requirements", "--from=model-wheel")) or c.startswith(
-            "docker/python_deps.py pyproject.toml") for c in copies), (stage, copies)
+        assert all(
+            c.startswith(("docker/", "--from=requirements", "--from=model-wheel"))
+            or c.startswith("docker/python_deps.py pyproject.toml")
+            for c in copies
+        ), (stage, copies)
     kernel_copies = re.findall(r"^COPY (.*)$", _stage("kernel-build"), re.MULTILINE)
-    assert kernel_copies == ["kernels/__init__.py kernels/native.py /opt/tandem/build/kernels/",
-                             "kernels/csrc/ /opt/tandem/build/kernels/csrc/"]
+    assert kernel_copies == [
+        "kernels/__init__.py kernels/native.py /opt/tandem/build/kernels/",
+        "kernels/csrc/ /opt/tandem/build/kernels/csrc/",
+    ]
     for target in ("gateway", "worker"):
         steps = re.findall(r"^(COPY|RUN|FROM|ENV|ARG|LABEL|USER) ?(.*)$", _stage(target), re.MULTILINE)
         source_at = steps.index(("COPY", "--from=source /dist/ /opt/tandem/dist/"))
