@@ -161,3 +161,37 @@ KV writes. Shaped as the internal token's helpers above. */}}
 {{- $policy := default dict .Values.networkPolicy -}}
 {{- if ternary $policy.enabled true (hasKey $policy "enabled") }}true{{ end -}}
 {{- end -}}
+
+{{/* The KV page store (kvStore.*): "true" when it is rendered (off when the values predate it: `helm
+upgrade --reuse-values`), its Service's address as the workers' --kv-store takes it, and its image,
+each field image.worker's unless kvStore.image sets it. */}}
+{{- define "tandem.kvStoreEnabled" -}}
+{{- if (default dict .Values.kvStore).enabled }}true{{ end -}}
+{{- end -}}
+
+{{- define "tandem.kvStoreName" -}}
+{{- printf "%s-kv-store" (include "tandem.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "tandem.kvStoreAddress" -}}
+{{- printf "%s.%s.svc.%s:%v" (include "tandem.kvStoreName" .) .Release.Namespace .Values.clusterDomain .Values.kvStore.port -}}
+{{- end -}}
+
+{{- define "tandem.kvStoreImage" -}}
+{{- $own := default dict .Values.kvStore.image -}}
+{{- $worker := .Values.image.worker -}}
+{{- dict "repository" (default $worker.repository $own.repository) "tag" (default $worker.tag $own.tag) "pullPolicy" (default $worker.pullPolicy $own.pullPolicy) | toYaml -}}
+{{- end -}}
+
+{{/* The store's NetworkPolicy: where the worker ones are, unless the workers use the node's network (the
+RDMA profile), whose traffic comes from node addresses that no pod selector matches. */}}
+{{- define "tandem.kvStorePolicyEnabled" -}}
+{{- $hostNetwork := and (eq .Values.kv.protocol "rdma") .Values.kv.rdma.hostNetwork -}}
+{{- if and (include "tandem.kvStoreEnabled" .) (include "tandem.networkPolicyEnabled" .) (not $hostNetwork) }}true{{ end -}}
+{{- end -}}
+
+{{/* The components whose pods reach each other's Mooncake ports, as a flow list: the workers, and the KV
+store when it is on (Mooncake's transfer engines connect both ways). */}}
+{{- define "tandem.kvPeers" -}}
+{{- if include "tandem.kvStoreEnabled" . }}[prefill, decode, kv-store]{{ else }}[prefill, decode]{{ end -}}
+{{- end -}}

@@ -12,6 +12,7 @@ CHART = Path(__file__).resolve().parents[2] / "helm"
 RELEASE, NAMESPACE = "tandem", "llm"
 KUBE_VERSIONS = ("1.27.0", "1.30.0")
 WORKERS = ("prefill", "decode")
+STORE = "kv-store"
 TOKEN_SECRET = f"{RELEASE}-internal-token"
 GRANT_SECRET = f"{RELEASE}-kv-grant-secret"
 
@@ -41,6 +42,7 @@ EVERYTHING_ON = {
         "kvDiskCacheGib": 20,
     },
     "prefill": {"replicas": 3, "extraArgs": ["--max-prefill-tokens=16384"]},
+    "kvStore": {"enabled": True, "memoryGib": 8},
 }
 EVERYTHING_ON["gateway"]["apiKeySecret"] = {"name": "tandem-api-key", "key": "key"}
 EVERYTHING_ON["gateway"]["adminApiKeySecret"] = {"name": "tandem-admin-key", "key": "admin"}
@@ -77,6 +79,11 @@ def container(docs: list[dict], component: str) -> dict:
     return only
 
 
+def has_store(docs: list[dict]) -> bool:
+    """Whether the KV page store (kvStore.enabled) is among the rendered Deployments."""
+    return f"{RELEASE}-{STORE}" in by_kind(docs, "Deployment")
+
+
 def pod_labels(docs: list[dict], component: str) -> dict[str, str]:
     return deployment(docs, component)["spec"]["template"]["metadata"]["labels"]
 
@@ -110,3 +117,20 @@ def grant_secret_file_arg(docs: list[dict], component: str) -> tuple[str, str] |
     (item,) = volume["secret"]["items"]
     assert arg == f"--kv-grant-secret-file={mount['mountPath']}/{item['path']}"
     return volume["secret"]["secretName"], item["key"]
+
+
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    """Whether a Kubernetes label selector (matchLabels and matchExpressions) selects `labels`."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
+        matched = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[operator]
+        if not matched:
+            return False
+    return True

@@ -3,7 +3,8 @@ cluster), with the default values, the GPU/RDMA profile and an everything-on var
 rendered manifests are checked against Kubernetes' own schemas (kubernetes-validate, strict) and against
 the wiring Tandem needs: probes and resources on every container, GPU requests, Service ports equal to
 container ports, gateway arguments naming the worker Services, the values schema's refusals. The Secrets
-are checked in test_helm_secrets.py, listening addresses, KV ports and NetworkPolicies in test_helm_network.py."""
+are checked in test_helm_secrets.py, listening addresses, KV ports and NetworkPolicies in test_helm_network.py,
+the KV page store in test_helm_kv_store.py."""
 
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ from tests.deploy.helm_chart import (
     NAMESPACE,
     PROFILES,
     RELEASE,
+    STORE,
     WORKERS,
     by_kind,
     container,
     deployment,
+    has_store,
     render,
 )
 
@@ -41,14 +44,17 @@ def test_chart_lints_clean_with_each_values_file():
 def test_manifests_match_the_kubernetes_schemas(profile):
     name, _, docs = profile
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds.count("Deployment") == 3 and kinds.count("Service") == 3 and "ConfigMap" in kinds
-    assert kinds.count("Secret") == 2 and kinds.count("NetworkPolicy") == 2
+    store = int(has_store(docs))  # its Deployment, Service and NetworkPolicy (everything-on)
+    assert name != "everything-on" or store
+    assert kinds.count("Deployment") == 3 + store and kinds.count("Service") == 3 + store and "ConfigMap" in kinds
+    assert kinds.count("Secret") == 2 and kinds.count("NetworkPolicy") == 2 + store
     for version in KUBE_VERSIONS:
         for doc in docs:
             kubernetes_validate.validate(doc, version, strict=True)
 
 
 def test_every_container_has_probes_resources_and_a_drain(profile):
+    """Every server drains; the KV store, which serves no requests, has nothing to drain."""
     _, _, docs = profile
     for deploy in by_kind(docs, "Deployment").values():
         pod = deploy["spec"]["template"]["spec"]
@@ -56,13 +62,16 @@ def test_every_container_has_probes_resources_and_a_drain(profile):
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 assert probe in c, (deploy["metadata"]["name"], probe)
             assert c["resources"].get("requests") and c["resources"].get("limits"), deploy["metadata"]["name"]
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+            assert pod["securityContext"]["runAsNonRoot"] is True
+            if c["name"] == STORE:
+                assert "lifecycle" not in c and not any(a.startswith("--drain-timeout") for a in c["args"])
+                continue
             sleep = int(c["lifecycle"]["preStop"]["exec"]["command"][-1])
             (drain,) = [int(a.split("=", 1)[1]) for a in c["args"] if a.startswith("--drain-timeout=")]
             # the preStop sleep, then the drain the server is told (--drain-timeout), fit in the grace period
             assert 0 < sleep and sleep + drain < pod["terminationGracePeriodSeconds"]
             assert drain == DEFAULT_DRAIN_TIMEOUT_S  # the servers' own default, stated per pod
-            assert c["securityContext"]["allowPrivilegeEscalation"] is False
-        assert pod["securityContext"]["runAsNonRoot"] is True
 
 
 def test_workers_and_the_gateways_grpc_api_are_probed_on_grpc_health(profile):
@@ -273,9 +282,9 @@ def test_values_schema_rejects_an_unknown_protocol():
 
 
 def test_a_config_change_rolls_the_pods():
-    before = render(None)
-    after = render({"config": {"logLevel": "debug"}})
-    for component in ("gateway", *WORKERS):
+    before = render({"kvStore": {"enabled": True}})
+    after = render({"config": {"logLevel": "debug"}, "kvStore": {"enabled": True}})
+    for component in ("gateway", *WORKERS, STORE):
         key = "checksum/config"
         assert (
             deployment(before, component)["spec"]["template"]["metadata"]["annotations"][key]

@@ -1,31 +1,29 @@
 """The chart's networking, rendered as in test_helm_chart.py: workers listen on the pod IP only, Mooncake's
 ports are pinned and declared, the RDMA profile puts workers on the host network with their NICs, and the
-NetworkPolicies let only the gateway reach a worker's gRPC port and only workers reach its KV ports."""
+NetworkPolicies let only the gateway reach a worker's gRPC port and only workers (and the KV store) reach its KV
+ports, and only workers reach the KV store."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
-from tests.deploy.helm_chart import PROFILES, RELEASE, WORKERS, by_kind, container, deployment, pod_labels, render
+from tests.deploy.helm_chart import (
+    PROFILES,
+    RELEASE,
+    STORE,
+    WORKERS,
+    by_kind,
+    container,
+    deployment,
+    has_store,
+    pod_labels,
+    render,
+    selects,
+)
 
 pytest.importorskip("helm_python", reason="helm-python-sdk is a test dependency (pip install '.[test]')")
-
-
-def selects(selector: dict, labels: dict[str, str]) -> bool:
-    """Whether a Kubernetes label selector (matchLabels and matchExpressions) selects `labels`."""
-    if not selector.get("matchLabels", {}).items() <= labels.items():
-        return False
-    for expression in selector.get("matchExpressions", []):
-        key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
-        matched = {
-            "In": key in labels and labels[key] in values,
-            "NotIn": key not in labels or labels[key] not in values,
-            "Exists": key in labels,
-            "DoesNotExist": key not in labels,
-        }[operator]
-        if not matched:
-            return False
-    return True
 
 
 def test_mooncake_ports_are_pinned_and_declared(profile):
@@ -92,7 +90,8 @@ def test_workers_listen_on_the_pod_ip_only(profile):
 def test_network_policies_let_only_the_gateway_reach_grpc_and_only_workers_reach_kv(profile):
     _, _, docs = profile
     policies = by_kind(docs, "NetworkPolicy")
-    labels = {component: pod_labels(docs, component) for component in ("gateway", *WORKERS)}
+    store = [STORE] if has_store(docs) else []
+    labels = {component: pod_labels(docs, component) for component in ("gateway", *WORKERS, *store)}
     assert not any(selects(p["spec"]["podSelector"], labels["gateway"]) for p in policies.values())
     for role in WORKERS:
         policy = policies[f"{RELEASE}-{role}"]["spec"]
@@ -115,7 +114,7 @@ def test_network_policies_let_only_the_gateway_reach_grpc_and_only_workers_reach
             return [c for c, pod in labels.items() if any(selects(peer["podSelector"], pod) for peer in peers)]
 
         assert admitted(rules[(ports["grpc"], ports["grpc"])]) == ["gateway"]
-        assert admitted(rules[kv]) == list(WORKERS)
+        assert admitted(rules[kv]) == [*WORKERS, *store]  # Mooncake's engines connect both ways
         assert rules[(ports["metrics"], ports["metrics"])] is None  # by default, whoever scrapes
 
 
@@ -131,3 +130,46 @@ def test_network_policies_can_be_narrowed_or_turned_off():
         ]
         assert rule["from"] == monitoring
     assert by_kind(render({"networkPolicy": {"enabled": False}}), "NetworkPolicy") == {}
+
+
+def store_policy_rules(docs: list[dict]) -> tuple[dict, list[dict], dict]:
+    """The KV store's NetworkPolicy spec: (the policy, the rule with no port, the metrics rule)."""
+    policy = by_kind(docs, "NetworkPolicy")[f"{RELEASE}-{STORE}"]["spec"]
+    any_port = [r for r in policy["ingress"] if r["ports"] == [{"protocol": "TCP"}]]
+    metrics = [r for r in policy["ingress"] if r not in any_port]
+    assert len(policy["ingress"]) == 2 and len(any_port) == len(metrics) == 1
+    return policy, any_port[0], metrics[0]
+
+
+def test_only_workers_reach_the_kv_store_on_any_port():
+    """The master's RPC port and the store's Mooncake ports, which it picks when it starts, admit the worker
+    pods and the store pod (its own client calls its master at the pod IP), nothing else but the metrics
+    scrape; with the store off there is no such policy and the workers admit only each other."""
+    docs = render({"kvStore": {"enabled": True}})
+    labels = {component: pod_labels(docs, component) for component in ("gateway", *WORKERS, STORE)}
+    policy, any_port, metrics = store_policy_rules(docs)
+    assert policy["policyTypes"] == ["Ingress"]
+    assert [c for c, pod in labels.items() if selects(policy["podSelector"], pod)] == [STORE]
+    assert all(set(peer) == {"podSelector"} for peer in any_port["from"])
+    admitted = [c for c, pod in labels.items() if any(selects(p["podSelector"], pod) for p in any_port["from"])]
+    assert admitted == [*WORKERS, STORE]
+    (metrics_port,) = [p["containerPort"] for p in container(docs, STORE)["ports"] if p["name"] == "metrics"]
+    assert metrics["ports"] == [{"protocol": "TCP", "port": metrics_port}] and "from" not in metrics
+    monitoring = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    narrowed = render({"kvStore": {"enabled": True}, "networkPolicy": {"metricsFrom": monitoring}})
+    _, _, narrowed_metrics = store_policy_rules(narrowed)
+    assert narrowed_metrics["from"] == monitoring
+    assert f"{RELEASE}-{STORE}" not in by_kind(render(None), "NetworkPolicy")
+    assert by_kind(render({"kvStore": {"enabled": True}, "networkPolicy": {"enabled": False}}), "NetworkPolicy") == {}
+
+
+def test_no_store_policy_when_the_workers_use_the_host_network():
+    """hostNetwork workers (the RDMA profile) reach the store from node addresses, which no pod selector
+    matches: a policy would shut them out, so there is none (and the store is as open as the nodes' network)."""
+    values = copy.deepcopy(PROFILES["gpu-rdma"])
+    values["kvStore"]["enabled"] = True
+    docs = render(values)
+    assert deployment(docs, "prefill")["spec"]["template"]["spec"]["hostNetwork"] is True
+    assert has_store(docs) and f"{RELEASE}-{STORE}" not in by_kind(docs, "NetworkPolicy")
+    values["kv"]["rdma"]["hostNetwork"] = False  # a Multus RDMA network: the pods keep their pod IPs
+    assert f"{RELEASE}-{STORE}" in by_kind(render(values), "NetworkPolicy")
