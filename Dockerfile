@@ -158,7 +158,8 @@ CMD ["gateway", "--host", "0.0.0.0", "--port", "30000", "--grpc-port", "30051", 
 
 # One image for both worker roles: the command picks the role. The health check asks the gRPC health
 # service at TANDEM_GRPC_HEALTH_ADDR (a decode container on 30002 sets it to 127.0.0.1:30002).
-# MC_MIN/MAX_RPC_PORT pin Mooncake's two listening ports (handshake RPC and TCP data) to 17000-17001.
+# MC_MIN/MAX_RPC_PORT pin Mooncake's listening ports to 17000-17003: two (handshake RPC and TCP data) for the KV
+# transport, two for the KV store's client (--kv-store).
 # The CUDA Mooncake build links libcuda.so.1, which only a GPU host provides: that import is checked on CPU only;
 # for CUDA the install checks instead that the pinned CUDA builds are there and the CPU Mooncake is not.
 # `python3 -m kernels.native` checks that the kernel build loads (it has no compiler to build one).
@@ -171,7 +172,7 @@ COPY --from=kernel-build /opt/tandem/kernels /opt/tandem/kernels
 ENV TANDEM_KERNEL_CACHE=/opt/tandem/kernels \
     TANDEM_GRPC_HEALTH_ADDR=127.0.0.1:30001 \
     MC_MIN_RPC_PORT=17000 \
-    MC_MAX_RPC_PORT=17001
+    MC_MAX_RPC_PORT=17003
 COPY docker/check_cpu_grammar.py /opt/tandem/build/
 COPY --from=source /dist/ /opt/tandem/dist/
 RUN pip install --no-cache-dir --no-deps /opt/tandem/dist/*.whl \
@@ -188,7 +189,7 @@ RUN pip install --no-cache-dir --no-deps /opt/tandem/dist/*.whl \
  && python3 /opt/tandem/build/check_cpu_grammar.py
 USER tandem
 WORKDIR /home/tandem
-EXPOSE 30001 30002 17000 17001
+EXPOSE 30001 30002 17000-17003
 HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
   CMD tandem healthcheck --grpc "$TANDEM_GRPC_HEALTH_ADDR"
 ENTRYPOINT ["tandem"]

@@ -32,6 +32,7 @@ from engine.grammar import GrammarBackend
 from engine.kv_disk_tier import DiskTier
 from engine.kv_host_tier import HostTier, TierChain
 from engine.kv_pool import KVPool
+from engine.kv_store_tier import StoreAccess, StoreTier
 from engine.lora import LoraAdapter
 from engine.lora_slots import LoraSlots
 from engine.outputs import accept_token, append_token, finish_output
@@ -60,8 +61,10 @@ class Engine:
         progress: bool = True,
         faults: FaultHooks = FaultHooks(),
         background: Callable[[Callable[[], None]], object] | None = None,
+        kv_store: StoreAccess | None = None,
     ) -> None:
-        """`background` runs the disk tier's file writes off the engine thread (None: on it)."""
+        """`background` runs the disk tier's file writes off the engine thread (None: on it); `kv_store`: the
+        cluster's KV store, where the prefix cache keeps its pages too (engine/kv_store_tier.py)."""
         mc = checkpoint.config
         if mc.num_labels > 0:
             raise ConfigError(
@@ -76,7 +79,7 @@ class Engine:
         self.grammar = GrammarBackend(checkpoint.path, mc.vocab_size)
         self.runner = ModelRunner(checkpoint, config, self.context_len, progress=progress, faults=faults)
         self.allocator = PageAllocator(self.runner.kv_pool.num_pages)
-        self.kv_tiers = _kv_tiers(config, self.runner.kv_pool, checkpoint.identity, background)
+        self.kv_tiers = _kv_tiers(config, self.runner.kv_pool, checkpoint.identity, background, kv_store)
         if config.enable_prefix_cache:
             self.pages: PagePool = PrefixCache(self.allocator, config.page_size, self.kv_tiers)
         else:
@@ -398,11 +401,13 @@ def _kv_tiers(
     pool: KVPool,
     weights_identity: str,
     background: Callable[[Callable[[], None]], object] | None,
+    kv_store: StoreAccess | None,
 ) -> TierChain | None:
-    """The prefix cache's tiers beyond the pool, from `config` (None: neither a host nor a disk tier)."""
+    """The prefix cache's tiers beyond the pool, from `config` and `kv_store` (None: no tier at all)."""
     host = HostTier(int(config.kv_host_cache_gib * 2**30), pool) if config.kv_host_cache_gib else None
     disk = None
     if config.kv_disk_cache_dir is not None:
         capacity = int(config.kv_disk_cache_gib * 2**30)
         disk = DiskTier(config.kv_disk_cache_dir, capacity, pool, weights_identity, background)
-    return TierChain(host, disk, weights_identity) if host or disk else None
+    store = StoreTier(kv_store.store, pool, kv_store.secret) if kv_store is not None else None
+    return TierChain(host, disk, store, weights_identity) if host or disk or store else None

@@ -6,7 +6,7 @@ at most `capacity_bytes`, least recently used dropped first. A page the pool evi
 copy away instead of a recompute: on a GPU the pool is small and host memory large; on a CPU it lets
 the pool stay the size the decode batch needs while the cache keeps more.
 
-`TierChain` puts tiers in order, fastest first (host, then disk): a page joins every tier, a lookup
+`TierChain` puts tiers in order, fastest first (host, disk, then the cluster's store): a page joins every tier, a lookup
 takes the first that holds it, and a page found only in a slower tier is copied into the faster ones
 on its way back into the pool.
 """
@@ -19,6 +19,7 @@ import torch
 
 from engine.kv_disk_tier import DiskTier, kv_identity, root_digest
 from engine.kv_pool import KVPool
+from engine.kv_store_tier import StoreTier
 from engine.stats import TierStats
 
 
@@ -71,12 +72,14 @@ class HostTier:
 
 
 class TierChain:
-    """Tiers fastest first (a `HostTier`, a `DiskTier`), seen by the prefix cache as one `PageTier`
-    over KV computed with the weights named `weights_identity`."""
+    """Tiers fastest first (a `HostTier`, a `DiskTier`, a `StoreTier`), seen by the prefix cache as one
+    `PageTier` over KV computed with the weights named `weights_identity`."""
 
-    def __init__(self, host: HostTier | None, disk: DiskTier | None, weights_identity: str) -> None:
-        self.host, self.disk = host, disk
-        self.tiers: list[HostTier | DiskTier] = [t for t in (host, disk) if t is not None]
+    def __init__(
+        self, host: HostTier | None, disk: DiskTier | None, store: StoreTier | None, weights_identity: str
+    ) -> None:
+        self.host, self.disk, self.store = host, disk, store
+        self.tiers: list[HostTier | DiskTier | StoreTier] = [t for t in (host, disk, store) if t is not None]
         self._identity = kv_identity(weights_identity, self.tiers[0].pool.layout)
 
     def set_identity(self, weights_identity: str) -> None:
@@ -93,7 +96,7 @@ class TierChain:
     def stats(self) -> tuple[TierStats, ...]:
         return tuple(
             TierStats(name, tier.num_pages, tier.num_saved, tier.num_loaded, tier.num_dropped)
-            for name, tier in (("host", self.host), ("disk", self.disk))
+            for name, tier in (("host", self.host), ("disk", self.disk), ("store", self.store))
             if tier is not None
         )
 

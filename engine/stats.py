@@ -22,7 +22,7 @@ class EngineStats:
 
 @dataclass(frozen=True, slots=True)
 class TierStats:
-    """One tier of the prefix cache beyond the pool ("host" or "disk": engine/kv_host_tier.py,
+    """One tier of the prefix cache beyond the pool ("host", "disk" or "store": engine/kv_host_tier.py,
     engine/kv_disk_tier.py): its pages now, and since start the pages saved to it, read back into the
     pool (cache hits it served) and dropped as damaged."""
 

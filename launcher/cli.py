@@ -1,5 +1,5 @@
-"""The `tandem` command: serve (the workers and the gateway in front of them), gateway, prefill, decode, healthcheck,
-internal-token; and a child of `tandem serve`, which gets its config on stdin (launcher/handoff.py)."""
+"""The `tandem` command: serve (the workers and the gateway in front of them), gateway, prefill, decode, kv-store,
+healthcheck, internal-token; and a child of `tandem serve`, which gets its config on stdin (launcher/handoff.py)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level, args.command)
     if args.command == "serve":
         return serve(args)
+    if args.command == "kv-store":
+        return _kv_store(args)
     if args.command == "gateway":
         return _gateway(args)
     return _worker(args)
@@ -92,6 +94,18 @@ def _worker(args: argparse.Namespace) -> int:
         max_torch_threads=0 if args.torch_threads else default_max_torch_threads(args.command),
     )
     return _serve_worker(config)
+
+
+def _kv_store(args: argparse.Namespace) -> int:
+    """`tandem kv-store`: the cluster's KV store, until SIGTERM or SIGINT."""
+    from kv_transfer import KVTransferError
+    from kv_transfer.mooncake_store import run_store
+
+    metrics = args.metrics_port if args.metrics_port is not None else args.port + 1
+    try:
+        return run_store(args.host, args.port, int(args.memory_gb * 2**30), metrics)
+    except KVTransferError as exc:
+        raise SystemExit(f"tandem kv-store: {exc}") from None
 
 
 def _serve_gateway(config: GatewayConfig) -> int:

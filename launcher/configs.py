@@ -25,7 +25,13 @@ from launcher.defaults import (
     is_bundled_model,
     served_name_for,
 )
-from launcher.worker_flags import DTYPE_ALIASES, QUANTIZATION_ALIASES, max_loras, parse_lora_paths
+from launcher.worker_flags import (
+    DTYPE_ALIASES,
+    QUANTIZATION_ALIASES,
+    START_KV_STORE,
+    max_loras,
+    parse_lora_paths,
+)
 from server_runtime.config import WorkerConfig
 from tandem.internal_auth import InternalCredentials
 
@@ -107,10 +113,12 @@ def worker_config(
     torch_threads: int,
     max_torch_threads: int = 0,
     engine: EngineConfig | None = None,
+    kv_store: str | None = None,
 ) -> WorkerConfig:
     """The `role` worker's config from `tandem prefill|decode`'s or `tandem serve`'s flags, listening
     on `host:port`; the KV transport is reached at --kv-host, else `host` (loopback for a wildcard).
-    `engine`: the role's `engine_config`, when the caller builds several workers of one role."""
+    `engine`: the role's `engine_config`, when the caller builds several workers of one role;
+    `kv_store`: the store `tandem serve` started for its workers (else --kv-store's address)."""
     is_embedding = role == "prefill" and getattr(args, "is_embedding", False)
     try:
         return WorkerConfig(
@@ -140,6 +148,7 @@ def worker_config(
             otlp_traces_endpoint=args.otlp_traces_endpoint,
             lora_paths=() if is_embedding else tuple(parse_lora_paths(args.lora_paths or ()).items()),
             lora_dir=os.path.abspath(args.lora_dir) if args.lora_dir and not is_embedding else None,
+            kv_store=None if is_embedding else kv_store or _kv_store_address(args),
         )
     except ValueError as exc:
         raise SystemExit(f"tandem {args.command}: {exc}") from None
@@ -185,6 +194,15 @@ def engine_config(args: argparse.Namespace, role: str, is_embedding: bool) -> En
         )
     except ValueError as exc:
         raise SystemExit(f"tandem {args.command}: {exc}") from None
+
+
+def _kv_store_address(args: argparse.Namespace) -> str | None:
+    """--kv-store's HOST:PORT (None: no store; an empty value is none too)."""
+    if args.kv_store == START_KV_STORE:
+        raise SystemExit(
+            f"tandem {args.command}: --kv-store needs the store's HOST:PORT (only `tandem serve` starts one itself)"
+        )
+    return args.kv_store or None
 
 
 def _writable_dir(path: str, command: str) -> str:

@@ -19,12 +19,15 @@ from launcher.worker_flags import (
     add_embedding_arg,
     add_model_args,
     add_worker_args,
+    positive_float,
     positive_int,
 )
 from server_runtime.config import WorkerConfig
 
 DEFAULT_PREFILL_PORT = 30001
 DEFAULT_DECODE_PORT = 30002
+DEFAULT_KV_STORE_PORT = 50151
+DEFAULT_KV_STORE_GIB = 4.0
 
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
@@ -229,6 +232,15 @@ def build_parser() -> argparse.ArgumentParser:
         "worker's gRPC port + 100; 0: off)",
     )
     add_embedding_arg(serve)
+    serve.add_argument(
+        "--kv-store-gb",
+        type=positive_float,
+        default=DEFAULT_KV_STORE_GIB,
+        help="with --kv-store and no address: GiB of memory the store started for the workers keeps pages in",
+    )
+    serve.add_argument(
+        "--kv-store-port", type=int, default=DEFAULT_KV_STORE_PORT, help="with --kv-store and no address: its port"
+    )
 
     gateway = sub.add_parser("gateway", help="the HTTP gateway alone")
     add_model_args(gateway)
@@ -278,6 +290,23 @@ def build_parser() -> argparse.ArgumentParser:
             add_embedding_arg(worker)
         add_internal_plane_args(worker)
         add_kv_grant_args(worker)
+
+    store = sub.add_parser(
+        "kv-store", help="the cluster's KV store (Mooncake Store): workers started with --kv-store keep pages in it"
+    )
+    store.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="this machine's address the store listens on (every port it opens); workers reach it there",
+    )
+    store.add_argument("--port", type=int, default=DEFAULT_KV_STORE_PORT, help="the port workers' --kv-store names")
+    store.add_argument(
+        "--memory-gb", type=positive_float, default=DEFAULT_KV_STORE_GIB, help="GiB of memory the store keeps pages in"
+    )
+    store.add_argument(
+        "--metrics-port", type=int, default=None, help="the store's Prometheus text, on --host (default: --port + 1)"
+    )
+    store.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     add_healthcheck_args(
         sub.add_parser("healthcheck", help="probe a worker's gRPC health or the gateway's /health once")

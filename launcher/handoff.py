@@ -41,7 +41,7 @@ SECRETS: dict[type, tuple[tuple[tuple[str, ...], str], ...]] = {
     ),
 }
 # What no child inherits from `tandem serve`'s own environment: each gets its own secrets, or none.
-_WITHHELD = frozenset(
+WITHHELD_VARIABLES = frozenset(
     {TOKEN_ENV, TOKEN_FILE_ENV, GRANT_SECRET_ENV, GRANT_SECRET_FILE_ENV, API_KEY_ENV, ADMIN_API_KEY_ENV}
 )
 
@@ -56,7 +56,7 @@ def to_json(config: WorkerConfig | GatewayConfig) -> str:
 def child_environment(parent: Mapping[str, str], config: WorkerConfig | GatewayConfig) -> dict[str, str]:
     """The whole environment of the child that runs `config`: `parent`'s without any secret, plus the
     variables that carry this config's own secrets."""
-    inherited = {name: value for name, value in parent.items() if name not in _WITHHELD}
+    inherited = {name: value for name, value in parent.items() if name not in WITHHELD_VARIABLES}
     secrets = {variable: _get(config, path) for path, variable in SECRETS[type(config)]}
     return inherited | {variable: value for variable, value in secrets.items() if value is not None}
 

@@ -14,14 +14,37 @@ from engine.config import ConfigError
 from gateway.config import GatewayConfig
 from launcher.configs import engine_config, gateway_config, worker_config
 from launcher.defaults import default_max_torch_threads, default_torch_threads
-from launcher.handoff import HANDOFF_FLAG, child_environment, to_json
+from launcher.handoff import HANDOFF_FLAG, WITHHELD_VARIABLES, child_environment, to_json
 from launcher.internal_plane import serve_credentials
 from launcher.supervisor import ChildSpec, Supervisor
-from launcher.worker_flags import DEFAULT_WORKER_HOST, metrics_port
+from launcher.worker_flags import DEFAULT_WORKER_HOST, START_KV_STORE, metrics_port
 from server_runtime.config import WorkerConfig
 from tandem.internal_auth import generate_token
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class KVStoreChild:
+    """The KV store `tandem serve --kv-store` starts for its workers (`tandem kv-store`), on loopback."""
+
+    port: int
+    memory_gib: float
+    host: str = DEFAULT_WORKER_HOST
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def metrics_port(self) -> int:
+        return self.port + 1
+
+    def child_spec(self, log_level: str) -> ChildSpec:
+        """Not essential: if the store stops, the workers recompute what it held and the stack serves on."""
+        args = ("kv-store", "--host", self.host, "--port", str(self.port), "--memory-gb", str(self.memory_gib))
+        env = {name: value for name, value in os.environ.items() if name not in WITHHELD_VARIABLES}
+        return ChildSpec("kv-store", (*args, "--log-level", log_level), env=env, config="", is_essential=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +55,7 @@ class StackConfigs:
     prefills: tuple[WorkerConfig, ...]
     decodes: tuple[WorkerConfig, ...]
     gateway: GatewayConfig
+    kv_store: KVStoreChild | None = None
 
     @property
     def prefill(self) -> WorkerConfig:
@@ -56,6 +80,9 @@ def stack_configs(args: argparse.Namespace) -> StackConfigs:
     credentials = serve_credentials(args)
     grant_secret = None if args.is_embedding else generate_token()
     decode_port = args.decode_port if args.decode_port is not None else args.prefill_port + num_prefill
+    store = None
+    if args.kv_store == START_KV_STORE and not args.is_embedding:
+        store = KVStoreChild(args.kv_store_port, args.kv_store_gb)
 
     def workers(role: str, count: int, first_port: int, first_metrics_port: int | None) -> tuple[WorkerConfig, ...]:
         if count == 0:
@@ -74,6 +101,7 @@ def stack_configs(args: argparse.Namespace) -> StackConfigs:
                 torch_threads=args.torch_threads or default_torch_threads(role, num_prefill, num_decode),
                 max_torch_threads=0 if args.torch_threads else default_max_torch_threads(role, num_prefill, num_decode),
                 engine=engine,
+                kv_store=store.address if store else None,
             )
             for i in range(count)
         )
@@ -86,8 +114,8 @@ def stack_configs(args: argparse.Namespace) -> StackConfigs:
         decode_addrs=tuple(_address(w) for w in decodes),
         internal=credentials,
     )
-    _check_ports(prefills + decodes, gateway)
-    return StackConfigs(prefills, decodes, gateway)
+    _check_ports(prefills + decodes, gateway, store)
+    return StackConfigs(prefills, decodes, gateway, store)
 
 
 def _nth(first_port: int | None, i: int) -> int | None:
@@ -95,11 +123,19 @@ def _nth(first_port: int | None, i: int) -> int | None:
     return first_port + i if first_port else first_port
 
 
-def _check_ports(workers: tuple[WorkerConfig, ...], gateway: GatewayConfig) -> None:
+def _check_ports(workers: tuple[WorkerConfig, ...], gateway: GatewayConfig, store: KVStoreChild | None) -> None:
     """SystemExit naming the port two of the stack's servers would both listen on."""
     taken: dict[int, str] = {gateway.port: "the gateway's HTTP port"}
     if gateway.grpc_port:
         taken.setdefault(gateway.grpc_port, "the gateway's gRPC port")
+    if store is not None:
+        for port, what in ((store.port, "port"), (store.metrics_port, "metrics port")):
+            if port in taken:
+                raise SystemExit(
+                    f"tandem serve: port {port} would be both {taken[port]} and the KV store's {what}; "
+                    "choose --kv-store-port apart"
+                )
+            taken[port] = f"the KV store's {what}"
     for worker in workers:
         for port, what in ((worker.port, "gRPC"), (worker.metrics_port, "metrics")):
             if not port:
@@ -116,6 +152,8 @@ def serve(args: argparse.Namespace) -> int:
     stack = stack_configs(args)
     model_path = stack.gateway.model_path  # the flag, or the bundled model when it is not given
     children = [child_spec(config, args.log_level, child_name(stack, config)) for config in stack.children]
+    if stack.kv_store is not None:  # first: the workers find it at their start, or connect once it answers
+        children.insert(0, stack.kv_store.child_spec(args.log_level))
     gateway = stack.gateway
     url_host = "127.0.0.1" if gateway.host in ("0.0.0.0", "::") else gateway.host
     supervisor = Supervisor(
@@ -145,6 +183,8 @@ def serve(args: argparse.Namespace) -> int:
         else f"prefill {prefills}, decode {', '.join(_address(w) for w in stack.decodes)}). Ctrl-C stops them all."
     )
     grpc_api = f", gRPC API on {url_host}:{gateway.grpc_port}" if gateway.grpc_port else ""
+    if stack.kv_store is not None:
+        workers = workers.replace(". Ctrl-C", f", KV store {stack.kv_store.address}. Ctrl-C", 1)
     return supervisor.run(
         f"Tandem is ready: gateway on http://{url_host}:{gateway.port}{grpc_api} "
         f"(model {gateway.served_model_name!r}; {workers}"

@@ -33,6 +33,7 @@ class ChildSpec:
     args: tuple[str, ...]
     env: Mapping[str, str] = field(repr=False)
     config: str = field(repr=False)
+    is_essential: bool = True  # False: when it stops, the stack serves on without it (logged once)
 
 
 def _die_with_parent() -> None:
@@ -59,6 +60,7 @@ class Supervisor:
         self.startup_timeout_s = startup_timeout_s
         self.procs: dict[str, subprocess.Popen] = {}
         self._stopping = False
+        self._gone: set[str] = set()  # children that are not essential and have exited
 
     def spawn(self) -> None:
         """Start every child; each imports its code, then waits for its config on stdin (`run` sends it).
@@ -115,7 +117,17 @@ class Supervisor:
         return 0
 
     def _dead_child(self) -> str | None:
-        return next((name for name, p in self.procs.items() if p.poll() is not None), None)
+        """An essential child that has exited; a child that is not is logged once, and the stack goes on."""
+        for spec in self.specs:
+            proc = self.procs.get(spec.name)
+            if proc is None or proc.poll() is None:
+                continue
+            if spec.is_essential:
+                return spec.name
+            if spec.name not in self._gone:
+                self._gone.add(spec.name)
+                logger.warning("%s exited with code %s; the others go on without it", spec.name, proc.returncode)
+        return None
 
     def _on_signal(self, signum: int, frame) -> None:
         """The first signal stops the stack (the children drain); a second one is passed on as SIGINT,

@@ -41,6 +41,9 @@ DEFAULT_CHUNKED_PREFILL_SIZE = 512
 DEFAULT_WORKER_HOST = "127.0.0.1"  # a worker's gRPC bind address, and where `tandem serve`'s gateway finds both
 
 
+START_KV_STORE = "start"  # `tandem serve --kv-store` with no address: start a store for the stack
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model-path",
@@ -289,6 +292,16 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kv-transport", default=field_default(TransportConfig, "backend"), choices=["mooncake", "local"])
     p.add_argument("--kv-host", default=None, help="address peers use to reach this worker's KV transport")
+    p.add_argument(
+        "--kv-store",
+        nargs="?",
+        const=START_KV_STORE,
+        default=None,
+        metavar="HOST:PORT",
+        help="the cluster's KV store (`tandem kv-store`): the prefix cache keeps its full pages there too, so any "
+        "worker, or this one after a restart, reads a prefix another computed; `tandem serve --kv-store` with no "
+        "address starts one for its workers (--kv-store-gb); default: none",
+    )
     p.add_argument("--kv-protocol", default=field_default(TransportConfig, "protocol"), choices=["tcp", "rdma"])
     p.add_argument(
         "--kv-device",
@@ -422,4 +435,12 @@ def non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number above 0."""
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
     return value

@@ -40,6 +40,8 @@ class WorkerConfig:
     # LoRA adapters (engine.max_loras > 0): loaded at start by name, and where LoadLoraAdapter may load from
     lora_paths: tuple[tuple[str, str], ...] = ()
     lora_dir: str | None = None
+    # "host:port" of the cluster's KV store (`tandem kv-store`), where the prefix cache keeps pages too; None: none
+    kv_store: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -59,6 +61,10 @@ class WorkerConfig:
         if self.reservation_ttl_s <= 0 or self.write_grace_s < 0:
             raise ValueError("reservation_ttl_s must be positive, write_grace_s >= 0")
         check_endpoint(self.otlp_traces_endpoint)
+        if self.kv_store is not None:
+            host, _, port = self.kv_store.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"kv_store must be the store's host:port, got {self.kv_store!r}")
         if (self.lora_paths or self.lora_dir) and self.engine.max_loras == 0:
             raise ValueError("LoRA adapters need slots for them: set --max-loras (engine.max_loras) above 0")
         if self.is_embedding and self.role != "prefill":

@@ -36,6 +36,12 @@ def grant_key(secret: str | None) -> bytes:
     return hmac.new((secret or "").encode(), b"tandem kv write grant v2", hashlib.sha256).digest()
 
 
+def store_page_key(secret: str | None) -> bytes:
+    """The key the pages a worker puts in the cluster's KV store are signed with (engine/kv_store_tier.py),
+    from the same secret: only workers hold it, so neither the store nor the gateway can forge a page."""
+    return hmac.new((secret or "").encode(), b"tandem kv store page v1", hashlib.sha256).digest()
+
+
 def _mac(key: bytes, request_id: str, target: common_pb2.KvTarget) -> str:
     text = "\n".join(
         (

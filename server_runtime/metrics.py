@@ -122,7 +122,7 @@ class WorkerMetrics:
         )
         self.kv_tier_pages = Gauge(
             "tandem_worker_kv_tier_pages",
-            "The prefix cache's tiers beyond the pool (tier: host, disk): pages held now (stored), and since "
+            "The prefix cache's tiers beyond the pool (tier: host, disk, store): pages held now (stored), and since "
             "start pages saved to it (saved), read back as cache hits (loaded) and dropped as damaged (dropped)",
             ["tier", "state"],
             registry=r,

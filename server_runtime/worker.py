@@ -25,13 +25,16 @@ from grpc_reflection.v1alpha import reflection
 
 import tandem
 from engine.engine import Engine
+from engine.kv_store_tier import StoreAccess
 from engine.runner import FaultHooks
 from engine.weights import open_checkpoint
 from kv_transfer import create_transport
+from kv_transfer.mooncake_store import StoreClient
 from server_runtime.config import WorkerConfig
 from server_runtime.context import EngineFacts, WorkerContext
 from server_runtime.embedding import EmbeddingContext, start_embedding
 from server_runtime.engine_loop import EngineLoop, use_device
+from server_runtime.kv_grants import store_page_key
 from server_runtime.lora_serving import LoraAdapters
 from server_runtime.metrics import WorkerMetrics, serve_metrics
 from server_runtime.threads import ThreadTuner
@@ -217,7 +220,11 @@ def build_engine(config: WorkerConfig) -> Engine:
     background = None
     if config.engine.kv_disk_cache_dir is not None:  # the disk tier's writes, off the engine thread
         background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-disk-writer").submit
-    return Engine(checkpoint, config.engine, faults=fault_hooks_from_env(), background=background)
+    kv_store = None
+    if config.kv_store is not None and config.engine.enable_prefix_cache:
+        client = StoreClient(config.kv_store, config.transport.hostname)
+        kv_store = StoreAccess(client, store_page_key(config.kv_grant_secret))
+    return Engine(checkpoint, config.engine, faults=fault_hooks_from_env(), background=background, kv_store=kv_store)
 
 
 def fault_hooks_from_env() -> FaultHooks:

@@ -86,7 +86,8 @@ def test_addresses_by_service_name_and_kv_over_mooncake_tcp():
         assert services[role]["healthcheck"]["test"][-2:] == ["--grpc", f"{role}:{port}"]
         assert flag(command, "kv-host") == role  # what the other worker dials for KV
         env = services[role]["environment"]
-        assert int(env["MC_MAX_RPC_PORT"]) - int(env["MC_MIN_RPC_PORT"]) == 1
+        # two ports for each Mooncake engine: the KV transport's and the KV store client's
+        assert int(env["MC_MAX_RPC_PORT"]) - int(env["MC_MIN_RPC_PORT"]) + 1 == 4
         assert "--kv-protocol=rdma" not in command  # tcp, the default
     assert services["gateway"]["ports"][0] == {
         "mode": "ingress",

@@ -33,7 +33,8 @@ def test_mooncake_ports_are_pinned_and_declared(profile):
         c = container(docs, role)
         env = {e["name"]: e.get("value") for e in c["env"]}
         low, high = int(env["MC_MIN_RPC_PORT"]), int(env["MC_MAX_RPC_PORT"])
-        assert high - low + 1 >= 2  # Mooncake listens on two ports: handshake RPC and TCP data
+        # Mooncake listens on two ports (handshake RPC, TCP data) per engine: the KV transport's and the store client's
+        assert high - low + 1 >= 4
         kv_ports = {p["containerPort"] for p in c["ports"] if p["name"].startswith("kv-")}
         assert kv_ports == set(range(low, high + 1))
         assert not kv_ports & seen  # distinct per role, so hostNetwork pods can share a node

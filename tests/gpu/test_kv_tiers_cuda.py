@@ -39,7 +39,7 @@ def test_pinned_host_copies_and_disk_files_come_back_into_gpu_pages(tmp_path: Pa
     layout = KVLayout(num_layers=2, page_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
     pool = KVPool(layout, num_pages=8, device="cuda")
     pool.tensor.normal_()
-    chain = TierChain(HostTier(2**20, pool), DiskTier(tmp_path, 2**20, pool, "w"), "w")
+    chain = TierChain(HostTier(2**20, pool), DiskTier(tmp_path, 2**20, pool, "w"), None, "w")
     digest = page_digest(chain.root(""), [1, 2, 3, 4])
     chain.save(digest, 2)
     chain.disk.flush()
@@ -69,3 +69,26 @@ def test_an_engine_on_cuda_serves_evicted_pages_from_host_memory_and_from_disk_a
     restarted = _engine(model_dir, **tiers)
     assert run_alone(restarted, "a3", PROMPTS[0], GREEDY) == (expected[0], 12)
     assert restarted.kv_tiers.disk.num_loaded == 3
+
+
+def test_the_cluster_store_takes_and_gives_back_gpu_pages(tmp_path: Path) -> None:
+    """The store tier copies a GPU page to the host to put it, and back into a GPU page after the tag checks."""
+    pytest.importorskip("mooncake.store", reason="Mooncake Store is not installed")
+    from engine.kv_store_tier import StoreTier
+    from kv_transfer.mooncake_store import StoreClient
+    from tests.integration.test_kv_store import _connected, start_store
+
+    store = start_store(tmp_path / "store.log")
+    try:
+        layout = KVLayout(num_layers=2, page_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+        pool = KVPool(layout, num_pages=8, device="cuda")
+        pool.tensor.normal_()
+        tier = StoreTier(_connected(StoreClient(store.address, "127.0.0.1")), pool, b"k" * 32)
+        digest = page_digest(b"root", [1, 2, 3, 4])
+        tier.save(digest, 2)
+        tier.store.flush()
+        assert tier.contains(digest) and tier.load(digest, 7)
+        assert torch.equal(pool.tensor[7], pool.tensor[2]) and tier.num_dropped == 0
+    finally:
+        store.process.terminate()
+        store.process.wait(20)

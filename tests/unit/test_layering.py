@@ -137,8 +137,10 @@ RULES: dict[str, Rule] = {
     "prefill_server does not import decode_server": _never("prefill_server", ("decode_server",)),
     "decode_server does not import prefill_server": _never("decode_server", ("prefill_server",)),
     "generated protos import no other in-repo package": _only_in_repo("tandem", ()),
-    "mooncake is imported only in kv_transfer/mooncake_backend.py":
-        lambda imp: imp.is_under("mooncake") and imp.importer != "kv_transfer.mooncake_backend",
+    # the transfer engine (KV handoffs) and the store client (the cluster's KV store)
+    "mooncake is imported only in kv_transfer/mooncake_backend.py and kv_transfer/mooncake_store.py":
+        lambda imp: imp.is_under("mooncake")
+        and imp.importer not in ("kv_transfer.mooncake_backend", "kv_transfer.mooncake_store"),
     "flashinfer is imported only in kernels":
         lambda imp: imp.is_under("flashinfer") and not _in_package(imp, "kernels"),
 }
@@ -293,7 +295,7 @@ def test_checker_reports_violations_with_file_and_line(tmp_path: Path) -> None:
         "decode_server/servicer.py:1: decode_server.servicer imports prefill_server.servicer"]
     assert found["server_runtime imports only engine, kernels, kv_transfer and protos"] == [
         "server_runtime/worker.py:1: server_runtime.worker imports gateway.app"]
-    assert found["mooncake is imported only in kv_transfer/mooncake_backend.py"] == [
+    assert found["mooncake is imported only in kv_transfer/mooncake_backend.py and kv_transfer/mooncake_store.py"] == [
         "launcher/cli.py:2: launcher.cli imports mooncake.engine"]
     assert found["prefill_server does not import decode_server"] == []
     assert found["only gateway.cluster imports tandem.v1 stubs"] == ["gateway/app.py:2: gateway.app imports tandem.v1"]

@@ -45,7 +45,7 @@ def test_host_copies_come_back_and_the_oldest_go_first(tmp_path: Path) -> None:
 def test_a_page_found_only_on_disk_is_kept_in_host_memory_on_its_way_back(tmp_path: Path) -> None:
     pool = _pool()
     disk = DiskTier(tmp_path, 2**20, pool, "weights-a")
-    chain = TierChain(HostTier(2**20, pool), disk, "weights-a")
+    chain = TierChain(HostTier(2**20, pool), disk, None, "weights-a")
     assert chain.root("") == disk.root("")   # the same names in every tier
     digest = page_digest(chain.root(""), [1, 2, 3, 4])
     disk.save(digest, 3)

@@ -138,3 +138,42 @@ def test_prefix_cache_flags_reach_each_role(tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("")
     with pytest.raises(SystemExit, match="cannot write there"):   # one line at start-up, before any weight
         _stack("--kv-disk-cache-dir", str(tmp_path / "a-file" / "kv"))
+
+
+def test_kv_store_alone_starts_a_store_the_workers_use_and_an_address_names_one_elsewhere(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert _stack().kv_store is None and _stack().prefill.kv_store is None
+    started = _stack("--kv-store", "--kv-store-port", "41000", "--kv-store-gb", "0.5", "--prefill-workers", "2")
+    assert started.kv_store is not None and started.kv_store.address == "127.0.0.1:41000"
+    assert [c.kv_store for c in started.prefills + started.decodes] == ["127.0.0.1:41000"] * 3
+    spec = started.kv_store.child_spec("info")
+    assert spec.args == ("kv-store", "--host", "127.0.0.1", "--port", "41000", "--memory-gb", "0.5",
+                         "--log-level", "info")
+    assert not spec.is_essential  # the stack serves on without it
+    assert not {"TANDEM_INTERNAL_TOKEN", "TANDEM_KV_GRANT_SECRET"} & set(spec.env)  # the store holds no secret
+    elsewhere = _stack("--kv-store", "10.0.0.5:50151")
+    assert elsewhere.kv_store is None and elsewhere.decode is not None
+    assert (elsewhere.prefill.kv_store, elsewhere.decode.kv_store) == ("10.0.0.5:50151", "10.0.0.5:50151")
+    assert _stack("--kv-store", "", "--prefill-workers", "1").prefill.kv_store is None
+    with pytest.raises(SystemExit, match="port 41001 would be both"):   # the store's metrics port
+        _stack("--kv-store", "--kv-store-port", "41000", "--prefill-port", "41001", "--decode-port", "41002")
+    with pytest.raises(SystemExit):
+        _stack("--kv-store", "--kv-store-gb", "0")
+    assert "--kv-store-gb: must be above 0" in capsys.readouterr().err
+
+
+def test_a_worker_alone_needs_the_stores_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    from launcher.configs import worker_config
+
+    def config(*flags: str) -> WorkerConfig:
+        args = build_parser().parse_args(["decode", "--dtype", "float32", *flags])
+        return worker_config(args, role="decode", host="127.0.0.1", port=40002, metrics_port=0,
+                             credentials=stack_configs(build_parser().parse_args(["serve"])).decode.credentials,
+                             kv_grant_secret="s" * 32, torch_threads=1)
+
+    assert config("--kv-store", "store.internal:50151").kv_store == "store.internal:50151"
+    with pytest.raises(SystemExit, match="--kv-store needs the store's HOST:PORT"):
+        config("--kv-store")
+    with pytest.raises(SystemExit, match="kv_store must be the store's host:port"):
+        config("--kv-store", "store.internal")
