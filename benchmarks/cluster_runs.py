@@ -8,9 +8,11 @@ starting from empty prefix caches (/flush_cache), so that what differs is the ga
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +38,23 @@ class Cluster:
         """SIGTERM the gateways, then the workers; any process not gone within 30 s is killed."""
         stop_processes(self.procs, grace_s=30)
         self.services.stop()
+
+
+@contextlib.contextmanager
+def kv_store(run_dir: Path, memory_gib: float = 4.0) -> Iterator[str]:
+    """`tandem kv-store` on a free loopback port while the block runs; yields its address for --kv-store."""
+    port = free_port()
+    log = run_dir / "kv-store.log"
+    proc = _launch(["kv-store", "--port", str(port), "--memory-gb", str(memory_gib)], log)
+    try:
+        deadline = time.monotonic() + 60
+        while b"KV store ready" not in log.read_bytes():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"tandem kv-store did not start:\n{log.read_text(errors='replace')[-3000:]}")
+            time.sleep(0.1)
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop_processes([proc], grace_s=10)
 
 
 def start_cluster(run_dir: Path, num_prefill: int, num_decode: int, common: list[str], prefill_flags: list[str],

@@ -21,7 +21,8 @@ bundled SmolLM2, the workers' default model) and one gateway with `--router-poli
 as it was), "after" without it and with a shared --kv-disk-cache-dir (decode keeps what it served, so a
 next turn needs only its new tokens' KV, or none when the gateway prefills it on the decode worker),
 "restarted" on new workers over the disk tier "after" filled (the same workload again: its prompts'
-pages come back from disk instead of being computed).
+pages come back from disk instead of being computed). With --shared-tier store, "after" and "restarted"
+share one `tandem kv-store` (started once, so it outlives the workers) instead of the directory.
 
 Reports, per phase: median and p90 time to first token (the gateway's `tandem_timings.first_token_ms`)
 of turn 1 and of turns >= 2; the median KV bytes sent per turn >= 2 (0 for a turn prefilled on its
@@ -36,6 +37,7 @@ stdout; --json writes the figures and every turn's record.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -46,7 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cluster_runs import generate_reply, median, percentile, start_cluster
+from cluster_runs import generate_reply, kv_store, median, percentile, start_cluster
 
 from tests.e2e.cluster_stack import assert_no_pages_held
 
@@ -125,9 +127,11 @@ def run_conversation(url: str, work: Workload, conversation: int, max_new_tokens
     return turns
 
 
-def run_phase(phase: str, args: argparse.Namespace, work: Workload, run_dir: Path) -> tuple[list[Turn], float]:
+def run_phase(
+    phase: str, args: argparse.Namespace, work: Workload, run_dir: Path, store: str | None
+) -> tuple[list[Turn], float]:
     """Every chat through a fresh cluster for `phase`; the turns (by conversation, then turn) and the
-    seconds the chats took."""
+    seconds the chats took. `store`: the `tandem kv-store` the workers share after "before" (--shared-tier store)."""
     context_len = max(2048, args.system_tokens + args.turns * (48 + args.max_new_tokens) + 64)
     common = [
         "--torch-threads",
@@ -137,8 +141,8 @@ def run_phase(phase: str, args: argparse.Namespace, work: Workload, run_dir: Pat
         "--max-total-tokens",
         str(args.pool_tokens),
     ]
-    if phase != "before":  # "restarted" starts new workers over the disk tier "after" filled
-        common += ["--kv-disk-cache-dir", str(run_dir / "kv-disk")]
+    if phase != "before":  # "restarted" starts new workers over the tier "after" filled
+        common += ["--kv-store", store] if store else ["--kv-disk-cache-dir", str(run_dir / "kv-disk")]
     gateway = ["--router-policy", "prefix_aware", "--local-prefill-threshold", str(args.threshold)]
     phase_dir = run_dir / phase
     phase_dir.mkdir()
@@ -253,7 +257,7 @@ def markdown(results: dict[str, dict], ratios: dict, num_turns: int) -> str:
     )
     rows.append(
         f"prompt tokens served from a cache over the cacheable ones (full pages of prompts an earlier phase "
-        f"computed): after {cell(ratios['after_cached_share'], 3)}, restarted (every worker new, over the disk "
+        f"computed): after {cell(ratios['after_cached_share'], 3)}, restarted (every worker new, over the shared "
         f"tier) **{cell(ratios['restarted_cached_share'], 3)}** (target >= 0.8)"
     )
     rows.append(f"output ids differing between the phases: {ratios['differing_turns']} of {2 * num_turns} turn pairs")
@@ -274,13 +278,22 @@ def main() -> int:
     parser.add_argument("--torch-threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the figures and every turn's record here")
+    parser.add_argument(
+        "--shared-tier",
+        choices=["disk", "store"],
+        default="disk",
+        help='what "after" and "restarted" share: a --kv-disk-cache-dir, or one `tandem kv-store` (--kv-store) '
+        "that outlives the workers",
+    )
     args = parser.parse_args()
     work = workload(args.conversations, args.turns, args.system_tokens, args.seed)
     turns: dict[str, list[Turn]] = {}
     results: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="tandem-multi-turn-") as run_dir:
+    with contextlib.ExitStack() as held:
+        run_dir = Path(held.enter_context(tempfile.TemporaryDirectory(prefix="tandem-multi-turn-")))
+        store = held.enter_context(kv_store(run_dir)) if args.shared_tier == "store" else None
         for phase in PHASES:
-            turns[phase], seconds = run_phase(phase, args, work, Path(run_dir))
+            turns[phase], seconds = run_phase(phase, args, work, run_dir, store)
             results[phase] = summary(turns[phase], seconds)
     ratios = report(results, turns)
     print(markdown(results, ratios, len(turns["before"])))

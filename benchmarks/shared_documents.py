@@ -10,14 +10,14 @@ The workload (seeded): --documents documents of --document-tokens random token i
 pool (--prefill-pool-tokens) holds about half of the documents, as when a deployment's documents
 outgrow one worker's cache.
 
-For each router policy (--policies; round_robin spreads every document over both prefill workers,
-prefix_aware keeps each on one while its load allows), two phases, each on a fresh cluster of 2 prefill
-+ 2 decode workers (the bundled SmolLM2): "before" with the prefix cache in each worker's pool alone
-(today's), "after" with one --kv-disk-cache-dir all four workers share, so a document one prefill worker
-computed (or evicted) is read back by any of them. Reported per phase: the prompt tokens the prefill
-workers computed (prompt tokens less those served from a cache, `meta_info.cached_tokens`), the median
-time to first token, and the ratio after / before of the tokens computed (issue 27's target: at most
-0.55x); and whether every answer is the same in both phases.
+For each router policy (--policies; round_robin spreads every document over both prefill workers, prefix_aware
+keeps each on one while its load allows), two phases, each on a fresh cluster of 2 prefill + 2 decode workers
+(the bundled SmolLM2): "before" with the prefix cache in each worker's pool alone (today's), "after" with one
+--kv-disk-cache-dir all four workers share (or, with --shared-tier store, one `tandem kv-store`), so a
+document one prefill worker computed (or evicted) is read back by any of them. Reported per phase: the prompt
+tokens the prefill workers computed (prompt tokens less those served from a cache, `meta_info.cached_tokens`),
+the median time to first token, and the ratio after / before of the tokens computed (issue 27's target: at
+most 0.55x); and whether every answer is the same in both phases.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from cluster_runs import generate_reply, median, start_cluster
+from cluster_runs import generate_reply, kv_store, median, start_cluster
 
 
 def workload(num_documents: int, document_tokens: int, num_questions: int, seed: int) -> list[list[int]]:
@@ -45,11 +45,10 @@ def workload(num_documents: int, document_tokens: int, num_questions: int, seed:
 
 
 def run_phase(
-    args: argparse.Namespace, policy: str, disk_dir: Path | None, run_dir: Path, prompts: list[list[int]]
+    args: argparse.Namespace, policy: str, shared: list[str], run_dir: Path, prompts: list[list[int]]
 ) -> dict:
-    common = ["--torch-threads", str(args.torch_threads), "--context-length", "2048"]
-    if disk_dir is not None:
-        common += ["--kv-disk-cache-dir", str(disk_dir)]
+    """One phase on a fresh cluster; `shared`: the workers' flags for the tier they share (none: [])."""
+    common = ["--torch-threads", str(args.torch_threads), "--context-length", "2048", *shared]
     gateway = ["--router-policy", policy, "--local-prefill-threshold", "0"]
     cluster = start_cluster(
         run_dir,
@@ -89,6 +88,12 @@ def main() -> int:
     parser.add_argument("--policies", nargs="+", default=["round_robin", "prefix_aware"])
     parser.add_argument("--torch-threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--shared-tier",
+        choices=["disk", "store"],
+        default="disk",
+        help='what "after" shares: one --kv-disk-cache-dir, or a `tandem kv-store` (--kv-store)',
+    )
     args = parser.parse_args()
     prompts = workload(args.documents, args.document_tokens, args.questions, args.seed)
     report: dict[str, dict] = {}
@@ -98,8 +103,15 @@ def main() -> int:
             for phase in ("before", "after"):
                 phase_dir = Path(run_dir) / f"{policy}-{phase}"
                 phase_dir.mkdir()
-                disk = phase_dir / "kv-disk" if phase == "after" else None
-                phases[phase] = run_phase(args, policy, disk, phase_dir, prompts)
+                if phase == "before":
+                    phases[phase] = run_phase(args, policy, [], phase_dir, prompts)
+                elif args.shared_tier == "disk":
+                    phases[phase] = run_phase(
+                        args, policy, ["--kv-disk-cache-dir", str(phase_dir / "kv-disk")], phase_dir, prompts
+                    )
+                else:
+                    with kv_store(phase_dir) as address:
+                        phases[phase] = run_phase(args, policy, ["--kv-store", address], phase_dir, prompts)
                 print(
                     f"{policy} {phase}: computed {phases[phase]['computed_tokens']} of "
                     f"{phases[phase]['prompt_tokens']} prompt tokens, median TTFT "

@@ -253,6 +253,7 @@ def run_store(host: str, port: int, memory_bytes: int, metrics_port: int) -> int
             if master.poll() is not None:
                 logger.error("mooncake_master stopped (exit status %s)", master.returncode)
                 return 1
+        store.close()  # unmount while the master still answers (after it, Mooncake waits for it ~10 s)
         return 0
     finally:
         if master.poll() is None:

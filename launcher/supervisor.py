@@ -142,13 +142,22 @@ class Supervisor:
                 proc.send_signal(signum)
 
     def stop(self) -> None:
-        """SIGTERM every child, then SIGKILL whatever outlives `stop_grace_s` (their drain and some)."""
-        self._signal_children(signal.SIGTERM)
+        """SIGTERM every essential child, then the others once those are gone (the workers leave the KV store
+        while it still answers); SIGKILL whatever outlives `stop_grace_s` (their drain and some)."""
         deadline = time.monotonic() + self.stop_grace_s
-        for name, proc in self.procs.items():
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in time; killing it", name)
-                proc.kill()
-                proc.wait()
+        for is_essential in (True, False):
+            group = {
+                s.name: self.procs[s.name]
+                for s in self.specs
+                if s.is_essential == is_essential and s.name in self.procs
+            }
+            for proc in group.values():
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for name, proc in group.items():
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s did not stop in time; killing it", name)
+                    proc.kill()
+                    proc.wait()
