@@ -69,6 +69,7 @@ class DiskTier:
         self.capacity_bytes = capacity_bytes
         self.pool = pool
         self.num_saved = self.num_loaded = self.num_dropped = 0
+        self.num_failed = 0  # a read that fails is a damaged file (dropped); kept for the stats' shape
         self.num_write_failures = 0  # counted on the writer's thread; logged now and then, not per page
         self._background = background
         self._index: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # digest -> file bytes, LRU first

@@ -34,7 +34,7 @@ class HostTier:
         self.pool = pool
         self.capacity_pages = capacity_bytes // page_bytes
         self.num_saved = self.num_loaded = 0
-        self.num_dropped = 0  # copies in memory are never damaged: kept for the stats' shape
+        self.num_dropped = self.num_failed = 0  # copies in memory are never damaged nor away: the stats' shape
         self._pages: collections.OrderedDict[bytes, torch.Tensor] = collections.OrderedDict()  # LRU first
         self._pin = pool.device.type == "cuda"
 
@@ -95,7 +95,7 @@ class TierChain:
 
     def stats(self) -> tuple[TierStats, ...]:
         return tuple(
-            TierStats(name, tier.num_pages, tier.num_saved, tier.num_loaded, tier.num_dropped)
+            TierStats(name, tier.num_pages, tier.num_saved, tier.num_loaded, tier.num_dropped, tier.num_failed)
             for name, tier in (("host", self.host), ("disk", self.disk), ("store", self.store))
             if tier is not None
         )

@@ -38,6 +38,11 @@ class PageStore(Protocol):
     def get(self, key: str) -> bytes | None: ...
     def put(self, key: str, value: bytes) -> None: ...
 
+    @property
+    def num_failures(self) -> int:
+        """Lookups that failed or got no answer in time, since start."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class StoreAccess:
@@ -67,6 +72,10 @@ class StoreTier:
     @property
     def num_pages(self) -> int:
         return self.num_saved
+
+    @property
+    def num_failed(self) -> int:
+        return self.store.num_failures
 
     @staticmethod
     def key(digest: bytes) -> str:

@@ -23,11 +23,13 @@ class EngineStats:
 @dataclass(frozen=True, slots=True)
 class TierStats:
     """One tier of the prefix cache beyond the pool ("host", "disk" or "store": engine/kv_host_tier.py,
-    engine/kv_disk_tier.py): its pages now, and since start the pages saved to it, read back into the
-    pool (cache hits it served) and dropped as damaged."""
+    engine/kv_disk_tier.py, engine/kv_store_tier.py): its pages now, and since start the pages saved to it,
+    read back into the pool (cache hits it served), dropped as damaged, and lookups that failed (the store
+    did not answer in time, or at all: misses it may have held)."""
 
     tier: str
     num_pages: int
     num_saved: int
     num_loaded: int
     num_dropped: int
+    num_failed: int = 0

@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import importlib.util
 import logging
+import queue
 import signal
 import socket
 import subprocess
@@ -113,8 +114,8 @@ class StoreClient:
         self._store: Any = None
         self._away_until = 0.0
         # One thread for the calls the engine waits for, one for puts: a put never delays a lookup.
-        self._calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-store")
-        self._puts = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-store-put")
+        self._calls = _Lane("kv-store")
+        self._puts = _Lane("kv-store-put")
         self._pending_puts = 0
         self._lock = threading.Lock()
         self._connecting: concurrent.futures.Future[None] | None = None
@@ -167,7 +168,7 @@ class StoreClient:
             return self._calls.submit(call, store).result(self.timeout_s)
         except concurrent.futures.TimeoutError:
             self._failed(what, None)
-        except RuntimeError as exc:  # Mooncake's bindings raise RuntimeError; a shut-down pool too
+        except RuntimeError as exc:  # what Mooncake's bindings raise
             self._failed(what, exc)
         return miss
 
@@ -185,18 +186,24 @@ class StoreClient:
             if self._pending_puts >= _MAX_PENDING_PUTS:
                 return
             self._pending_puts += 1
-        try:
-            self._puts.submit(self._put, key, value)
-        except RuntimeError:  # closed
-            with self._lock:
-                self._pending_puts -= 1
+        self._puts.submit(self._put, key, value)
 
     def _put(self, key: str, value: bytes) -> None:
-        try:  # a failed put (the store full, or away) costs a recompute later, nothing now: counted, not waited on
-            if self._store.put(key, value) != 0:
+        """A failed put costs a recompute later, nothing now: counted. One that fails slowly (Mooncake
+        waits about 4 s for a master that is gone) marks the store away, so the puts queued behind it are
+        dropped instead of each waiting as long."""
+        try:
+            if self._closed or self._is_away():
+                return
+            started = time.monotonic()
+            try:
+                failed = self._store.put(key, value) != 0
+            except RuntimeError:
+                failed = True
+            if failed:
                 self.num_failed_puts += 1
-        except RuntimeError:
-            self.num_failed_puts += 1
+                if time.monotonic() - started > self.timeout_s:
+                    self._away_until = time.monotonic() + self.retry_after_s
         finally:
             with self._lock:
                 self._pending_puts -= 1
@@ -206,9 +213,34 @@ class StoreClient:
         self._puts.submit(lambda: None).result(timeout_s)
 
     def close(self) -> None:
+        """Drop the puts still queued; later calls miss."""
         self._closed = True
-        self._calls.shutdown(wait=False, cancel_futures=True)
-        self._puts.shutdown(wait=False, cancel_futures=True)
+        self._away_until = float("inf")
+
+
+class _Lane:
+    """One daemon thread running calls in order. Daemon: a call stuck in Mooncake (seconds, while the master
+    is gone) never holds up the worker's exit, as an executor's thread would."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]]]
+        self._queue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, call: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._queue.put((future, call, args))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            future, call, args = self._queue.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call(*args))
+            except BaseException as exc:  # noqa: BLE001 - it belongs to whoever waits on the future
+                future.set_exception(exc)
 
 
 def master_command(host: str, port: int, metrics_port: int) -> list[str]:

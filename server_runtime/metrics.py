@@ -123,7 +123,8 @@ class WorkerMetrics:
         self.kv_tier_pages = Gauge(
             "tandem_worker_kv_tier_pages",
             "The prefix cache's tiers beyond the pool (tier: host, disk, store): pages held now (stored), and since "
-            "start pages saved to it (saved), read back as cache hits (loaded) and dropped as damaged (dropped)",
+            "start pages saved to it (saved), read back as cache hits (loaded), dropped as damaged (dropped), "
+            "and lookups that failed (failed: the store did not answer, so the tokens were computed)",
             ["tier", "state"],
             registry=r,
         )
@@ -155,6 +156,7 @@ class WorkerMetrics:
                 ("saved", tier.num_saved),
                 ("loaded", tier.num_loaded),
                 ("dropped", tier.num_dropped),
+                ("failed", tier.num_failed),
             ):
                 self.kv_tier_pages.labels(tier.tier, state).set(value)
 

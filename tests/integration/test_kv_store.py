@@ -57,6 +57,7 @@ class RunningStore:
 
 def start_store(log: Path, port: int | None = None) -> RunningStore:
     port = port or free_port()
+    seen = log.stat().st_size if log.exists() else 0  # a restart appends to the same log
     process = subprocess.Popen(
         [sys.executable, "-m", "launcher", "kv-store", "--port", str(port), "--memory-gb", "0.25"],
         cwd=REPO_ROOT,
@@ -64,7 +65,7 @@ def start_store(log: Path, port: int | None = None) -> RunningStore:
         stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + 60
-    while b"KV store ready" not in log.read_bytes():
+    while b"KV store ready" not in log.read_bytes()[seen:]:
         assert process.poll() is None, log.read_text(errors="replace")[-3000:]
         assert time.monotonic() < deadline, "the store did not start in 60 s"
         time.sleep(0.1)
@@ -163,7 +164,7 @@ def test_a_store_that_dies_costs_one_bounded_wait_then_misses_until_it_is_back(t
     for _ in range(20):
         assert not tier.contains(digest)
     assert time.monotonic() - started < 1.5  # one timed-out lookup; the rest miss at once
-    assert client.num_failures >= 1
+    assert tier.num_failed == client.num_failures  # a lookup that timed out, if one did (Mooncake often answers "none")
 
     again = start_store(tmp_path / "store.log", running.port)  # the same address, empty
     try:
