@@ -98,7 +98,6 @@ def test_a_prefix_one_prefill_worker_computed_the_other_reads_from_the_store_and
         assert answers[2]["output_ids"] == computed["output_ids"]
         assert cluster.proc.poll() is None  # the stack serves on without its store
         assert "kv-store exited" in cluster.log_path.read_text()
-        assert all(_store_pages(port, "failed") >= 0 for port in cluster.prefill_ports)  # lookups with no answer
         assert_no_pages_held(cluster.worker_ports)
     finally:
         cluster.stop()

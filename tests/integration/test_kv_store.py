@@ -140,6 +140,19 @@ def test_a_page_whose_tag_does_not_verify_is_dropped_not_served(store: RunningSt
     assert torch.equal(pool.tensor[5], before)
 
 
+def test_a_lookup_with_no_answer_in_time_is_a_failure_and_the_store_is_away_for_a_while(store: RunningStore) -> None:
+    writer = StoreTier(_connected(StoreClient(store.address, "127.0.0.1")), _pool(), SECRET)
+    digest = page_digest(b"slow", [5] * 4)
+    writer.save(digest, 1)
+    writer.store.flush()
+    client = _connected(StoreClient(store.address, "127.0.0.1", timeout_s=1e-9, retry_after_s=60))
+    tier = StoreTier(client, _pool(), SECRET)
+    assert not tier.contains(digest) and tier.num_failed == 1  # the page is there, but no answer in a nanosecond
+    client.timeout_s = 10.0
+    assert not tier.contains(digest) and tier.num_failed == 1  # away: a miss without asking
+    assert writer.contains(digest)  # while a client that is not away finds it
+
+
 def test_no_store_at_the_address_is_a_quick_miss(tmp_path: Path) -> None:
     client = StoreClient(f"127.0.0.1:{free_port()}", "127.0.0.1", retry_after_s=60)
     tier = StoreTier(client, _pool(), SECRET)
