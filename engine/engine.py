@@ -6,8 +6,11 @@ thread may call `reserve(..., may_preempt=False)` and nothing else. Three ways i
 - `add_request`: a prompt to prefill (and decode, unless `is_prefill_only`);
 - `reserve` + `admit`: a decode server takes a request whose prompt KV another process wrote
   into the reserved pages (all but the prompt's prefix it already held in its prefix cache);
-- `abort` / `release` / `expire_reservations`: end requests and return their pages (a dropped
-  reservation's after a write grace: engine/reservations.py).
+- `abort` / `expire_reservations`: end requests and return their pages (a dropped reservation's after
+  a write grace: engine/reservations.py).
+
+A prefill-only request's KV leaves through the KV connector (engine/kv_connector.py), which keeps its
+pages while it sends them; `poll_kv_connector` frees those whose sends are over.
 
 Pages come and go through one `PagePool`, with or without a prefix cache (engine/page_pool.py).
 """
@@ -29,6 +32,7 @@ from engine.errors import (
     RequestNotFoundError,
 )
 from engine.grammar import GrammarBackend
+from engine.kv_connector import KVConnector
 from engine.kv_disk_tier import DiskTier
 from engine.kv_host_tier import HostTier, TierChain
 from engine.kv_pool import KVPool
@@ -62,9 +66,11 @@ class Engine:
         faults: FaultHooks = FaultHooks(),
         background: Callable[[Callable[[], None]], object] | None = None,
         kv_store: StoreAccess | None = None,
+        kv_connector: KVConnector | None = None,
     ) -> None:
         """`background` runs the disk tier's file writes off the engine thread (None: on it); `kv_store`: the
-        cluster's KV store, where the prefix cache keeps its pages too (engine/kv_store_tier.py)."""
+        cluster's KV store, where the prefix cache keeps its pages too (engine/kv_store_tier.py);
+        `kv_connector` sends prefill-only requests' KV (None: their pages are freed once computed)."""
         mc = checkpoint.config
         if mc.num_labels > 0:
             raise ConfigError(
@@ -98,8 +104,9 @@ class Engine:
             DecodePacer(config.max_decode_slowdown, self.step_times) if config.max_decode_slowdown else None,
             DraftBudget(config.speculative_num_draft_tokens, self.step_times) if is_budgeted else None,
         )
+        self.kv_connector = kv_connector
         self._requests: dict[str, Request] = {}
-        self._held: dict[str, Request] = {}
+        self._sending: dict[str, Request] = {}  # prefill-only requests whose pages the connector holds
         self.weights_id = checkpoint.identity  # names the weights; prefill and decode must agree on it
         self._reservations = Reservations(self.pages)
 
@@ -223,7 +230,7 @@ class Engine:
             )
         if len(prompt_ids) != reservation.prompt_len:
             raise InvalidRequestError(f"prompt has {len(prompt_ids)} tokens but {reservation.prompt_len} were reserved")
-        if request_id in self._requests or request_id in self._held:
+        if request_id in self._requests or request_id in self._sending:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.prompt_limits.check_prompt(prompt_ids + [first_token], allow_full_context=True)
         self._check_lora_slot(lora_slot)
@@ -256,15 +263,15 @@ class Engine:
         return finish_output(req)
 
     def abort(self, request_id: str, message: str = "aborted", write_settled: bool = False) -> StepOutput | None:
-        """End a request or drop a reservation, freeing its pages. None if nothing was held.
+        """End a request or drop a reservation, freeing its pages. None if nothing was held, or if the
+        request's KV is being sent (its pages are freed once `poll_kv_connector` sees the send over).
 
         A dropped reservation's pages sit out the write grace unless `write_settled` says no KV
         write into them can still be in flight.
         """
         if self._reservations.drop(request_id, time.monotonic(), write_settled):
             return None
-        if (held := self._held.pop(request_id, None)) is not None:
-            self.scheduler.release_pages(held)
+        if request_id in self._sending:  # a send may be reading its pages: they go when it is over
             return None
         req = self._requests.pop(request_id, None)
         if req is None:
@@ -290,27 +297,33 @@ class Engine:
             self.kv_tiers.set_identity(checkpoint.identity)
         return [o for o in outputs if o is not None]
 
-    def release(self, request_id: str) -> None:
-        """Free the pages a finished prefill-only request kept for its KV transfer."""
-        held = self._held.pop(request_id, None)
-        if held is not None:
-            self.scheduler.release_pages(held)
+    def poll_kv_connector(self) -> list[str]:
+        """Free the pages of the requests whose KV sends are over (`KVConnector.poll`); returns their ids."""
+        if self.kv_connector is None:
+            return []
+        done = self.kv_connector.poll()
+        for request_id in done:
+            if (req := self._sending.pop(request_id, None)) is not None:
+                self.scheduler.release_pages(req)
+        return done
 
     def holds(self, request_id: str) -> bool:
-        """Whether a request, reservation or held KV exists under this id."""
-        return request_id in self._requests or request_id in self._reservations or request_id in self._held
+        """Whether a request, reservation or KV being sent exists under this id."""
+        return request_id in self._requests or request_id in self._reservations or request_id in self._sending
+
+    def is_computing(self, request_id: str) -> bool:
+        """Whether a request under this id waits or runs (it has outputs still to come)."""
+        return request_id in self._requests
 
     @property
     def is_idle(self) -> bool:
-        """No request, reservation or held KV: nothing in flight would be lost by stopping now."""
-        return not (self._requests or self._reservations or self._held)
+        """No request, reservation or KV being sent: nothing in flight would be lost by stopping now."""
+        return not (self._requests or self._reservations or self._sending)
 
-    def is_awaiting_release(self, request_id: str) -> bool:
-        """A finished prefill-only request whose pages wait for `release`."""
-        return request_id in self._held
-
-    def held_pages(self, request_id: str) -> list[int]:
-        return list(self._held[request_id].page_ids)
+    @property
+    def num_sending(self) -> int:
+        """Prefill-only requests whose KV the connector is sending."""
+        return len(self._sending)
 
     def expire_reservations(self, now: float) -> list[str]:
         """Drop reservations past their TTL and return quarantined pages whose grace is over."""
@@ -362,7 +375,8 @@ class Engine:
         return self.update(scheduled, self.execute(scheduled))
 
     def schedule(self) -> SchedulerOutput:
-        """The next step's batch (`Scheduler.schedule`)."""
+        """The next step's batch (`Scheduler.schedule`), once the pages of finished sends are back."""
+        self.poll_kv_connector()
         return self.scheduler.schedule()
 
     def execute(self, scheduled: SchedulerOutput) -> ModelOutput:
@@ -391,8 +405,13 @@ class Engine:
         outputs = self.scheduler.update_from_output(scheduled, output, self.weights_id)
         for req in scheduled.aborted + scheduled.requests:
             if req.is_finished and self._requests.pop(req.request_id, None) is not None:
-                if req.is_prefill_only and req.finish_reason is None:  # its KV awaits the transfer
-                    self._held[req.request_id] = req
+                if req.is_prefill_only and req.finish_reason is None:  # its KV is computed: send it, or let it go
+                    if self.kv_connector is not None and self.kv_connector.on_finished(req):
+                        self._sending[req.request_id] = req
+                    else:
+                        self.scheduler.release_pages(req)
+        if self.kv_connector is not None:
+            self.kv_connector.start_saves()
         return outputs
 
 

@@ -81,8 +81,8 @@ class Request:
     `num_computed` tokens. Each step computes some of the rest (the scheduler says how many) and
     samples the next token once it reaches the last one: a long prompt may take several steps
     (chunked prefill), a decoding request computes its newest token each step. A prefill-only request
-    (`is_prefill_only`) finishes after its first sampled token and keeps its pages until the
-    server releases them (after the KV transfer).
+    (`is_prefill_only`) finishes after its first sampled token; the engine's KV connector may then
+    keep its pages while it sends them (`kv_params`: what to send where, opaque to the engine).
     With `prompt_logprob_start` set, prefill also scores the prompt's own tokens from that position
     on (`prompt_logprobs`), so the prefix cache may serve at most the tokens before it.
     A running request preempted for lack of pages (`is_resuming`) gave its pages back; it waits to
@@ -119,6 +119,7 @@ class Request:
     num_rejecting_steps: int = 0  # of its verifying steps, those that rejected a draft
     lora_id: str = ""  # the LoRA adapter it runs under, as loaded ("" for none): its prefix cache namespace
     lora_slot: int | None = None  # where that adapter's weights are (engine/lora_slots.py); None: the base model
+    kv_params: object = None  # for the engine's KV connector (engine/kv_connector.py); None: nothing to move
 
     @property
     def prompt_len(self) -> int:

@@ -16,9 +16,9 @@ from kv_transfer import KVTransferError, RemotePages
 from server_runtime.common_rpcs import add_worker_servicer
 from server_runtime.context import WorkerContext
 from server_runtime.convert import check_layout_matches, prompt_logprobs_to_proto, sampling_from_proto, token_to_proto
-from server_runtime.engine_loop import write_pages
 from server_runtime.errors import RequestFailedError, abort_with
 from server_runtime.kv_grants import GrantChecker, GrantError, grant_key
+from server_runtime.kv_send import KVSend, await_write
 from server_runtime.lora_serving import held_lora
 from server_runtime.spans import record_prefill
 from server_runtime.worker import WorkerKind, start_engine_worker
@@ -70,23 +70,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         if over is None:  # never started, or already over
             return prefill_pb2.CancelPrefillResponse(was_running=False)
         await self.ctx.loop.stop_compute(rid, "cancelled by the gateway")
-        await over.wait()  # the Prefill's finally waits for a running write before it sets this
+        await over.wait()  # set once the Prefill is over: its write too, if one had started
         return prefill_pb2.CancelPrefillResponse(was_running=True)
 
     async def _prefill(
         self, request: prefill_pb2.PrefillRequest, trace: tracing.Context | None
     ) -> prefill_pb2.PrefillResponse:
         """Run the prompt and write its KV; `trace`: the caller's span, for this call's spans."""
-        rid, target, layout = request.request_id, request.kv_target, self.ctx.facts.layout
-        check_layout_matches(layout, target.layout)
-        _written_pages(len(request.token_ids), target, layout.page_size)  # checked before any compute
         received = time.perf_counter()
+        send = self._kv_send(request)  # checked before any compute
         sampling = sampling_from_proto(request.sampling_params)
         if sampling.grammar is not None:  # compile off the engine thread, so running requests never wait
             await self.ctx.loop.prepare_grammar(sampling.grammar, self.ctx.config.grammar_compile_timeout_s)
         async with held_lora(self.ctx.loras, request.lora_name, self.ctx.loop) as lora:
             req = Request(
-                rid,
+                request.request_id,
                 list(request.token_ids),
                 sampling,
                 is_prefill_only=True,
@@ -94,41 +92,41 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 priority=request.priority,
                 lora_id=lora.lora_id if lora else "",
                 lora_slot=lora.slot_id if lora else None,
+                kv_params=send,
             )
-            return await self._run_prefill(request, req, trace, received)
+            return await self._run_prefill(request, req, send, trace, received)
+
+    def _kv_send(self, request: prefill_pb2.PrefillRequest) -> KVSend:
+        """Where the engine's KV connector writes `request`'s KV: the target's pages, for the prompt's pages
+        after the `skip_tokens` the decode worker already holds."""
+        target, layout = request.kv_target, self.ctx.facts.layout
+        check_layout_matches(layout, target.layout)
+        written = _written_pages(len(request.token_ids), target, layout.page_size)
+        dst_pages = tuple(target.page_ids[: written.stop - written.start])
+        dst = RemotePages(target.session_id, target.base_addr, layout.page_bytes, dst_pages)
+        return KVSend(dst, written.start, target.grant_expires_unix_ms, self._transfer_timeout_s(request))
 
     async def _run_prefill(
-        self, request: prefill_pb2.PrefillRequest, req: Request, trace: tracing.Context | None, received: float
+        self,
+        request: prefill_pb2.PrefillRequest,
+        req: Request,
+        send: KVSend,
+        trace: tracing.Context | None,
+        received: float,
     ) -> prefill_pb2.PrefillResponse:
-        """Compute `req` (the engine request of `request`) and write its KV to the request's target."""
-        rid, target, layout = request.request_id, request.kv_target, self.ctx.facts.layout
-        written = _written_pages(len(request.token_ids), target, layout.page_size)
-        transfer: asyncio.Task | None = None
+        """Compute `req` (the engine request of `request`); the engine's KV connector writes its KV."""
+        rid = request.request_id
         try:
             sink = await self.ctx.loop.submit(req)  # inside the try: a cancel right after still cleans up
             output = await sink.get()
-            computed = time.perf_counter()
+            computed = sent = time.perf_counter()
             if output.finish_reason is FinishReason.ABORT:
                 raise RequestAbortedError(f"prefill aborted: {output.abort_message}")
             if output.finish_reason is FinishReason.ERROR:
                 raise RequestFailedError(output.abort_message)
-            if target.grant_expires_unix_ms <= time.time() * 1000:  # the decode side may have let the pages go
-                raise KVTransferError("the decode reservation expired before the prompt's KV was ready")
-            src_pages = (await self.ctx.loop.call(lambda engine: engine.held_pages(rid)))[written]
-            dst = RemotePages(
-                target.session_id, target.base_addr, layout.page_bytes, tuple(target.page_ids[: len(src_pages)])
-            )
-            sent = time.perf_counter()
-            transfer = asyncio.ensure_future(
-                write_pages(
-                    self.ctx.transport, self.ctx.facts.pool_base_addr, src_pages, dst, self._transfer_timeout_s(request)
-                )
-            )
-            stats = await asyncio.shield(transfer)
+            stats = await await_write(send)
             written = time.perf_counter()
-        finally:
-            if transfer is not None and not transfer.done():
-                await asyncio.wait([transfer])  # never free pages a write is still reading
+        finally:  # stops a compute still going; pages a write still reads stay with the connector
             await asyncio.shield(self.ctx.loop.abort(rid))
         self.ctx.loop.metrics.record_prefill(
             len(request.token_ids), output.cached_tokens, stats.num_bytes, stats.seconds

@@ -13,7 +13,8 @@ a reservation in the time of the call, not of the step it arrived in.
 
 Blocking calls that are not the engine's (opening a checkpoint, compiling a grammar, the
 embedder's batches) run on `BlockingWork`'s executor; what they produce for the engine enters it
-through `call()`. A KV write runs on the transport's own terms and is awaited with `write_pages`.
+through `call()`. KV writes run on the transport's own terms, started and polled by the engine's KV
+connector (server_runtime/kv_send.py), which `wake`s the engine thread when one settles.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -35,7 +36,6 @@ from engine.errors import InvalidRequestError, WouldPreemptError
 from engine.request import FinishReason, Request, SamplingParams, StepOutput
 from engine.reservations import ReservedPages
 from engine.step_records import ModelOutput, SchedulerOutput
-from kv_transfer import KVTransferTimeout, KVTransport, RemotePages, TransferStats, check_timeout
 from server_runtime.metrics import WorkerMetrics
 from server_runtime.threads import ThreadTuner
 from tandem.sampling import GrammarSpec
@@ -59,6 +59,7 @@ class _Command:
 
 
 _STEP_DONE = _Command(lambda engine, is_in_step: None, None)  # the compute thread's signal
+_WAKE = _Command(lambda engine, is_in_step: None, None, is_during_step=True)  # only ends a wait for commands
 
 
 class BlockingWork:
@@ -113,25 +114,6 @@ class Lane:
         self._free.release()
         if not call.cancelled():
             call.exception()  # collected here: a caller that stopped waiting has had its answer
-
-
-async def write_pages(
-    transport: KVTransport, src_base_addr: int, src_page_ids: Sequence[int], dst: RemotePages, timeout_s: float
-) -> TransferStats:
-    """One KV write (`KVTransport.write_pages`), awaited up to `timeout_s`: its stats, its
-    KVTransferError, or KVTransferTimeout past the deadline (the write may go on: the destination
-    pages are then undefined; see `KVTransport`). A caller cancelled while waiting leaves the
-    write running."""
-    check_timeout(timeout_s)
-    write = transport.write_pages(src_base_addr, src_page_ids, dst)
-    try:
-        return await asyncio.wait_for(asyncio.wrap_future(write), timeout_s)
-    except TimeoutError:
-        num_bytes = len(dst.page_ids) * dst.page_bytes
-        logger.warning("KV write of %d bytes to %s timed out after %.3f s", num_bytes, dst.session_id, timeout_s)
-        raise KVTransferTimeout(
-            f"write of {num_bytes} bytes to {dst.session_id} did not complete within {timeout_s} s"
-        ) from None
 
 
 def use_device(device: str) -> None:
@@ -290,11 +272,11 @@ class EngineLoop:
         return await self.call(abort)
 
     async def stop_compute(self, request_id: str, message: str) -> None:
-        """Abort a request still waiting or running. Pages it already holds for a KV transfer stay
-        held: the write may be reading them, and its owner releases them when it is over."""
+        """Abort a request still waiting or running. Pages a KV send holds stay held until it is over
+        (`Engine.abort`)."""
 
         def stop(engine: Engine) -> None:
-            if not engine.is_awaiting_release(request_id) and (output := engine.abort(request_id, message)):
+            if output := engine.abort(request_id, message):
                 self._deliver(output)
 
         await self.call(stop)
@@ -358,11 +340,16 @@ class EngineLoop:
             for events in self._kv_subscribers:
                 self._loop.call_soon_threadsafe(events.put_nowait, KvEvents(False, stored, removed))
 
+    def wake(self) -> None:
+        """From any thread: make an idle engine thread look at its work now (a KV send settled)."""
+        self._commands.put(_WAKE)
+
     def _run(self) -> None:
         use_device(self.engine.config.device)
         next_expiry = 0.0
         while not self._stopped.is_set():
             self._drain_commands(block=not self.engine.has_work)
+            self.engine.poll_kv_connector()
             now = time.monotonic()
             if now >= next_expiry:
                 self.engine.expire_reservations(now)
@@ -456,7 +443,7 @@ class EngineLoop:
         sink = self._sinks.get(output.request_id)
         if sink is None:
             return
-        if output.finish_reason is not None or self.engine.is_awaiting_release(output.request_id):
+        if output.finish_reason is not None or not self.engine.is_computing(output.request_id):
             del self._sinks[output.request_id]
         self._loop.call_soon_threadsafe(sink.put_nowait, output)
 

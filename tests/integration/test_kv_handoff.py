@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from engine.engine import Engine
 from engine.request import Request, SamplingParams
 from engine.weights import open_checkpoint
 from kv_transfer import RemotePages, TransportConfig, create_transport
+from server_runtime.kv_send import KVSend, KVSendConnector
 
 pytest.importorskip("mooncake.engine")
 
@@ -46,16 +49,20 @@ def test_decode_pages_hold_exactly_the_prefill_kv_and_decoding_continues(engines
     # the decode pool is dirty where the KV will land: stale bytes must all be overwritten
     decode.runner.kv_pool.tensor.normal_()
     dst_pages = decode.reserve("h1", len(PROMPT), ttl_s=30).page_ids
-    prefill.add_request(Request("h1", list(PROMPT), GREEDY, is_prefill_only=True))
+    woken = threading.Event()
+    prefill.kv_connector = KVSendConnector(prefill_transport, prefill.runner.kv_pool.base_addr, woken.set)
+    dst = RemotePages(decode_transport.session_id, decode.runner.kv_pool.base_addr,
+                      decode.runner.layout.page_bytes, tuple(dst_pages))
+    send = KVSend(dst, 0, int((time.time() + 30) * 1000), timeout_s=10)
+    req = Request("h1", list(PROMPT), GREEDY, is_prefill_only=True, kv_params=send)
+    prefill.add_request(req)
     [first] = prefill.step()
-    src_pages = prefill.held_pages("h1")
+    src_pages = list(req.page_ids)   # held by the connector until its poll reports the write over
     assert len(src_pages) == len(dst_pages) == 3
 
-    stats = prefill_transport.write_pages(
-        prefill.runner.kv_pool.base_addr, src_pages,
-        RemotePages(decode_transport.session_id, decode.runner.kv_pool.base_addr,
-                    decode.runner.layout.page_bytes, tuple(dst_pages))).result(timeout=10)
-    prefill.release("h1")
+    stats = send.written.result(timeout=10)
+    assert woken.wait(5)   # the transport's thread wakes the engine loop
+    assert prefill.holds("h1") and prefill.poll_kv_connector() == ["h1"] and not prefill.holds("h1")
 
     assert stats.num_bytes == 3 * prefill.runner.layout.page_bytes
     sent = prefill.runner.kv_pool.read_tokens(src_pages, len(PROMPT))

@@ -26,7 +26,8 @@ from kv_transfer import (  # noqa: E402 - after the skip
     TransportConfig,
     create_transport,
 )
-from server_runtime.engine_loop import write_pages  # noqa: E402
+from engine.request import Request, SamplingParams  # noqa: E402
+from server_runtime.kv_send import KVSend, KVSendConnector, await_write  # noqa: E402
 from tests.unit.kv_transfer.pools import make_pool, page_bytes, pool_bytes  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -149,7 +150,7 @@ def _wait_until_stopped(pid: int, timeout_s: float = 10.0) -> None:
                          ids=["stalled-mid-session", "stalled-before-handshake"])
 def test_stalled_peer_times_out_instead_of_hanging(pair: Pair, handshake_first: bool) -> None:
     """A SIGSTOPped peer accepts TCP connections but never answers; Mooncake would wait 30-60 s.
-    `write_pages` returns at once all the same, and the server runtime's wait gives up at its deadline."""
+    `write_pages` returns at once all the same, and the KV connector gives up at its deadline."""
     src_pool, sender, _, _ = pair
     peer = subprocess.Popen([sys.executable, "-c", _PEER_SCRIPT], cwd=REPO_ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
@@ -165,11 +166,18 @@ def test_stalled_peer_times_out_instead_of_hanging(pair: Pair, handshake_first: 
         start = time.monotonic()
         write = sender.write_pages(src_pool.data_ptr(), [2, 3], dst)
         assert time.monotonic() - start < 1.0 and not write.done()   # it never waits for the peer
+        # the prefill side's KV connector: its wait gives up at the deadline, and so does its hold on the pages
+        connector = KVSendConnector(sender, src_pool.data_ptr())
+        send = KVSend(dst, 0, int((time.time() + 60) * 1000), timeout_s=0.5)
+        assert connector.on_finished(Request("stalled", [1], SamplingParams(), page_ids=[2, 3], kv_params=send))
         start = time.monotonic()
+        connector.start_saves()
+        assert connector.poll() == []
         with pytest.raises(KVTransferTimeout, match="within 0.5 s"):
-            asyncio.run(write_pages(sender, src_pool.data_ptr(), [2, 3], dst, timeout_s=0.5))
+            asyncio.run(await_write(send))
         assert 0.5 <= time.monotonic() - start < 1.5
-        assert not write.done()
+        assert not write.done() and not send.written.done()
+        assert connector.poll() == ["stalled"] and connector.num_running == 0
     finally:
         peer.kill()
         peer.wait(timeout=10)

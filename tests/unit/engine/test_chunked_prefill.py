@@ -17,6 +17,7 @@ from engine.page_allocator import pages_needed
 from engine.request import FinishReason, PromptLogprobs, Request, SamplingParams, StepOutput
 from engine.step_records import ModelOutput, SampledToken
 from engine.weights import open_checkpoint
+from tests.local_handoff import LocalHandoff
 from tests.tiny_models import save_tiny_llama
 
 PAGE_SIZE = 16
@@ -166,17 +167,21 @@ def test_prefill_only_request_finishes_after_its_last_chunk(model_dir: Path) -> 
     [expected] = _run(_engine(model_dir), [Request("p", PROMPTS["long"], SamplingParams(**GREEDY),
                                                    is_prefill_only=True)])["p"]
     engine = _engine(model_dir, 16)
-    engine.add_request(Request("p", PROMPTS["long"], SamplingParams(**GREEDY), is_prefill_only=True))
-    before_first = time.perf_counter()
-    assert engine.step() == []
-    after_first = time.perf_counter()
-    assert engine.step() == [] and not engine.is_awaiting_release("p")
-    [out] = engine.step()                     # 16 + 16 + 13 tokens
-    assert out.token_id == expected.token_id and out.logprob == pytest.approx(expected.logprob, abs=1e-5)
-    assert before_first <= out.prefill_started_at <= after_first   # timed from the first chunk
-    assert engine.is_awaiting_release("p") and not engine.has_work
-    assert engine.allocator.num_used == pages_needed(len(PROMPTS["long"]), PAGE_SIZE)
-    engine.release("p")
+    num_pages = pages_needed(len(PROMPTS["long"]), PAGE_SIZE)
+    with LocalHandoff(engine, _engine(model_dir)) as handoff:
+        send = handoff.target(list(range(num_pages)))
+        engine.add_request(Request("p", PROMPTS["long"], SamplingParams(**GREEDY), is_prefill_only=True,
+                                   kv_params=send))
+        before_first = time.perf_counter()
+        assert engine.step() == []
+        after_first = time.perf_counter()
+        assert engine.step() == [] and not send.written.done()
+        [out] = engine.step()                     # 16 + 16 + 13 tokens
+        assert out.token_id == expected.token_id and out.logprob == pytest.approx(expected.logprob, abs=1e-5)
+        assert before_first <= out.prefill_started_at <= after_first   # timed from the first chunk
+        assert send.written.result(timeout=10).num_bytes > 0 and not engine.has_work
+        assert engine.allocator.num_used == num_pages and engine.holds("p")
+        assert engine.poll_kv_connector() == ["p"]
     _assert_idle(engine)
 
 

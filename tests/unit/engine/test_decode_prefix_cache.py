@@ -15,6 +15,7 @@ from engine.errors import InvalidRequestError, RequestAbortedError
 from engine.page_allocator import pages_needed
 from engine.request import Request, SamplingParams
 from engine.weights import open_checkpoint
+from tests.local_handoff import LocalHandoff
 from tests.tiny_models import save_tiny_llama
 
 PAGE_SIZE = 4
@@ -47,15 +48,15 @@ def _whole(model_dir: Path, prompt: list[int]) -> list[int]:
 
 
 def _hand_off(prefill: Engine, decode: Engine, rid: str, prompt: list[int], namespace: str | None = "") -> list[int]:
-    """Reserve with the prompt's tokens, prefill it, copy only the pages after the cached prefix
-    (the transfer, in-process), admit and decode; every token, the first included."""
+    """Reserve with the prompt's tokens, prefill it, let prefill's KV connector write only the pages after
+    the cached prefix (in-process), admit and decode; every token, the first included."""
     reserved = decode.reserve(rid, len(prompt), ttl_s=30, prompt_ids=prompt, namespace=namespace)
-    prefill.add_request(Request(rid, list(prompt), GREEDY, is_prefill_only=True))
-    [first] = prefill.step()
-    src = prefill.held_pages(rid)[reserved.cached_tokens // PAGE_SIZE :]
-    assert len(src) == len(reserved.page_ids)
-    decode.runner.kv_pool.tensor[reserved.page_ids] = prefill.runner.kv_pool.tensor[src]
-    prefill.release(rid)
+    with LocalHandoff(prefill, decode) as handoff:
+        send = handoff.target(reserved.page_ids, first_page=reserved.cached_tokens // PAGE_SIZE)
+        prefill.add_request(Request(rid, list(prompt), GREEDY, is_prefill_only=True, kv_params=send))
+        [first] = prefill.step()
+        assert send.written.result(timeout=10).num_bytes == len(reserved.page_ids) * prefill.runner.layout.page_bytes
+        assert prefill.poll_kv_connector() == [rid]
     assert decode.admit(rid, prompt, first.token_id, first.logprob, GREEDY) is None
     return [first.token_id] + _run(decode, rid)
 

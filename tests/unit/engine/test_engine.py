@@ -3,6 +3,8 @@ prefill-only hand-off, KV exhaustion, seeded sampling, and agreement with transf
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -18,6 +20,8 @@ from engine.page_allocator import pages_needed
 from engine.request import FinishReason, Request, SamplingParams, StepOutput
 from engine.runner import FaultHooks
 from engine.weights import open_checkpoint
+from kv_transfer import KVTransferError
+from tests.local_handoff import LocalHandoff
 from tests.tiny_models import save_tiny_llama
 
 PAGE_SIZE = 4
@@ -234,23 +238,23 @@ def test_abort_waiting_request(model_dir: Path) -> None:
 
 
 def test_reserve_then_admit_decodes_from_transferred_kv(model_dir: Path) -> None:
-    """Prefill-only on one engine, copy its pages into another engine's reservation, decode there:
-    the tokens equal a single-engine run."""
+    """Prefill-only on one engine, whose KV connector writes its pages into another engine's
+    reservation, decode there: the tokens equal a single-engine run."""
     expected = _tokens(_generate(_engine(model_dir), PROMPT_A, max_new_tokens=8, **GREEDY))
 
-    prefill = _engine(model_dir)
-    prefill.add_request(Request("r", PROMPT_A, SamplingParams(max_new_tokens=8, **GREEDY), is_prefill_only=True))
-    [first] = prefill.step()
-    assert first.token_id == expected[0] and first.finish_reason is None
-
-    decode = _engine(model_dir)
+    prefill, decode = _engine(model_dir), _engine(model_dir)
     decode.allocator.allocate(3)  # so the reserved page ids differ from the prefill engine's
     page_ids = decode.reserve("r", prompt_len=len(PROMPT_A), ttl_s=60).page_ids
     assert len(page_ids) == pages_needed(len(PROMPT_A), PAGE_SIZE) and decode.holds("r")
     assert decode.allocator.num_used == 3 + len(page_ids)
-    src = prefill.held_pages("r")
-    decode.runner.kv_pool.tensor[page_ids] = prefill.runner.kv_pool.tensor[src]
-    prefill.release("r")
+    with LocalHandoff(prefill, decode) as handoff:
+        send = handoff.target(page_ids)
+        prefill.add_request(Request("r", PROMPT_A, SamplingParams(max_new_tokens=8, **GREEDY),
+                                    is_prefill_only=True, kv_params=send))
+        [first] = prefill.step()
+        assert first.token_id == expected[0] and first.finish_reason is None
+        assert send.written.result(timeout=10).num_bytes == len(page_ids) * decode.runner.layout.page_bytes
+        assert prefill.poll_kv_connector() == ["r"]
     _assert_idle(prefill)
 
     assert decode.admit("r", PROMPT_A, first.token_id, first.logprob,
@@ -305,34 +309,48 @@ def test_expire_reservations_frees_pages_after_ttl(model_dir: Path) -> None:
     _assert_idle(engine)
 
 
-def test_prefill_only_request_keeps_pages_until_release(model_dir: Path) -> None:
+def test_prefill_only_request_keeps_its_pages_while_the_connector_sends_them(model_dir: Path) -> None:
+    prefill, decode = _engine(model_dir), _engine(model_dir)
+    with LocalHandoff(prefill, decode) as handoff:
+        dst = decode.allocator.allocate(pages_needed(len(PROMPT_A), PAGE_SIZE))
+        send = handoff.target(dst)
+        expired = dataclasses.replace(send, expires_unix_ms=0, written=concurrent.futures.Future())
+        prefill.add_request(Request("p", PROMPT_A, SamplingParams(max_new_tokens=50, **GREEDY),
+                                    is_prefill_only=True, kv_params=send))
+        outputs = prefill.step()
+        assert len(outputs) == 1 and outputs[0].token_id is not None and outputs[0].logprob is not None
+        assert not prefill.has_work and prefill.holds("p") and prefill.num_sending == 1
+        assert prefill.allocator.num_used == len(dst) and send.written.done()
+        with pytest.raises(InvalidRequestError):  # the id stays taken while its KV is held
+            prefill.add_request(Request("p", PROMPT_B, SamplingParams()))
+        assert prefill.abort("p") is None and prefill.allocator.num_used == len(dst)  # the send owns them
+        assert prefill.step() == [] and not prefill.holds("p")  # each step polls the connector first
+        _assert_idle(prefill)
+
+        # a grant that expired while the prompt ran: no write, the error, and the pages back
+        prefill.add_request(Request("late", PROMPT_A, SamplingParams(**GREEDY), is_prefill_only=True,
+                                    kv_params=expired))
+        prefill.step()
+        with pytest.raises(KVTransferError, match="expired before the prompt's KV was ready"):
+            expired.written.result(timeout=1)
+        assert prefill.poll_kv_connector() == ["late"]
+        _assert_idle(prefill)
+
+
+def test_prefill_only_request_without_a_connector_frees_its_pages(model_dir: Path) -> None:
     engine = _engine(model_dir)
-    engine.add_request(Request("p", PROMPT_A, SamplingParams(max_new_tokens=50, **GREEDY),
-                               is_prefill_only=True))
-    outputs = engine.step()
-    assert len(outputs) == 1 and outputs[0].token_id is not None and outputs[0].logprob is not None
-    assert not engine.has_work and engine.step() == []
-    assert engine.is_awaiting_release("p") and engine.holds("p")
-    held = engine.held_pages("p")
-    assert len(held) == pages_needed(len(PROMPT_A), PAGE_SIZE) == engine.allocator.num_used
-    with pytest.raises(InvalidRequestError):  # the id stays taken while its KV is held
-        engine.add_request(Request("p", PROMPT_B, SamplingParams()))
-    with pytest.raises(InvalidRequestError):
-        engine.reserve("p", prompt_len=4, ttl_s=60)
-    assert engine.allocator.num_used == len(held)
-    engine.release("p")
-    assert not engine.is_awaiting_release("p") and not engine.holds("p")
-    _assert_idle(engine)
-    engine.release("p")  # releasing twice is harmless
+    engine.add_request(Request("p", PROMPT_A, SamplingParams(**GREEDY), is_prefill_only=True))
+    [out] = engine.step()
+    assert out.token_id is not None and not engine.holds("p")
     _assert_idle(engine)
 
 
-def test_abort_of_a_held_prefill_only_request_frees_its_pages(model_dir: Path) -> None:
+def test_abort_of_a_running_prefill_only_request_frees_its_pages(model_dir: Path) -> None:
     engine = _engine(model_dir)
     engine.add_request(Request("p", PROMPT_B, SamplingParams(), is_prefill_only=True))
-    engine.step()
-    assert engine.allocator.num_used == pages_needed(len(PROMPT_B), PAGE_SIZE)
-    assert engine.abort("p") is None
+    assert engine.allocator.num_used == 0
+    out = engine.abort("p")
+    assert out is not None and out.finish_reason is FinishReason.ABORT
     _assert_idle(engine)
 
 
