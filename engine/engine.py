@@ -10,13 +10,17 @@ thread may call `reserve(..., may_preempt=False)` and nothing else. Three ways i
   a write grace: engine/reservations.py).
 
 A prefill-only request's KV leaves through the KV connector (engine/kv_connector.py), which keeps its
-pages while it sends them; `poll_kv_connector` frees those whose sends are over.
+pages while it sends them. A prompt whose cached pages sit in a slow tier (disk, the cluster's store)
+waits as "loading" while `background` reads them, then queues and finds them in the pool. `poll_kv`
+takes in what finished off the engine thread: it frees the pages of sends that are over and queues the
+prompts whose reads are done; `wake` (the worker's) is called from the thread that finished.
 
 Pages come and go through one `PagePool`, with or without a prefix cache (engine/page_pool.py).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable
@@ -34,7 +38,7 @@ from engine.errors import (
 from engine.grammar import GrammarBackend
 from engine.kv_connector import KVConnector
 from engine.kv_disk_tier import DiskTier
-from engine.kv_host_tier import HostTier, TierChain
+from engine.kv_host_tier import HostTier, TierChain, TierReads
 from engine.kv_pool import KVPool
 from engine.kv_store_tier import StoreAccess, StoreTier
 from engine.lora import LoraAdapter
@@ -47,7 +51,7 @@ from engine.proposers import NgramProposer
 from engine.request import FinishReason, PromptLimits, Request, SamplingParams, StepOutput
 from engine.reservations import Reservation, Reservations, ReservedPages
 from engine.runner import FaultHooks, ModelRunner
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, cacheable_prompt
 from engine.stats import EngineStats
 from engine.step_costs import DecodePacer, DecodeStepTimes, DraftBudget
 from engine.step_records import ModelOutput, SampledToken, SchedulerOutput
@@ -68,7 +72,8 @@ class Engine:
         kv_store: StoreAccess | None = None,
         kv_connector: KVConnector | None = None,
     ) -> None:
-        """`background` runs the disk tier's file writes off the engine thread (None: on it); `kv_store`: the
+        """`background` runs the slow tiers' reads and the disk tier's writes off the engine thread (None: on
+        it, and no prompt waits as loading); `kv_store`: the
         cluster's KV store, where the prefix cache keeps its pages too (engine/kv_store_tier.py);
         `kv_connector` sends prefill-only requests' KV (None: their pages are freed once computed)."""
         mc = checkpoint.config
@@ -105,6 +110,9 @@ class Engine:
             DraftBudget(config.speculative_num_draft_tokens, self.step_times) if is_budgeted else None,
         )
         self.kv_connector = kv_connector
+        self.wake: Callable[[], None] = lambda: None  # from another thread: something for `poll_kv` is ready
+        self._background = background
+        self._fetched: collections.deque[tuple[str, TierReads]] = collections.deque()  # (request id, its reads)
         self._requests: dict[str, Request] = {}
         self._sending: dict[str, Request] = {}  # prefill-only requests whose pages the connector holds
         self.weights_id = checkpoint.identity  # names the weights; prefill and decode must agree on it
@@ -122,7 +130,50 @@ class Engine:
         if req.sampling.grammar is not None:
             req.grammar_matcher = self.grammar.new_matcher(req.sampling.grammar)
         self._requests[req.request_id] = req
-        self.scheduler.add_waiting(req)
+        if self._start_fetch(req):
+            self.scheduler.add_loading(req)
+        else:
+            self.scheduler.add_waiting(req)
+
+    def _start_fetch(self, req: Request) -> bool:
+        """Start reading the pages of `req`'s prompt that only the slow tiers hold, off the engine thread:
+        True if `req` is to wait as loading for them. Without a `background`, they are read here and now."""
+        digests = self._slow_tier_digests(cacheable_prompt(req), req.lora_id)
+        if not digests:
+            return False
+        tiers, request_id = self.kv_tiers, req.request_id
+        assert tiers is not None
+        if self._background is None:
+            self._take_fetched(tiers.fetch(digests), req)
+            return False
+
+        def fetch() -> None:
+            try:
+                reads = tiers.fetch(digests)
+            except Exception:  # never leave the request loading: its tokens are computed instead
+                logger.exception("reading cached KV pages from a slow tier failed")
+                reads = []
+            self._fetched.append((request_id, reads))
+            self.wake()
+
+        self._background(fetch)
+        return True
+
+    def _slow_tier_digests(self, token_ids: list[int], namespace: str) -> list[bytes]:
+        """The names of `token_ids`' pages that neither the pool nor the host tier holds, when a slow tier may."""
+        if self.kv_tiers is None or not self.kv_tiers.has_slow_tiers or not isinstance(self.pages, PrefixCache):
+            return []
+        digests = self.pages.missing_digests(token_ids, namespace)
+        return digests if digests and self.kv_tiers.is_worth_fetching(digests[0]) else []
+
+    def _take_fetched(self, reads: TierReads, req: Request | None) -> None:
+        """Put the pages a slow-tier read found for `req` into the pool as cached pages of its prompt, where
+        its admission finds them (None: the request is gone; the reads are only accounted for)."""
+        assert self.kv_tiers is not None
+        self.kv_tiers.adopt(reads)
+        if req is not None:
+            self.pages.release(self.pages.match(cacheable_prompt(req), req.lora_id))
+        self.kv_tiers.forget_fetched()
 
     def load_lora(self, slot_id: int, adapter: LoraAdapter) -> None:
         """Put `adapter` in LoRA slot `slot_id` for the requests that name it from now on. The caller
@@ -183,7 +234,12 @@ class Engine:
             )
         if self.scheduler.has_resuming_at(priority):
             raise CapacityError("requests paused for lack of KV pages are resumed before new ones are reserved")
+        if prompt_ids and namespace is not None and (digests := self._slow_tier_digests(prompt_ids, namespace)):
+            assert self.kv_tiers is not None  # read now: the gateway waits for the answer to send the prompt
+            self.kv_tiers.adopt(self.kv_tiers.fetch(digests))
         cached = self.pages.match(prompt_ids, namespace) if prompt_ids and namespace is not None else []
+        if self.kv_tiers is not None:
+            self.kv_tiers.forget_fetched()
         try:
             page_ids = cached + self.scheduler.reserve(prompt_len, priority, may_preempt, num_held_pages=len(cached))
         except BaseException:
@@ -264,7 +320,7 @@ class Engine:
 
     def abort(self, request_id: str, message: str = "aborted", write_settled: bool = False) -> StepOutput | None:
         """End a request or drop a reservation, freeing its pages. None if nothing was held, or if the
-        request's KV is being sent (its pages are freed once `poll_kv_connector` sees the send over).
+        request's KV is being sent (its pages are freed once `poll_kv` sees the send over).
 
         A dropped reservation's pages sit out the write grace unless `write_settled` says no KV
         write into them can still be in flight.
@@ -297,8 +353,15 @@ class Engine:
             self.kv_tiers.set_identity(checkpoint.identity)
         return [o for o in outputs if o is not None]
 
-    def poll_kv_connector(self) -> list[str]:
-        """Free the pages of the requests whose KV sends are over (`KVConnector.poll`); returns their ids."""
+    def poll_kv(self) -> list[str]:
+        """Take in the KV moves that finished off the engine thread: queue the prompts whose slow-tier reads
+        are over, with their pages in the pool, and free the pages of the sends that are over
+        (`KVConnector.poll`). Returns the ids of those sends."""
+        while self._fetched:
+            request_id, reads = self._fetched.popleft()
+            req = self.scheduler.loading.get(request_id)
+            self._take_fetched(reads, req)
+            self.scheduler.end_loading(request_id)
         if self.kv_connector is None:
             return []
         done = self.kv_connector.poll()
@@ -351,7 +414,7 @@ class Engine:
         """The queues and the page pool now, as a value other threads may read."""
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.loading),
             num_free_pages=self.allocator.num_free,
             num_total_pages=self.allocator.num_pages,
             num_cached_pages=self.num_cached_pages,
@@ -375,8 +438,8 @@ class Engine:
         return self.update(scheduled, self.execute(scheduled))
 
     def schedule(self) -> SchedulerOutput:
-        """The next step's batch (`Scheduler.schedule`), once the pages of finished sends are back."""
-        self.poll_kv_connector()
+        """The next step's batch (`Scheduler.schedule`), once `poll_kv` has taken in the finished reads and sends."""
+        self.poll_kv()
         return self.scheduler.schedule()
 
     def execute(self, scheduled: SchedulerOutput) -> ModelOutput:

@@ -34,7 +34,7 @@ import torch
 
 from engine.config import ConfigError
 from engine.kv_pool import KVLayout, KVPool
-from engine.prefix_cache import DIGEST_BYTES
+from engine.prefix_cache import DIGEST_BYTES, PageRead
 
 logger = logging.getLogger(__name__)
 
@@ -148,24 +148,37 @@ class DiskTier:
     def load(self, digest: bytes, page_id: int) -> bool:
         """Copy the page named `digest` into pool page `page_id`. False, the file deleted, when it is
         missing, truncated, corrupted or not the page it claims to be."""
+        payload = self.took(digest, self.read(digest))
+        if payload is None:
+            return False
+        copy_payload(payload, self.pool, page_id)
+        self.num_loaded += 1
+        return True
+
+    def read(self, digest: bytes) -> PageRead:
+        """The bytes of the page named `digest`, checked (a damaged file is deleted). Touches no state of
+        the tier, so it may run off the engine thread; `took` then accounts for it on the engine thread."""
         path = self._path(digest)
         try:
             data = path.read_bytes()
         except OSError:
-            data = b""
+            return PageRead(None)
         problem = _check(data, digest, self.pool.layout.page_bytes)
         if problem is not None:
-            logger.warning("KV disk tier: dropped %s (%s); its tokens are computed again", path.name, problem)
-            self._forget(digest)
             path.unlink(missing_ok=True)
+            return PageRead(None, problem)
+        return PageRead(data[_HEADER.size :])
+
+    def took(self, digest: bytes, read: PageRead) -> bytes | None:
+        """On the engine thread, after `read`: the page's bytes, or None (a damaged page is forgotten and
+        counted). Does not count a load: the caller does, once the bytes are in the pool."""
+        if read.problem:
+            logger.warning("KV disk tier: dropped %s (%s); its tokens are computed again", digest.hex(), read.problem)
+            self._forget(digest)
             self.num_dropped += 1
-            return False
-        page = torch.frombuffer(bytearray(data[_HEADER.size :]), dtype=torch.uint8)
-        self.pool.tensor[page_id].view(torch.uint8).view(-1).copy_(page)
-        if digest in self._index:
+        elif read.payload is not None and digest in self._index:
             self._index.move_to_end(digest)
-        self.num_loaded += 1
-        return True
+        return read.payload
 
     def flush(self) -> None:
         """Wait until every page handed to `save` is on disk (or failed)."""
@@ -251,6 +264,12 @@ def _check(data: bytes, digest: bytes, page_bytes: int) -> str | None:
     if zlib.crc32(memoryview(data)[_HEADER.size :]) != crc:
         return "checksum mismatch"
     return None
+
+
+def copy_payload(payload: bytes, pool: KVPool, page_id: int) -> None:
+    """Copy a page's bytes (as a slow tier keeps them) into pool page `page_id`."""
+    page = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    pool.tensor[page_id].view(torch.uint8).view(-1).copy_(page)
 
 
 def _mtime(path: Path) -> float:

@@ -17,9 +17,10 @@ import collections
 
 import torch
 
-from engine.kv_disk_tier import DiskTier, kv_identity, root_digest
+from engine.kv_disk_tier import DiskTier, copy_payload, kv_identity, root_digest
 from engine.kv_pool import KVPool
 from engine.kv_store_tier import StoreTier
+from engine.prefix_cache import PageRead
 from engine.stats import TierStats
 
 
@@ -71,9 +72,16 @@ class HostTier:
         self._pages.clear()
 
 
+TierReads = list[tuple[bytes, "DiskTier | StoreTier", PageRead]]  # a fetch's reads: digest, where, what
+
+
 class TierChain:
     """Tiers fastest first (a `HostTier`, a `DiskTier`, a `StoreTier`), seen by the prefix cache as one
-    `PageTier` over KV computed with the weights named `weights_identity`."""
+    `PageTier` over KV computed with the weights named `weights_identity`.
+
+    A walk down the prefix tree reads only what is at hand: the host tier, and the pages a fetch brought
+    (`adopt`). The slow tiers are read by `fetch`, which runs off the engine thread while its request waits
+    ("loading"), or on it where no thread is given; `adopt` then hands the pages it found to the next walk."""
 
     def __init__(
         self, host: HostTier | None, disk: DiskTier | None, store: StoreTier | None, weights_identity: str
@@ -81,10 +89,12 @@ class TierChain:
         self.host, self.disk, self.store = host, disk, store
         self.tiers: list[HostTier | DiskTier | StoreTier] = [t for t in (host, disk, store) if t is not None]
         self._identity = kv_identity(weights_identity, self.tiers[0].pool.layout)
+        self._fetched: dict[bytes, tuple[DiskTier | StoreTier, bytes]] = {}  # digest -> where from, its bytes
 
     def set_identity(self, weights_identity: str) -> None:
         """New weights: no page computed with the old ones is found again."""
         self._identity = kv_identity(weights_identity, self.tiers[0].pool.layout)
+        self._fetched.clear()
         if self.host is not None:
             self.host.clear()
         if self.disk is not None:
@@ -100,17 +110,59 @@ class TierChain:
             if tier is not None
         )
 
+    @property
+    def has_slow_tiers(self) -> bool:
+        return self.disk is not None or self.store is not None
+
+    def is_worth_fetching(self, digest: bytes) -> bool:
+        """Whether a fetch starting at `digest` may find anything: the disk tier holds it, or a store may."""
+        return self.store is not None or (self.disk is not None and self.disk.contains(digest))
+
+    def fetch(self, digests: list[bytes]) -> TierReads:
+        """Read `digests` in order from the disk tier, else the store, up to the first page neither has:
+        every read, with its digest and tier. Touches no state here, so it may run off the engine thread;
+        hand the result to `adopt` on it."""
+        reads: TierReads = []
+        for digest in digests:
+            found = False
+            for tier in (self.disk, self.store):
+                if tier is not None:
+                    read = tier.read(digest)
+                    reads.append((digest, tier, read))
+                    if found := read.payload is not None:
+                        break
+            if not found:
+                break
+        return reads
+
+    def adopt(self, reads: TierReads) -> None:
+        """On the engine thread: account for a `fetch` (a damaged page is dropped where it was found) and
+        keep the pages it found for the walks until `forget_fetched`."""
+        for digest, tier, read in reads:
+            if (payload := tier.took(digest, read)) is not None:
+                self._fetched[digest] = (tier, payload)
+
+    def forget_fetched(self) -> None:
+        self._fetched.clear()
+
     def contains(self, digest: bytes) -> bool:
-        return any(tier.contains(digest) for tier in self.tiers)
+        return digest in self._fetched or (self.host is not None and self.host.contains(digest))
 
     def save(self, digest: bytes, page_id: int) -> None:
         for tier in self.tiers:
             tier.save(digest, page_id)
 
     def load(self, digest: bytes, page_id: int) -> bool:
-        for index, tier in enumerate(self.tiers):
-            if tier.contains(digest) and tier.load(digest, page_id):
-                for faster in self.tiers[:index]:  # on its way back, the faster tiers keep it too
-                    faster.save(digest, page_id)
-                return True
-        return False
+        if self.host is not None and self.host.load(digest, page_id):
+            return True
+        fetched = self._fetched.pop(digest, None)
+        if fetched is None:
+            return False
+        tier, payload = fetched
+        copy_payload(payload, tier.pool, page_id)
+        tier.num_loaded += 1
+        if self.host is not None:  # on its way back, the host tier keeps it too
+            self.host.save(digest, page_id)
+        if tier is self.store and self.disk is not None:
+            self.disk.save(digest, page_id)
+        return True

@@ -23,7 +23,9 @@ from typing import Protocol
 
 import torch
 
+from engine.kv_disk_tier import copy_payload
 from engine.kv_pool import KVPool
+from engine.prefix_cache import PageRead
 
 logger = logging.getLogger(__name__)
 
@@ -101,16 +103,30 @@ class StoreTier:
         self._fetched = (b"", None)
         if fetched_digest != digest:
             value = self.store.get(self.key(digest))
-        if value is None:
+        payload = self.took(digest, self._checked(digest, value))
+        if payload is None:
             return False
-        tag, payload = value[:TAG_BYTES], value[TAG_BYTES:]
-        if len(payload) != self.pool.layout.page_bytes or page_tag(self._secret, digest, payload) != tag:
-            logger.warning(
-                "KV store: dropped page %s (its tag does not match); its tokens are computed again", digest.hex()
-            )
-            self.num_dropped += 1
-            return False
-        page = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        self.pool.tensor[page_id].view(torch.uint8).view(-1).copy_(page)
+        copy_payload(payload, self.pool, page_id)
         self.num_loaded += 1
         return True
+
+    def read(self, digest: bytes) -> PageRead:
+        """The page named `digest`, fetched and its tag checked. Touches no state of the tier, so it may run
+        off the engine thread (the store client is thread-safe); `took` then accounts for it."""
+        return self._checked(digest, self.store.get(self.key(digest)))
+
+    def _checked(self, digest: bytes, value: bytes | None) -> PageRead:
+        if value is None:
+            return PageRead(None)
+        tag, payload = value[:TAG_BYTES], value[TAG_BYTES:]
+        if len(payload) != self.pool.layout.page_bytes or page_tag(self._secret, digest, payload) != tag:
+            return PageRead(None, "its tag does not match")
+        return PageRead(payload)
+
+    def took(self, digest: bytes, read: PageRead) -> bytes | None:
+        """On the engine thread, after `read`: the page's bytes, or None (a forged or damaged page is counted).
+        Does not count a load: the caller does, once the bytes are in the pool."""
+        if read.problem:
+            logger.warning("KV store: dropped page %s (%s); its tokens are computed again", digest.hex(), read.problem)
+            self.num_dropped += 1
+        return read.payload

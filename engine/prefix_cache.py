@@ -33,8 +33,17 @@ from tandem.page_keys import next_key, root_key
 DIGEST_BYTES = 16
 
 
+@dataclass(frozen=True, slots=True)
+class PageRead:
+    """One page read from a slow tier by digest, checked: its bytes (None: not there, or damaged) and, for
+    a damaged page, what is wrong with it."""
+
+    payload: bytes | None
+    problem: str = ""
+
+
 class PageTier(Protocol):
-    """Where cached pages are kept beyond the pool, by `page_digest` (engine/kv_disk_tier.py's `DiskTier`)."""
+    """Where cached pages are kept beyond the pool, by `page_digest` (engine/kv_host_tier.py's `TierChain`)."""
 
     def root(self, namespace: str) -> bytes: ...
     def contains(self, digest: bytes) -> bool: ...
@@ -122,6 +131,28 @@ class PrefixCache(PagePool):
         if self.tier is not None and not namespace and len(pages) < len(starts):
             pages += self._load_from_tier(token_ids, starts[len(pages) :], parent, namespace, now)
         return pages
+
+    def missing_digests(self, token_ids: list[int], namespace: str = "") -> list[bytes]:
+        """The names of the full pages of `token_ids` (at most len - 1 tokens, as `match`) after the longest
+        prefix the pool and the tier's fast part hold now: what a fetch from the slow tiers would look for.
+        Touches no reference. Empty without a tier, and in a LoRA namespace (the tiers keep the base model's
+        pages only)."""
+        if self.tier is None or namespace:
+            return []
+        parent: int | None = self._root(namespace)  # None: past the pages the pool holds
+        digest = self.tier.root(namespace)
+        missing: list[bytes] = []
+        for start in range(0, len(token_ids) - 1 - self.page_size + 1, self.page_size):
+            tokens = tuple(token_ids[start : start + self.page_size])
+            page_id = self._by_key.get((parent, tokens)) if parent is not None else None
+            if page_id is not None:
+                parent, digest = page_id, self._nodes[page_id].digest
+                continue
+            parent = None
+            digest = page_digest(digest, tokens)
+            if missing or not self.tier.contains(digest):
+                missing.append(digest)
+        return missing
 
     def _load_from_tier(self, token_ids: list[int], starts: range, parent: int, namespace: str, now: int) -> list[int]:
         """Go on matching in the disk tier from page `parent` (a node, or the namespace's root): each page

@@ -77,6 +77,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.context_len = context_len
         self.waiting: deque[Request] = deque()
+        self.loading: dict[str, Request] = {}  # queued once their slow-tier pages are read (Engine.add_request)
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.proposer = proposer
@@ -102,6 +103,18 @@ class Scheduler:
             if other.priority > priority or (is_ahead_of_equals and other.priority == priority):
                 return i
         return len(self.waiting)
+
+    def add_loading(self, req: Request) -> None:
+        """Hold a prompt out of the queue while its cached pages are read from a slow tier."""
+        req.status = RequestStatus.LOADING
+        self.loading[req.request_id] = req
+
+    def end_loading(self, request_id: str) -> None:
+        """Queue a prompt whose slow-tier read is over (behind the prompts of its priority queued meanwhile)."""
+        req = self.loading.pop(request_id, None)
+        if req is not None:
+            req.status = RequestStatus.WAITING
+            self.add_waiting(req)
 
     def add_running(self, req: Request) -> None:
         """Admit a request whose prompt KV is already in `req.page_ids` (decode after a handoff)."""
@@ -349,6 +362,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.loading.pop(req.request_id, None)
         if keep_pages:
             return
         if reason is not FinishReason.ERROR and not req.is_resuming and req.num_computed >= self.page_size:
@@ -382,14 +396,11 @@ class Scheduler:
         return self.pages.allocate(needed)
 
     def _match_prefix(self, req: Request) -> list[int]:
-        """On a request's admission, take the cached pages of its longest cached prefix.
-        A request scoring its prompt from `prompt_logprob_start` needs the hidden state of position
-        start - 1, so only the tokens before that may come from the cache."""
+        """On a request's admission, take the cached pages of its longest cached prefix (of its
+        `cacheable_prompt`)."""
         if req.page_ids or req.num_computed:
             return []
-        start = req.prompt_logprob_start
-        tokens = req.prompt_ids if start is None else req.prompt_ids[:start]
-        matched = self.pages.match(tokens, req.lora_id)
+        matched = self.pages.match(cacheable_prompt(req), req.lora_id)
         req.page_ids = list(matched)
         req.num_computed = req.num_cached_tokens = len(matched) * self.page_size
         return matched
@@ -399,6 +410,13 @@ class Scheduler:
         needed = pages_needed(num_tokens, self.page_size)
         if needed > self.pages.num_pages:
             raise CapacityError(f"prompt needs {needed} KV pages but the pool has {self.pages.num_pages}")
+
+
+def cacheable_prompt(req: Request) -> list[int]:
+    """The prompt tokens whose KV the prefix cache may serve: a request scoring its prompt from
+    `prompt_logprob_start` needs the hidden state of position start - 1, so only the tokens before it."""
+    start = req.prompt_logprob_start
+    return req.prompt_ids if start is None else req.prompt_ids[:start]
 
 
 def _grammar_prefix(matcher: Any, drafts: list[int]) -> list[int]:

@@ -349,7 +349,7 @@ class EngineLoop:
         next_expiry = 0.0
         while not self._stopped.is_set():
             self._drain_commands(block=not self.engine.has_work)
-            self.engine.poll_kv_connector()
+            self.engine.poll_kv()
             now = time.monotonic()
             if now >= next_expiry:
                 self.engine.expire_reservations(now)

@@ -193,6 +193,7 @@ def start_engine_worker(config: WorkerConfig, metrics: WorkerMetrics) -> WorkerC
     metrics.torch_threads.set(config.torch_threads)
     loop = EngineLoop(engine, asyncio.get_running_loop(), metrics, thread_tuner(config))
     engine.kv_connector = KVSendConnector(transport, facts.pool_base_addr, loop.wake)  # before the loop starts
+    engine.wake = loop.wake
     loop.start()
     return WorkerContext(config, loop, transport, facts, tandem.version(), weights_id, loras=loras)
 
@@ -220,13 +221,14 @@ def build_engine(config: WorkerConfig) -> Engine:
     _set_torch_threads(config)
     use_device(config.engine.device)  # the model loads and the CUDA graphs are captured on this thread
     checkpoint = open_checkpoint(config.model_path)
-    background = None
-    if config.engine.kv_disk_cache_dir is not None:  # the disk tier's writes, off the engine thread
-        background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-disk-writer").submit
     kv_store = None
     if config.kv_store is not None and config.engine.enable_prefix_cache:
         client = StoreClient(config.kv_store, config.transport.hostname)
         kv_store = StoreAccess(client, store_page_key(config.kv_grant_secret))
+    background = None
+    if config.engine.kv_disk_cache_dir is not None or kv_store is not None:  # slow tiers' I/O, off the engine thread
+        # two threads: a prompt's read of cached pages does not wait behind a burst of disk writes
+        background = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kv-tier-io").submit
     return Engine(checkpoint, config.engine, faults=fault_hooks_from_env(), background=background, kv_store=kv_store)
 
 

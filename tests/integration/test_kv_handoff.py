@@ -62,7 +62,7 @@ def test_decode_pages_hold_exactly_the_prefill_kv_and_decoding_continues(engines
 
     stats = send.written.result(timeout=10)
     assert woken.wait(5)   # the transport's thread wakes the engine loop
-    assert prefill.holds("h1") and prefill.poll_kv_connector() == ["h1"] and not prefill.holds("h1")
+    assert prefill.holds("h1") and prefill.poll_kv() == ["h1"] and not prefill.holds("h1")
 
     assert stats.num_bytes == 3 * prefill.runner.layout.page_bytes
     sent = prefill.runner.kv_pool.read_tokens(src_pages, len(PROMPT))

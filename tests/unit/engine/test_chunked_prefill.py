@@ -181,7 +181,7 @@ def test_prefill_only_request_finishes_after_its_last_chunk(model_dir: Path) -> 
         assert before_first <= out.prefill_started_at <= after_first   # timed from the first chunk
         assert send.written.result(timeout=10).num_bytes > 0 and not engine.has_work
         assert engine.allocator.num_used == num_pages and engine.holds("p")
-        assert engine.poll_kv_connector() == ["p"]
+        assert engine.poll_kv() == ["p"]
     _assert_idle(engine)
 
 

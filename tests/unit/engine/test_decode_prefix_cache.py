@@ -56,7 +56,7 @@ def _hand_off(prefill: Engine, decode: Engine, rid: str, prompt: list[int], name
         prefill.add_request(Request(rid, list(prompt), GREEDY, is_prefill_only=True, kv_params=send))
         [first] = prefill.step()
         assert send.written.result(timeout=10).num_bytes == len(reserved.page_ids) * prefill.runner.layout.page_bytes
-        assert prefill.poll_kv_connector() == [rid]
+        assert prefill.poll_kv() == [rid]
     assert decode.admit(rid, prompt, first.token_id, first.logprob, GREEDY) is None
     return [first.token_id] + _run(decode, rid)
 

@@ -254,7 +254,7 @@ def test_reserve_then_admit_decodes_from_transferred_kv(model_dir: Path) -> None
         [first] = prefill.step()
         assert first.token_id == expected[0] and first.finish_reason is None
         assert send.written.result(timeout=10).num_bytes == len(page_ids) * decode.runner.layout.page_bytes
-        assert prefill.poll_kv_connector() == ["r"]
+        assert prefill.poll_kv() == ["r"]
     _assert_idle(prefill)
 
     assert decode.admit("r", PROMPT_A, first.token_id, first.logprob,
@@ -333,7 +333,7 @@ def test_prefill_only_request_keeps_its_pages_while_the_connector_sends_them(mod
         prefill.step()
         with pytest.raises(KVTransferError, match="expired before the prompt's KV was ready"):
             expired.written.result(timeout=1)
-        assert prefill.poll_kv_connector() == ["late"]
+        assert prefill.poll_kv() == ["late"]
         _assert_idle(prefill)
 
 

@@ -6,6 +6,7 @@ same greedy tokens as an engine that computes everything."""
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from engine.kv_disk_tier import DiskTier
 from engine.kv_pool import KVLayout, KVPool
 from engine.page_allocator import PageAllocator
 from engine.prefix_cache import PrefixCache, page_digest
-from engine.request import SamplingParams
+from engine.request import FinishReason, Request, RequestStatus, SamplingParams
 from engine.weights import open_checkpoint
 from tests.engine_runs import run_alone
 from tests.tiny_models import save_tiny_llama
@@ -97,10 +98,10 @@ PROMPT = [3, 17, 42, 99, 5, 61, 7, 200, 31, 8, 44, 12, 90, 1]   # 14 tokens: thr
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=6)
 
 
-def _engine(model_dir: Path, disk: Path | None) -> Engine:
+def _engine(model_dir: Path, disk: Path | None, background: Callable | None = None) -> Engine:
     config = EngineConfig(dtype="float32", page_size=4, max_total_tokens=128, enable_prefix_cache=True,
                           kv_disk_cache_dir=None if disk is None else str(disk))
-    return Engine(open_checkpoint(str(model_dir)), config, progress=False)
+    return Engine(open_checkpoint(str(model_dir)), config, progress=False, background=background)
 
 
 def _run(engine: Engine, prompt: list[int]) -> tuple[list[int], int]:
@@ -128,6 +129,61 @@ def test_a_restarted_engine_serves_the_prefix_from_disk_with_the_same_tokens(tmp
     damaged = _engine(model_dir, tmp_path / "kv")
     assert _run(damaged, PROMPT) == (expected, 0)
     assert damaged.kv_tiers.disk.num_dropped == 1   # the first page's: the walk stops there
+
+
+def test_a_prompt_waits_as_loading_while_its_pages_are_read_and_the_others_run_meanwhile(tmp_path: Path) -> None:
+    model_dir = save_tiny_llama(tmp_path / "llama")
+    other = [9, 8, 7, 6, 5]
+    expected, _ = _run(_engine(model_dir, None), PROMPT)
+    other_expected, _ = run_alone(_engine(model_dir, None), "o", other, GREEDY)
+    first = _engine(model_dir, tmp_path / "kv")
+    _run(first, PROMPT)
+    first.kv_tiers.disk.flush()
+
+    jobs: list[Callable[[], None]] = []  # the background: each job runs when the test says
+    restarted = _engine(model_dir, tmp_path / "kv", background=jobs.append)
+    woken: list[bool] = []
+    restarted.wake = lambda: woken.append(True)
+    restarted.add_request(Request("r", list(PROMPT), GREEDY))
+    restarted.add_request(Request("o", list(other), GREEDY))  # nothing of it on disk: queued at once
+    assert list(restarted.scheduler.loading) == ["r"] and restarted.stats().num_waiting == 2
+    assert len(jobs) == 1  # the read of r's three pages, not yet run
+    tokens: dict[str, list[int]] = {"r": [], "o": []}
+    while restarted.has_work:  # r is not scheduled: o runs alone, to its end
+        for out in restarted.step():
+            tokens[out.request_id] += [out.token_id] if out.token_id is not None else []
+    assert tokens == {"r": [], "o": other_expected} and restarted.holds("r") and not woken
+    assert restarted.scheduler.loading["r"].status is RequestStatus.LOADING
+
+    jobs.pop(0)()  # the read, as the background thread would run it
+    assert woken == [True] and not restarted.has_work
+    restarted.poll_kv()  # r queues, its three pages already in the pool as cached pages
+    assert restarted.has_work and not restarted.scheduler.loading
+    cached = -1
+    while restarted.has_work:
+        for out in restarted.step():
+            tokens[out.request_id] += [out.token_id] if out.token_id is not None else []
+            cached = out.cached_tokens if cached < 0 else cached
+    assert tokens["r"] == expected and cached == 12 and restarted.stats().tiers[0].num_loaded == 3
+    restarted.pages.check_integrity()
+    while jobs:  # the disk writes of both prompts' pages
+        jobs.pop(0)()
+
+
+def test_a_loading_prompt_can_be_aborted_and_its_read_is_still_taken_in(tmp_path: Path) -> None:
+    model_dir = save_tiny_llama(tmp_path / "llama")
+    first = _engine(model_dir, tmp_path / "kv")
+    _run(first, PROMPT)
+    first.kv_tiers.disk.flush()
+    jobs: list[Callable[[], None]] = []
+    restarted = _engine(model_dir, tmp_path / "kv", background=jobs.append)
+    restarted.add_request(Request("r", list(PROMPT), GREEDY))
+    out = restarted.abort("r")
+    assert out is not None and out.finish_reason is FinishReason.ABORT and not restarted.holds("r")
+    jobs.pop(0)()
+    assert restarted.poll_kv() == [] and not restarted.has_work and restarted.is_idle
+    assert restarted.allocator.num_free == restarted.allocator.num_pages  # nothing kept for a request that is gone
+    restarted.pages.check_integrity()
 
 
 def test_a_page_another_process_writes_later_is_found_by_its_file(tmp_path: Path) -> None:

@@ -49,6 +49,11 @@ def test_a_page_found_only_on_disk_is_kept_in_host_memory_on_its_way_back(tmp_pa
     assert chain.root("") == disk.root("")   # the same names in every tier
     digest = page_digest(chain.root(""), [1, 2, 3, 4])
     disk.save(digest, 3)
+    assert chain.is_worth_fetching(digest) and not chain.contains(digest)  # a walk reads only what is at hand
+    after, last = page_digest(digest, [5, 6, 7, 8]), page_digest(digest, [9, 9, 9, 9])
+    reads = chain.fetch([digest, after, last])  # stops at the first page no tier has
+    assert [(d, tier, read.payload is not None) for d, tier, read in reads] == [(digest, disk, True), (after, disk, False)]
+    chain.adopt(reads)
     assert chain.contains(digest) and not chain.host.contains(digest)
     assert chain.load(digest, 5) and torch.equal(pool.tensor[5], pool.tensor[3])
     assert chain.host.contains(digest)
