@@ -383,11 +383,6 @@ class Engine:
         """No request, reservation or KV being sent: nothing in flight would be lost by stopping now."""
         return not (self._requests or self._reservations or self._sending)
 
-    @property
-    def num_sending(self) -> int:
-        """Prefill-only requests whose KV the connector is sending."""
-        return len(self._sending)
-
     def expire_reservations(self, now: float) -> list[str]:
         """Drop reservations past their TTL and return quarantined pages whose grace is over."""
         return self._reservations.expire(now)
@@ -422,6 +417,8 @@ class Engine:
             num_draft_tokens=self.scheduler.num_draft_tokens,
             num_accepted_tokens=self.scheduler.num_accepted_tokens,
             tiers=() if self.kv_tiers is None else self.kv_tiers.stats(),
+            num_loading=len(self.scheduler.loading),
+            num_sending=len(self._sending),
         )
 
     # ---- the step ------------------------------------------------------------------------

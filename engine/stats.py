@@ -10,7 +10,7 @@ class EngineStats:
     """Counts at one moment (`Engine.stats()`); a value, safe to hand to any thread."""
 
     num_running: int  # requests admitted: decoding, or part-way through their prompt's chunks
-    num_waiting: int  # requests not admitted yet (new prompts, preempted ones to recompute)
+    num_waiting: int  # requests not admitted yet (new prompts, preempted ones to recompute), loading ones too
     num_free_pages: int
     num_total_pages: int
     num_cached_pages: int  # kept only by the prefix cache (reusable)
@@ -18,6 +18,8 @@ class EngineStats:
     num_draft_tokens: int = 0  # speculative draft tokens verified, since start
     num_accepted_tokens: int = 0  # of those, accepted as output
     tiers: tuple[TierStats, ...] = ()  # the prefix cache's tiers beyond the pool, fastest first
+    num_loading: int = 0  # of the waiting, those whose cached pages are being read from a slow tier
+    num_sending: int = 0  # prefill-only requests whose KV is being sent (their pages held until it is over)
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,16 @@ class WorkerMetrics:
         )
         self.num_running = Gauge("tandem_worker_num_requests_running", "Requests in the running batch", registry=r)
         self.num_waiting = Gauge("tandem_worker_num_requests_waiting", "Requests queued for prefill", registry=r)
+        self.num_loading = Gauge(
+            "tandem_worker_num_requests_loading",
+            "Of the waiting requests, those whose cached KV pages are being read from the disk tier or the store",
+            registry=r,
+        )
+        self.num_sending = Gauge(
+            "tandem_worker_num_kv_sends_running",
+            "Prefill-only requests whose KV is being written to a decode worker",
+            registry=r,
+        )
         self.kv_pages = Gauge(
             "tandem_worker_kv_pages",
             "KV pages by state: used (held by requests or reservations), cached (kept only by the prefix cache), free",
@@ -142,6 +152,8 @@ class WorkerMetrics:
         """Queue depths and KV pages from an `Engine.stats()` snapshot."""
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
+        self.num_loading.set(stats.num_loading)
+        self.num_sending.set(stats.num_sending)
         self.kv_pages_capacity.set(stats.num_total_pages)
         self.kv_pages.labels("free").set(stats.num_free_pages)
         self.kv_pages.labels("cached").set(stats.num_cached_pages)

@@ -112,6 +112,8 @@ def test_queue_depths_and_kv_pages_settle_when_idle(stack: Stack) -> None:
         assert scrape.value(role, "tandem_worker_kv_pages_capacity") == loads[role].num_total_pages
         assert scrape.value(role, "tandem_worker_num_requests_running") == 0
         assert scrape.value(role, "tandem_worker_num_requests_waiting") == 0
+        assert scrape.value(role, "tandem_worker_num_requests_loading") == 0
+        assert scrape.value(role, "tandem_worker_num_kv_sends_running") == 0
 
 
 def test_prefix_cache_hit_rate_after_a_repeated_prefix(stack: Stack) -> None:

@@ -9,6 +9,7 @@ Needs CUDA and Mooncake's CUDA build (`make test-gpu` swaps the CPU wheel for it
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
 from engine.weights import open_checkpoint  # noqa: E402
+from server_runtime.kv_send import KVSend, KVSendConnector  # noqa: E402
 
 SRC = torch.device("cuda:0")
 DST = torch.device("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
@@ -97,12 +99,14 @@ def test_a_decode_engine_on_a_gpu_continues_from_kv_written_into_its_pool(smollm
             pool = engine.runner.kv_pool
             transport.register(pool.base_addr, pool.num_bytes, str(pool.device))
         dst_pages = decode.reserve("h", len(PROMPT), ttl_s=30).page_ids
-        prefill.add_request(Request("h", list(PROMPT), GREEDY, is_prefill_only=True))
+        dst = RemotePages(receiver.session_id, decode.runner.kv_pool.base_addr, decode.runner.layout.page_bytes,
+                          tuple(dst_pages))
+        send = KVSend(dst, 0, int((time.time() + 30) * 1000), timeout_s=30)
+        prefill.kv_connector = KVSendConnector(sender, prefill.runner.kv_pool.base_addr)  # as a prefill worker's
+        prefill.add_request(Request("h", list(PROMPT), GREEDY, is_prefill_only=True, kv_params=send))
         [first] = prefill.step()   # reads the sampled token to the host: the step's KV writes are done
-        sender.write_pages(prefill.runner.kv_pool.base_addr, prefill.held_pages("h"),
-                           RemotePages(receiver.session_id, decode.runner.kv_pool.base_addr,
-                                       decode.runner.layout.page_bytes, tuple(dst_pages))).result(timeout=30)
-        prefill.release("h")
+        send.written.result(timeout=30)
+        assert prefill.poll_kv() == ["h"]
         decode.admit("h", list(PROMPT), first.token_id, first.logprob, GREEDY)
         handed_off = [first.token_id, *_run_to_end(decode)]
     finally:

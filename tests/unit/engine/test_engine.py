@@ -319,7 +319,7 @@ def test_prefill_only_request_keeps_its_pages_while_the_connector_sends_them(mod
                                     is_prefill_only=True, kv_params=send))
         outputs = prefill.step()
         assert len(outputs) == 1 and outputs[0].token_id is not None and outputs[0].logprob is not None
-        assert not prefill.has_work and prefill.holds("p") and prefill.num_sending == 1
+        assert not prefill.has_work and prefill.holds("p") and prefill.stats().num_sending == 1
         assert prefill.allocator.num_used == len(dst) and send.written.done()
         with pytest.raises(InvalidRequestError):  # the id stays taken while its KV is held
             prefill.add_request(Request("p", PROMPT_B, SamplingParams()))

@@ -146,7 +146,8 @@ def test_a_prompt_waits_as_loading_while_its_pages_are_read_and_the_others_run_m
     restarted.wake = lambda: woken.append(True)
     restarted.add_request(Request("r", list(PROMPT), GREEDY))
     restarted.add_request(Request("o", list(other), GREEDY))  # nothing of it on disk: queued at once
-    assert list(restarted.scheduler.loading) == ["r"] and restarted.stats().num_waiting == 2
+    assert list(restarted.scheduler.loading) == ["r"]
+    assert (restarted.stats().num_waiting, restarted.stats().num_loading) == (2, 1)
     assert len(jobs) == 1  # the read of r's three pages, not yet run
     tokens: dict[str, list[int]] = {"r": [], "o": []}
     while restarted.has_work:  # r is not scheduled: o runs alone, to its end
