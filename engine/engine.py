@@ -1,8 +1,9 @@
 """Engine: one model on one KV pool. `step()` is schedule -> run -> postprocess.
 
 Single-threaded by contract: every method must be called from the same thread (the server
-runtime's engine loop), with one exception: while `execute` computes a step on another thread, that
-thread may call `reserve(..., may_preempt=False)` and nothing else. Three ways in:
+runtime's engine loop), with two exceptions: while `execute` computes a step on another thread, that
+thread may call `reserve(..., may_preempt=False)` and `slow_tier_digests`; and `read_slow_tiers` may
+run on any thread. Three ways in:
 - `add_request`: a prompt to prefill (and decode, unless `is_prefill_only`);
 - `reserve` + `admit`: a decode server takes a request whose prompt KV another process wrote
   into the reserved pages (all but the prompt's prefix it already held in its prefix cache);
@@ -138,7 +139,7 @@ class Engine:
     def _start_fetch(self, req: Request) -> bool:
         """Start reading the pages of `req`'s prompt that only the slow tiers hold, off the engine thread:
         True if `req` is to wait as loading for them. Without a `background`, they are read here and now."""
-        digests = self._slow_tier_digests(cacheable_prompt(req), req.lora_id)
+        digests = self.slow_tier_digests(cacheable_prompt(req), req.lora_id)
         if not digests:
             return False
         tiers, request_id = self.kv_tiers, req.request_id
@@ -159,12 +160,18 @@ class Engine:
         self._background(fetch)
         return True
 
-    def _slow_tier_digests(self, token_ids: list[int], namespace: str) -> list[bytes]:
-        """The names of `token_ids`' pages that neither the pool nor the host tier holds, when a slow tier may."""
+    def slow_tier_digests(self, token_ids: list[int], namespace: str) -> list[bytes]:
+        """The names of `token_ids`' pages that neither the pool nor the host tier holds, when a slow tier may
+        hold them (empty: nothing to read)."""
         if self.kv_tiers is None or not self.kv_tiers.has_slow_tiers or not isinstance(self.pages, PrefixCache):
             return []
         digests = self.pages.missing_digests(token_ids, namespace)
         return digests if digests and self.kv_tiers.is_worth_fetching(digests[0]) else []
+
+    def read_slow_tiers(self, digests: list[bytes]) -> TierReads:
+        """Read `digests` from the disk tier and the store (`TierChain.fetch`); any thread may call it, and
+        `reserve` takes the result in."""
+        return self.kv_tiers.fetch(digests) if self.kv_tiers is not None and digests else []
 
     def _take_fetched(self, reads: TierReads, req: Request | None) -> None:
         """Put the pages a slow-tier read found for `req` into the pool as cached pages of its prompt, where
@@ -210,6 +217,7 @@ class Engine:
         may_preempt: bool = True,
         prompt_ids: list[int] | None = None,
         namespace: str | None = "",
+        reads: TierReads | None = None,
     ) -> ReservedPages:
         """Hold pages for a prompt whose KV will be written from outside; dropped after `ttl_s`.
         Running requests of a worse `priority` may be preempted for them (`Scheduler.reserve`);
@@ -217,8 +225,9 @@ class Engine:
 
         Given the prompt's tokens (`prompt_ids`), its longest prefix cached in `namespace` (the LoRA
         adapter's cache id; "" the base model; None matches nothing) is shared into the reservation,
-        and only the pages after it are to be written. If dropped before `admit`, the written pages
-        are reused only `grace_s` seconds later.
+        and only the pages after it are to be written; the pages of it that only the slow tiers hold are
+        those `reads` found (`read_slow_tiers`, run off the engine thread), or, without `reads`, read now.
+        If dropped before `admit`, the written pages are reused only `grace_s` seconds later.
         """
         if self.holds(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -234,9 +243,10 @@ class Engine:
             )
         if self.scheduler.has_resuming_at(priority):
             raise CapacityError("requests paused for lack of KV pages are resumed before new ones are reserved")
-        if prompt_ids and namespace is not None and (digests := self._slow_tier_digests(prompt_ids, namespace)):
-            assert self.kv_tiers is not None  # read now: the gateway waits for the answer to send the prompt
-            self.kv_tiers.adopt(self.kv_tiers.fetch(digests))
+        if reads is None and prompt_ids and namespace is not None:
+            reads = self.read_slow_tiers(self.slow_tier_digests(prompt_ids, namespace))
+        if reads and self.kv_tiers is not None:
+            self.kv_tiers.adopt(reads)
         cached = self.pages.match(prompt_ids, namespace) if prompt_ids and namespace is not None else []
         if self.kv_tiers is not None:
             self.kv_tiers.forget_fetched()

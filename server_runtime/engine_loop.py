@@ -33,6 +33,7 @@ import torch
 
 from engine.engine import Engine
 from engine.errors import InvalidRequestError, WouldPreemptError
+from engine.kv_host_tier import TierReads
 from engine.request import FinishReason, Request, SamplingParams, StepOutput
 from engine.reservations import ReservedPages
 from engine.step_records import ModelOutput, SchedulerOutput
@@ -187,15 +188,26 @@ class EngineLoop:
         namespace: str | None = "",
     ) -> ReservedPages:
         """`Engine.reserve`, answered even while a step computes (then preempting nobody: one that
-        would preempt waits for the step's end)."""
-        future = self._loop.create_future()
-
-        def reserve(engine: Engine, is_in_step: bool) -> ReservedPages:
-            return engine.reserve(
-                request_id, prompt_len, ttl_s, grace_s, priority, not is_in_step, prompt_ids, namespace
+        would preempt waits for the step's end). The prompt's pages that only the disk tier or the store
+        hold are read first, on `work`, so the engine thread never waits on them."""
+        reads: TierReads = []
+        if prompt_ids and namespace is not None:
+            digests = await self._call_during_step(
+                lambda engine, is_in_step: engine.slow_tier_digests(prompt_ids, namespace)
             )
+            if digests:
+                reads = await self.work.run(self.engine.read_slow_tiers, digests)
+        return await self._call_during_step(
+            lambda engine, is_in_step: engine.reserve(
+                request_id, prompt_len, ttl_s, grace_s, priority, not is_in_step, prompt_ids, namespace, reads
+            )
+        )
 
-        self._commands.put(_Command(reserve, future, is_during_step=True))
+    async def _call_during_step(self, fn: Callable[[Engine, bool], T]) -> T:
+        """Like `call`, but answered even while a step computes: `fn(engine, is_in_step)` may raise
+        WouldPreemptError then, to run again at the step's end."""
+        future = self._loop.create_future()
+        self._commands.put(_Command(fn, future, is_during_step=True))
         return await future
 
     async def prepare_grammar(self, spec: GrammarSpec, timeout_s: float) -> None:

@@ -60,6 +60,10 @@ def test_a_second_turn_sends_what_decode_lacks_and_a_restart_reads_pages_back_fr
         assert again["meta_info"]["cached_tokens"] == (len(second_prompt) - 1) // PAGE * PAGE
         assert _tier_pages(restarted.worker_metrics("prefill"), "disk", "loaded") >= len(second_prompt) // PAGE - 1
         assert _tier_pages(restarted.worker_metrics("prefill"), "disk", "dropped") == 0
+        # so does the decode worker's reservation (read off its engine thread), which the prefill then skips
+        cacheable = (len(second_prompt) - 1) // PAGE * PAGE
+        assert again["meta_info"]["tandem_timings"]["decode_cached_tokens"] == cacheable
+        assert _tier_pages(restarted.worker_metrics("decode"), "disk", "loaded") == cacheable // PAGE
         restarted.assert_no_pages_held()
     finally:
         assert restarted.stop() == []
