@@ -384,10 +384,6 @@ class Engine:
         """Whether a request, reservation or KV being sent exists under this id."""
         return request_id in self._requests or request_id in self._reservations or request_id in self._sending
 
-    def is_computing(self, request_id: str) -> bool:
-        """Whether a request under this id waits or runs (it has outputs still to come)."""
-        return request_id in self._requests
-
     @property
     def is_idle(self) -> bool:
         """No request, reservation or KV being sent: nothing in flight would be lost by stopping now."""

@@ -152,6 +152,7 @@ class EngineLoop:
             1, thread_name_prefix="engine-compute", initializer=use_device, initargs=(engine.config.device,)
         )
         self._sinks: dict[str, asyncio.Queue] = {}  # touched only on the engine thread
+        self._prefill_only: set[str] = set()  # of the sinks, those whose first output is their last
         self._kv_subscribers: list[asyncio.Queue[KvEvents | None]] = []  # touched only on the engine thread
         self._stopped = threading.Event()
         self._grammar = engine.grammar  # its load and compile may run off the engine thread
@@ -239,6 +240,8 @@ class EngineLoop:
         def add(engine: Engine) -> None:
             engine.add_request(req)
             self._sinks[req.request_id] = sink
+            if req.is_prefill_only:
+                self._prefill_only.add(req.request_id)
 
         await self.call(add)
         return sink
@@ -279,6 +282,7 @@ class EngineLoop:
             if output is not None:
                 self._deliver(output)
             self._sinks.pop(request_id, None)
+            self._prefill_only.discard(request_id)
             return held or output is not None
 
         return await self.call(abort)
@@ -455,8 +459,10 @@ class EngineLoop:
         sink = self._sinks.get(output.request_id)
         if sink is None:
             return
-        if output.finish_reason is not None or not self.engine.is_computing(output.request_id):
+        # a speculative step may give one request several outputs, its finish last: only that one ends it
+        if output.finish_reason is not None or output.request_id in self._prefill_only:
             del self._sinks[output.request_id]
+            self._prefill_only.discard(output.request_id)
         self._loop.call_soon_threadsafe(sink.put_nowait, output)
 
 
