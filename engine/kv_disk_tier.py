@@ -29,6 +29,7 @@ import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -148,12 +149,7 @@ class DiskTier:
     def load(self, digest: bytes, page_id: int) -> bool:
         """Copy the page named `digest` into pool page `page_id`. False, the file deleted, when it is
         missing, truncated, corrupted or not the page it claims to be."""
-        payload = self.took(digest, self.read(digest))
-        if payload is None:
-            return False
-        copy_payload(payload, self.pool, page_id)
-        self.num_loaded += 1
-        return True
+        return load_read(self, digest, self.read(digest), page_id)
 
     def read(self, digest: bytes) -> PageRead:
         """The bytes of the page named `digest`, checked (a damaged file is deleted). Touches no state of
@@ -264,6 +260,26 @@ def _check(data: bytes, digest: bytes, page_bytes: int) -> str | None:
     if zlib.crc32(memoryview(data)[_HEADER.size :]) != crc:
         return "checksum mismatch"
     return None
+
+
+class SlowTier(Protocol):
+    """A tier whose reads may run off the engine thread (`DiskTier`, engine/kv_store_tier.py's `StoreTier`)."""
+
+    pool: KVPool
+    num_loaded: int
+
+    def took(self, digest: bytes, read: PageRead) -> bytes | None: ...
+
+
+def load_read(tier: SlowTier, digest: bytes, read: PageRead, page_id: int) -> bool:
+    """On the engine thread: account for `tier`'s `read` of `digest` and, if it found the page, copy it into
+    pool page `page_id` and count the load."""
+    payload = tier.took(digest, read)
+    if payload is None:
+        return False
+    copy_payload(payload, tier.pool, page_id)
+    tier.num_loaded += 1
+    return True
 
 
 def copy_payload(payload: bytes, pool: KVPool, page_id: int) -> None:

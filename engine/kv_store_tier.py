@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from engine.kv_disk_tier import copy_payload
+from engine.kv_disk_tier import load_read
 from engine.kv_pool import KVPool
 from engine.prefix_cache import PageRead
 
@@ -103,12 +103,7 @@ class StoreTier:
         self._fetched = (b"", None)
         if fetched_digest != digest:
             value = self.store.get(self.key(digest))
-        payload = self.took(digest, self._checked(digest, value))
-        if payload is None:
-            return False
-        copy_payload(payload, self.pool, page_id)
-        self.num_loaded += 1
-        return True
+        return load_read(self, digest, self._checked(digest, value), page_id)
 
     def read(self, digest: bytes) -> PageRead:
         """The page named `digest`, fetched and its tag checked. Touches no state of the tier, so it may run
