@@ -118,9 +118,9 @@ def tandem_decode(engine: Engine, batch: int, args: argparse.Namespace, vocab_si
 def hf_model(args: argparse.Namespace) -> Any:
     path = Path(args.model_path)
     if path.suffix == ".gguf":
-        from tests.hf_oracle import load_hf_smollm2
+        from tests.hf_oracle import load_hf_gguf
 
-        model = load_hf_smollm2(path, DTYPES[args.dtype])
+        model = load_hf_gguf(path).to(DTYPES[args.dtype])
     else:
         from tests.hf_oracle import load_hf_dir
 

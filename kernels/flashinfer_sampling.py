@@ -19,18 +19,26 @@ Where it differs from the torch sampler, because FlashInfer works so:
   keeps it when the mass before it in sorted order is at most top_p. They differ only on exact
   boundaries and on ties straddling the boundary (FlashInfer keeps or drops tied tokens together).
 
-Every FlashInfer call is built as a `SamplingCall` by a plain function, so CPU tests bind its
-arguments against the installed API's signatures.
+Verifying draft tokens (`verify`, speculative decoding): the requests that sample, have no seed and have
+drafts go to FlashInfer's chain speculative sampling, over the distributions the torch sampler draws
+from; the others keep the torch verification (`kernels/rejection_sampling.py`), so greedy and seeded
+requests get exactly its tokens.
+
+Every FlashInfer call is built as a `SamplingCall` (or, for the chain kernel, `chain_kwargs`) by a plain
+function, so CPU tests bind its arguments against the installed API's signatures.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import flashinfer.sampling
 import torch
 
+from kernels.rejection_sampling import Verified, check_shapes, expand_to_rows, first_rows, verify, with_logprobs
 from kernels.sampling import SEED_MIX, Sampler, SamplingBatch, register_sampler
 
 MIN_TEMPERATURE = 1e-5  # as the torch sampler clamps it
@@ -93,16 +101,29 @@ def row_filters(batch: SamplingBatch, vocab_size: int) -> tuple[RowFilters, list
     return filters, flags[0].tolist()
 
 
-def filter_calls(filters: RowFilters) -> list[SamplingCall]:
-    """logits [B, V] -> probs [B, V]: the tempered softmax, then, only when some row uses min-p
-    (which FlashInfer's fused top-k/top-p draw cannot add), top-k and top-p renormalisation."""
+def renorm_calls(filters: RowFilters) -> list[SamplingCall]:
+    """logits [B, V] -> probs [B, V]: the tempered softmax, then top-k and top-p renormalisation where
+    some row truncates by them (min-p is left to the draw, or to `min_p_renorm`)."""
     calls = [SamplingCall("softmax", {"temperature": filters.temperatures})]
-    if filters.has_min_p:
-        if filters.has_top_k:
-            calls.append(SamplingCall("top_k_renorm_probs", {"top_k": filters.top_ks}))
-        if filters.has_top_p:
-            calls.append(SamplingCall("top_p_renorm_probs", {"top_p": filters.top_ps}))
+    if filters.has_top_k:
+        calls.append(SamplingCall("top_k_renorm_probs", {"top_k": filters.top_ks}))
+    if filters.has_top_p:
+        calls.append(SamplingCall("top_p_renorm_probs", {"top_p": filters.top_ps}))
     return calls
+
+
+def filter_calls(filters: RowFilters) -> list[SamplingCall]:
+    """logits [B, V] -> probs [B, V] for `draw_call`: the tempered softmax, then, only when some row
+    uses min-p (which FlashInfer's fused top-k/top-p draw cannot add), top-k and top-p renormalisation."""
+    calls = renorm_calls(filters)
+    return calls if filters.has_min_p else calls[:1]
+
+
+def min_p_renorm(probs: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """probs [B, V] without the tokens below min_ps[b] times the row's largest probability, renormalised
+    (FlashInfer has min-p only as a draw)."""
+    kept = probs * (probs >= min_ps.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values)
+    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def draw_call(filters: RowFilters, philox_seed: int | None) -> SamplingCall:
@@ -117,6 +138,12 @@ def draw_call(filters: RowFilters, philox_seed: int | None) -> SamplingCall:
             {"top_k": filters.top_ks, "top_p": filters.top_ps, "filter_apply_order": "top_k_first", **rng},
         )
     return SamplingCall("sampling_from_probs", rng)
+
+
+def chain_kwargs() -> dict[str, Any]:
+    """`flashinfer.sampling.chain_speculative_sampling`'s settings beyond its three tensors: unseeded,
+    from torch's default CUDA generator, deterministic."""
+    return {"deterministic": True}
 
 
 def philox_seed(seed: int, step: int) -> int:
@@ -151,3 +178,102 @@ class FlashInferSampler(Sampler):
                     sampled[i] = draw_call(filters.row(i), philox_seed(seed, step)).apply(probs[i : i + 1])[0]
             token_ids = torch.where(batch.is_greedy, token_ids, sampled)
         return token_ids, logprobs_all.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+
+    def verify(
+        self,
+        logits: torch.Tensor,
+        draft_token_ids: Sequence[Sequence[int]],
+        draft_probs: torch.Tensor | None,
+        batch: SamplingBatch,
+    ) -> Verified:
+        """`kernels.rejection_sampling.verify`'s contract, with FlashInfer's chain speculative sampling
+        for the requests it suits: sampled, unseeded and with drafts, one kernel call per number of
+        drafts. Greedy and seeded requests, and those without drafts, go through the torch verification
+        and get exactly its tokens (a seeded request the same on every device)."""
+        num_drafts = [len(drafts) for drafts in draft_token_ids]
+        check_shapes(logits, num_drafts, draft_probs, batch)
+        is_greedy = batch.is_greedy.tolist()
+        settings = zip(num_drafts, is_greedy, batch.seeds)
+        chained = [i for i, (k, greedy, seed) in enumerate(settings) if k and not greedy and seed is None]
+        if not chained:
+            return verify(logits, draft_token_ids, draft_probs, batch)
+        requests = _RequestRows(num_drafts, logits.device)
+        token_ids: list[list[int]] = [[] for _ in num_drafts]
+        others = sorted(set(range(len(num_drafts))) - set(chained))
+        if others:
+            verified = verify(
+                logits[requests.rows(others)],
+                [draft_token_ids[i] for i in others],
+                None if draft_probs is None else draft_probs[requests.draft_rows(others)],
+                select_requests(batch, others),
+            )
+            for i, tokens in zip(others, verified.token_ids):
+                token_ids[i] = tokens
+        by_num_drafts: dict[int, list[int]] = {}
+        for i in chained:
+            by_num_drafts.setdefault(num_drafts[i], []).append(i)
+        for group in by_num_drafts.values():
+            probs = None if draft_probs is None else draft_probs[requests.draft_rows(group)]
+            drafts = [draft_token_ids[i] for i in group]
+            emitted = _chain(logits[requests.rows(group)], drafts, probs, select_requests(batch, group))
+            for i, tokens in zip(group, emitted):
+                token_ids[i] = tokens
+        return with_logprobs(logits, num_drafts, token_ids)
+
+
+class _RequestRows:
+    """Where each request's logit rows and draft rows are, for picking some requests out of a batch."""
+
+    def __init__(self, num_drafts: list[int], device: torch.device) -> None:
+        self.num_drafts = num_drafts
+        self.device = device
+        self.firsts = first_rows(num_drafts)
+        self.first_drafts = list(accumulate(num_drafts, initial=0))
+
+    def rows(self, requests: list[int]) -> torch.Tensor:
+        rows = [self.firsts[i] + j for i in requests for j in range(self.num_drafts[i] + 1)]
+        return torch.tensor(rows, device=self.device)
+
+    def draft_rows(self, requests: list[int]) -> torch.Tensor:
+        rows = [self.first_drafts[i] + j for i in requests for j in range(self.num_drafts[i])]
+        return torch.tensor(rows, device=self.device)
+
+
+def select_requests(batch: SamplingBatch, requests: list[int]) -> SamplingBatch:
+    """The settings of `requests` (indexes into `batch`), in that order."""
+    at = torch.tensor(requests, device=batch.temperatures.device)
+    return SamplingBatch(
+        temperatures=batch.temperatures[at],
+        top_ps=batch.top_ps[at],
+        top_ks=batch.top_ks[at],
+        min_ps=batch.min_ps[at],
+        is_greedy=batch.is_greedy[at],
+        seeds=tuple(batch.seeds[i] for i in requests),
+        steps=tuple(batch.steps[i] for i in requests),
+    )
+
+
+def _chain(
+    logits: torch.Tensor, draft_token_ids: list[Sequence[int]], draft_probs: torch.Tensor | None, batch: SamplingBatch
+) -> list[list[int]]:
+    """Each request's emitted tokens by FlashInfer's chain speculative sampling: G requests with k drafts
+    each, `logits` their G * (k + 1) rows, `draft_probs` their G * k draft rows (None: one-hot on the drafts).
+    The target rows are the distributions the torch sampler draws from (`kernels.rejection_sampling`)."""
+    num_requests, k = len(draft_token_ids), len(draft_token_ids[0])
+    vocab = logits.shape[-1]
+    filters, _ = row_filters(expand_to_rows(batch, [k] * num_requests), vocab)
+    target = logits
+    for call in renorm_calls(filters):
+        target = call.apply(target)
+    if filters.has_min_p:
+        target = min_p_renorm(target, filters.min_ps)
+    drafts = torch.tensor(draft_token_ids, dtype=torch.int32, device=logits.device)
+    if draft_probs is None:
+        q = torch.zeros(num_requests, k, vocab, device=logits.device)
+        q.scatter_(2, drafts.long().unsqueeze(2), 1.0)
+    else:
+        q = draft_probs.reshape(num_requests, k, vocab)
+    out, _, emitted = flashinfer.sampling.chain_speculative_sampling(
+        q, drafts, target.reshape(num_requests, k + 1, vocab), **chain_kwargs()
+    )
+    return [tokens[: n + 1] for tokens, n in zip(out.tolist(), emitted.tolist())]

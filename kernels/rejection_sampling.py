@@ -57,9 +57,9 @@ def verify(
     shapes do not agree.
     """
     num_drafts = [len(drafts) for drafts in draft_token_ids]
-    _check_shapes(logits, num_drafts, draft_probs, batch)
+    check_shapes(logits, num_drafts, draft_probs, batch)
     rows = expand_to_rows(batch, num_drafts)
-    firsts = _first_rows(num_drafts)
+    firsts = first_rows(num_drafts)
     draft_rows = [first + j for first, k in zip(firsts, num_drafts) for j in range(k)]
     flat_drafts = [token for drafts in draft_token_ids for token in drafts]
     argmax = logits.argmax(dim=-1)
@@ -68,7 +68,6 @@ def verify(
         next_tokens = argmax.tolist()
     else:
         is_accepted, next_tokens = _sample_rows(logits, rows, draft_rows, flat_drafts, draft_probs, argmax)
-    emitted_rows: list[int] = []
     token_ids: list[list[int]] = []
     draft_at = 0  # index of the request's first draft in `flat_drafts`
     for first, drafts in zip(firsts, draft_token_ids):
@@ -77,7 +76,13 @@ def verify(
             num_accepted += 1
         draft_at += len(drafts)
         token_ids.append([*drafts[:num_accepted], next_tokens[first + num_accepted]])
-        emitted_rows.extend(range(first, first + num_accepted + 1))
+    return with_logprobs(logits, num_drafts, token_ids)
+
+
+def with_logprobs(logits: torch.Tensor, num_drafts: Sequence[int], token_ids: list[list[int]]) -> Verified:
+    """`token_ids` (each request's emitted tokens, from its row 0 on) with their logprobs: log_softmax
+    of the raw `logits` of the row each token was emitted from."""
+    emitted_rows = [first + j for first, tokens in zip(first_rows(num_drafts), token_ids) for j in range(len(tokens))]
     flat_emitted = torch.tensor([t for tokens in token_ids for t in tokens], device=logits.device)
     logprobs = torch.log_softmax(logits[emitted_rows], dim=-1).gather(1, flat_emitted.unsqueeze(1)).squeeze(1)
     return Verified(token_ids, _split(logprobs.tolist(), [len(tokens) for tokens in token_ids]))
@@ -168,7 +173,7 @@ def _row_draws(rows: SamplingBatch, vocab: int, device: torch.device) -> tuple[t
     return noise, uniforms
 
 
-def _first_rows(num_drafts: Sequence[int]) -> list[int]:
+def first_rows(num_drafts: Sequence[int]) -> list[int]:
     """Index of each request's row 0."""
     firsts, at = [], 0
     for k in num_drafts:
@@ -185,7 +190,7 @@ def _split(values: list[float], lengths: Sequence[int]) -> list[list[float]]:
     return out
 
 
-def _check_shapes(
+def check_shapes(
     logits: torch.Tensor, num_drafts: Sequence[int], draft_probs: torch.Tensor | None, batch: SamplingBatch
 ) -> None:
     num_rows = sum(num_drafts) + len(num_drafts)

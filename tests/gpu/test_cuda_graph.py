@@ -65,6 +65,7 @@ def test_a_replay_equals_the_graph_body_run_eagerly_on_the_same_inputs(smollm2_p
         engine.add_request(req)
     engine.step()   # prefill: every request has its first token and its KV
     decoding = [engine._requests[f"r{i}"] for i in range(len(PROMPTS))]
+    assert engine.scheduler._grow_decode_pages(decoding) == []   # room for the token each writes next
     graphs = engine.runner.decode_graphs
     assert graphs is not None
     replayed, batch = graphs.replay(decoding)   # 5 requests: the graph of 8, three dummy rows

@@ -227,3 +227,40 @@ def test_seeded_draws_depend_only_on_seed_and_step() -> None:
 def test_unseeded_draws_vary() -> None:
     ids, _ = FlashInferSampler(DEVICE).sample(torch.zeros(16, 5000, device=DEVICE), _batch(16))
     assert len(set(ids.tolist())) > 1
+
+
+# ---------------------------------------------------------------- verification of drafts
+
+
+def _assert_follows(counts: torch.Tensor, expected: torch.Tensor) -> None:
+    """Chi-square of `counts` (per token) against the distribution `expected`, at p = 1e-4."""
+    support = expected > 0
+    assert counts[~support].sum() == 0, f"drew outside the support: {counts.tolist()}"
+    expected_counts = expected[support] * counts.sum()
+    chi2 = float(((counts[support] - expected_counts) ** 2 / expected_counts).sum())
+    dof = int(support.sum()) - 1
+    if dof:
+        assert chi2 < CHI2_P1E4[dof], f"chi2 {chi2:.1f} with {dof} dof; counts {counts.tolist()}"
+
+
+@pytest.mark.parametrize("settings", [SETTINGS["plain"], SETTINGS["everything"]], ids=["plain", "everything"])
+def test_chain_verification_keeps_the_target_distribution(settings: dict) -> None:
+    """`FlashInferSampler.verify` (FlashInfer's chain speculative sampling) on NUM_DRAWS requests with the
+    same three target rows and the same two n-gram drafts: the first token emitted follows p_0 whether
+    the draft was accepted or not, the first draft is accepted with probability p_0(d_0), and the token
+    after an accepted draft follows p_1."""
+    full = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, **settings}
+    torch.manual_seed(4321)
+    rows = torch.stack([LOGITS_8, LOGITS_8.flip(0), LOGITS_8.roll(3)])
+    p = [_truncated_probs(row, **full) for row in rows]
+    drafts = [int(p[0].argsort()[-2]), int(p[1].argmax())]   # d_0 the second likeliest: accepted at times
+    logits = rows.to(DEVICE).repeat(NUM_DRAWS, 1)
+    got = FlashInferSampler(DEVICE).verify(logits, [drafts] * NUM_DRAWS, None, _batch(NUM_DRAWS, **full))
+    assert all(1 <= len(tokens) <= 3 for tokens in got.token_ids)
+    _assert_follows(torch.bincount(torch.tensor([t[0] for t in got.token_ids]), minlength=8).double(), p[0])
+    accepted = [tokens for tokens in got.token_ids if len(tokens) >= 2]
+    rate, expected_rate = len(accepted) / NUM_DRAWS, float(p[0][drafts[0]])
+    assert abs(rate - expected_rate) < 5 * (expected_rate * (1 - expected_rate) / NUM_DRAWS) ** 0.5
+    _assert_follows(torch.bincount(torch.tensor([t[1] for t in accepted]), minlength=8).double(), p[1])
+    logprobs = torch.log_softmax(rows, dim=-1)
+    assert got.logprobs[0] == pytest.approx([float(logprobs[j, t]) for j, t in enumerate(got.token_ids[0])], abs=1e-5)

@@ -138,6 +138,31 @@ def test_greedy_generation_on_cuda_equals_the_cpu_fp32_engine(model_dir: Path) -
     assert generate("cuda") == generate("cpu")
 
 
+@pytest.mark.gpu
+def test_ngram_speculation_on_cuda_keeps_greedy_tokens_and_verifies_sampled_drafts(model_dir: Path) -> None:
+    """n-gram drafts verified on CUDA (sampled ones by FlashInfer's chain speculative sampling where it is
+    installed): greedy tokens equal those of decoding without drafts, and a sampled request gets all its
+    tokens with its drafts verified."""
+    def generate(speculative: bool, temperature: float) -> tuple[list[int], int]:
+        drafts = dict(speculative_algorithm="ngram", speculative_num_draft_tokens=4, speculative_draft_policy="always")
+        config = _meta_config(device="cuda", max_total_tokens=256, attention_backend="auto", sampling_backend="auto",
+                              **(drafts if speculative else {}))
+        engine = Engine(open_checkpoint(str(model_dir)), config, progress=False)
+        sampling = SamplingParams(temperature=temperature, ignore_eos=True, max_new_tokens=32)
+        engine.add_request(Request("s", [3, 17, 42, 99, 5, 61, 7] * 4, sampling))   # repeats: lookups find drafts
+        tokens: list[int] = []
+        verified = 0
+        while engine.has_work:
+            for out in engine.step():
+                tokens += [out.token_id] if out.token_id is not None else []
+                verified = max(verified, out.spec_verify_ct)
+        return tokens, verified
+    greedy, verified = generate(True, 0.0)
+    assert verified > 0 and greedy == generate(False, 0.0)[0]
+    sampled, verified = generate(True, 0.8)
+    assert verified > 0 and len(sampled) == 32 and all(0 <= t < TINY["vocab_size"] for t in sampled)
+
+
 def test_a_kv_pool_in_another_dtype_than_the_model_is_cpu_only() -> None:
     assert EngineConfig(device="cpu", dtype="float32", kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"
     assert EngineConfig(device="cuda", dtype="bfloat16", kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"

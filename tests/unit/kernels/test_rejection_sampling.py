@@ -87,12 +87,12 @@ def test_greedy_verification_emits_what_greedy_decoding_would(mode: str) -> None
     assert any(n == len(d) > 0 for n, d in zip(accepted, drafts)), "some request takes its bonus token"
     assert any(n == 0 < len(d) for n, d in zip(accepted, drafts)), "some request has its first draft rejected"
     assert any(len(d) == 0 for d in drafts)
-    for first, tokens, logprobs in zip(_first_rows(drafts), result.token_ids, result.logprobs):
+    for first, tokens, logprobs in zip(first_rows(drafts), result.token_ids, result.logprobs):
         raw = torch.log_softmax(logits[first : first + len(tokens)], dim=-1)
         assert logprobs == pytest.approx([float(raw[j, t]) for j, t in enumerate(tokens)])
 
 
-def _first_rows(drafts: list[list[int]]) -> list[int]:
+def first_rows(drafts: list[list[int]]) -> list[int]:
     firsts, at = [], 0
     for request_drafts in drafts:
         firsts.append(at)
@@ -286,4 +286,6 @@ def test_seeded_verification_gives_the_same_tokens_on_cuda_as_on_cpu() -> None:
         expected = verify(logits, drafts, probs, batch)
         got = verify(logits.cuda(), drafts, None if probs is None else probs.cuda(), on_cuda)
         assert got.token_ids == expected.token_ids
-        assert got.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
+        assert len(got.logprobs) == len(expected.logprobs)
+        for got_row, expected_row in zip(got.logprobs, expected.logprobs):
+            assert got_row == pytest.approx(expected_row, abs=1e-5)
