@@ -148,7 +148,13 @@ def run_phase(
     phase_dir.mkdir()
     started = time.perf_counter()
     cluster = start_cluster(
-        phase_dir, args.prefill_workers, args.decode_workers, common, [], PHASE_DECODE_FLAGS[phase], {phase: gateway}
+        phase_dir,
+        args.prefill_workers,
+        args.decode_workers,
+        common,
+        [],
+        [*PHASE_DECODE_FLAGS[phase], *args.decode_flag],
+        {phase: gateway},
     )
     print(f"{phase}: cluster ready in {time.perf_counter() - started:.0f} s", flush=True)
     try:
@@ -284,6 +290,12 @@ def main() -> int:
         default="disk",
         help='what "after" and "restarted" share: a --kv-disk-cache-dir, or one `tandem kv-store` (--kv-store) '
         "that outlives the workers",
+    )
+    parser.add_argument(
+        "--decode-flag",
+        action="append",
+        default=[],
+        help="one more flag for every phase's decode workers (repeat it; e.g. --decode-flag=--max-decode-slowdown=0)",
     )
     args = parser.parse_args()
     work = workload(args.conversations, args.turns, args.system_tokens, args.seed)

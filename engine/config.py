@@ -175,7 +175,8 @@ class EngineConfig:
     slot a request names (`Request.lora_slot`; engine/lora_slots.py).
     `max_decode_slowdown` (None: off) holds a step that decodes and also computes prompt tokens to
     about that many times a decode-only step's time, by its prompt tokens (engine/pacing.py); it
-    needs chunking to split a prompt.
+    needs chunking to split a prompt. A prompt with at most `unpaced_prompt_tokens` left to compute
+    after its cached prefix runs whole, outside that pace (0: every prompt is paced).
 
     `device` is where the weights, the KV pool and every per-step tensor live ("cpu", "cuda",
     "cuda:<n>"; the entry point resolves "auto"). Quantized weights compute in a CPU kernel, so a
@@ -201,6 +202,7 @@ class EngineConfig:
     speculative_num_draft_tokens: int = 4
     speculative_draft_policy: str = "auto"  # one of DRAFT_POLICIES
     max_decode_slowdown: float | None = 1.5
+    unpaced_prompt_tokens: int = 64
     max_loras: int = 0
     max_lora_rank: int = 16
     context_len: int | None = None
@@ -267,6 +269,8 @@ class EngineConfig:
             )
         if self.max_decode_slowdown is not None and self.max_decode_slowdown <= 1:
             raise ConfigError(f"max_decode_slowdown must be above 1, or None (off), got {self.max_decode_slowdown}")
+        if self.unpaced_prompt_tokens < 0:
+            raise ConfigError(f"unpaced_prompt_tokens must be 0 or more, got {self.unpaced_prompt_tokens}")
         decode_tokens = self.max_running_requests * (1 + self.num_draft_tokens)
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < decode_tokens:
             raise ConfigError(

@@ -107,7 +107,11 @@ class Engine:
             self.eos_token_ids,
             self.context_len,
             NgramProposer(config.speculative_num_draft_tokens) if config.speculative_algorithm == "ngram" else None,
-            DecodePacer(config.max_decode_slowdown, self.step_times) if config.max_decode_slowdown else None,
+            (
+                DecodePacer(config.max_decode_slowdown, self.step_times, unpaced_tokens=config.unpaced_prompt_tokens)
+                if config.max_decode_slowdown
+                else None
+            ),
             DraftBudget(config.speculative_num_draft_tokens, self.step_times) if is_budgeted else None,
         )
         self.kv_connector = kv_connector

@@ -138,6 +138,7 @@ class Scheduler:
         counts = [1 + len(r.draft_ids) for r in decoding]
         num_decode_tokens = sum(counts)
         budget = self._prompt_budget(num_decode_tokens)
+        unpaced_budget = self._prompt_budget(num_decode_tokens, paced=False)
         num_prompt_tokens = 0
         for req in [r for r in self.running if r.seq_len - r.num_computed > 1]:  # chunks to continue
             if num_prompt_tokens >= budget:
@@ -146,7 +147,12 @@ class Scheduler:
             requests.append(req)
             counts.append(num_new)
             num_prompt_tokens += num_new
-        for req, num_new in self._admit_waiting(budget - num_prompt_tokens, is_first=num_prompt_tokens == 0):
+        admitted = self._admit_waiting(
+            budget - num_prompt_tokens,
+            is_first=num_prompt_tokens == 0,
+            unpaced_budget=unpaced_budget - num_prompt_tokens,
+        )
+        for req, num_new in admitted:
             requests.append(req)
             counts.append(num_new)
         is_sampling = tuple(r.num_computed + n == r.seq_len + len(r.draft_ids) for r, n in zip(requests, counts))
@@ -192,40 +198,50 @@ class Scheduler:
                 drafts = drafts[: len(req.page_ids) * self.page_size - req.seq_len]
         req.draft_ids = drafts
 
-    def _prompt_budget(self, num_decode_tokens: int) -> int:
-        """Prompt tokens this step may compute, after `num_decode_tokens` decode tokens."""
+    def _prompt_budget(self, num_decode_tokens: int, paced: bool = True) -> int:
+        """Prompt tokens this step may compute, after `num_decode_tokens` decode tokens (without
+        `paced`: ignoring the decode pace)."""
         budget = self.max_prefill_tokens
         if self.chunked_prefill_size is not None:
             budget = min(budget, self.chunked_prefill_size)
         if self.max_num_batched_tokens is not None:
             budget = min(budget, self.max_num_batched_tokens - num_decode_tokens)
-        if self.pacer is not None and (paced := self.pacer.prompt_budget(num_decode_tokens)) is not None:
-            budget = min(budget, paced)
+        if paced and self.pacer is not None and (cap := self.pacer.prompt_budget(num_decode_tokens)) is not None:
+            budget = min(budget, cap)
         return budget
 
-    def _admit_waiting(self, budget: int, is_first: bool) -> list[tuple[Request, int]]:
+    def _admit_waiting(
+        self, budget: int, is_first: bool, unpaced_budget: int | None = None
+    ) -> list[tuple[Request, int]]:
         """Admit waiting prompts in order within `budget` prompt tokens (`is_first`: no prompt token is
         in the step yet, so an unchunked prompt over the budget may run alone): their pages are
-        allocated, they run, and each gets its number of new tokens for this step."""
+        allocated, they run, and each gets its number of new tokens for this step. A short prompt (at
+        most the pacer's `unpaced_tokens` left to compute after its cached prefix) runs whole within
+        `unpaced_budget`, the step's budget without the decode pace."""
         admitted: list[tuple[Request, int]] = []
         num_tokens = 0
         is_chunking = self.chunked_prefill_size is not None
+        max_unpaced = self.pacer.unpaced_tokens if self.pacer is not None and unpaced_budget is not None else 0
         while self.waiting and len(self.running) < self.max_running_requests:
             req = self.waiting[0]
             room = budget - num_tokens
-            if is_chunking and room <= 0:
+            unpaced_room = min(unpaced_budget - num_tokens, max_unpaced) if unpaced_budget is not None else 0
+            if is_chunking and room <= 0 and unpaced_room <= 0:
                 break
             if not is_chunking and req.seq_len > room and (admitted or not is_first):
                 break
             matched = self._match_prefix(req)
+            if 0 < req.seq_len - req.num_computed <= unpaced_room:  # short: whole, outside the decode pace
+                room = max(room, req.seq_len - req.num_computed)
+            elif is_chunking and room <= 0:
+                self._give_back_match(req, matched)
+                break
             needed = pages_needed(req.seq_len, self.page_size) - len(req.page_ids)
             # a preempted request comes back only with a page of room for each running one, or the
             # next decode step would preempt again at once
             headroom = len(self.running) if req.is_resuming else 0
             if not self.pages.can_allocate(needed + headroom):
-                if matched:  # give the matched pages back; the request retries the match later
-                    self.release_pages(req)
-                    req.num_computed = req.num_cached_tokens = 0
+                self._give_back_match(req, matched)
                 break
             req.page_ids.extend(self.pages.allocate(needed))
             self.waiting.popleft()
@@ -234,7 +250,7 @@ class Scheduler:
             if req.prefill_started_at is None:  # a recompute keeps its first prefill's start
                 req.prefill_started_at = time.perf_counter()
             num_left = req.seq_len - req.num_computed
-            num_new = min(num_left, budget - num_tokens) if is_chunking else num_left
+            num_new = min(num_left, room) if is_chunking else num_left
             admitted.append((req, num_new))
             num_tokens += num_new
         return admitted
@@ -394,6 +410,12 @@ class Scheduler:
                         break
                     self.preempt(victim)
         return self.pages.allocate(needed)
+
+    def _give_back_match(self, req: Request, matched: list[int]) -> None:
+        """Undo `_match_prefix` for a request that stays waiting: it matches again when admitted."""
+        if matched:
+            self.release_pages(req)
+            req.num_computed = req.num_cached_tokens = 0
 
     def _match_prefix(self, req: Request) -> list[int]:
         """On a request's admission, take the cached pages of its longest cached prefix (of its

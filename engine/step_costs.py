@@ -20,6 +20,12 @@ decode-only step, and a step finding the balance spent decodes alone (the balanc
 step's earnings either way, so neither a quiet spell nor one slow step piles up).
 With no decode-only step measured near the batch's rows, or every `refresh_steps` mixed steps, it
 asks for a decode-only step (cap 0) to measure one.
+A short prompt is not paced: one with at most `unpaced_tokens` left to compute when it is admitted
+(after its cached prefix; a chat's next turn on the decode worker that holds the history) runs whole
+in its first step, as a chunked prefill without a pace would run it. Its streams' step is slower by
+that much once; the pacer's balance takes the step's cost like any other, so the steps after it
+decode alone until the debt is paid. Paced, such a tail took dozens of steps on a CPU where a prompt
+token costs most of a decode step (docs/performance.md, multi-turn chat).
 
 **Draft budget.** A draft costs a row and yields a token only if it and every draft before it are
 accepted. With a request's per-draft acceptance p, its j-th draft is worth p**j tokens; a step of
@@ -83,13 +89,21 @@ class DecodePacer:
     """Caps a step's prompt tokens while requests decode in it (see the module docstring)."""
 
     def __init__(
-        self, max_slowdown: float, times: DecodeStepTimes, initial_cap: int = 16, refresh_steps: int = 32
+        self,
+        max_slowdown: float,
+        times: DecodeStepTimes,
+        initial_cap: int = 16,
+        refresh_steps: int = 32,
+        unpaced_tokens: int = 0,
     ) -> None:
         if max_slowdown <= 1:
             raise ValueError(f"max_slowdown must be above 1, got {max_slowdown}")
         if initial_cap < 1 or refresh_steps < 1:
             raise ValueError("initial_cap and refresh_steps must be positive")
+        if unpaced_tokens < 0:
+            raise ValueError(f"unpaced_tokens must be 0 or more, got {unpaced_tokens}")
         self.max_slowdown = max_slowdown
+        self.unpaced_tokens = unpaced_tokens  # a prompt with at most these left to compute is not paced
         self.refresh_steps = refresh_steps
         self.times = times
         self.cap = float(initial_cap)

@@ -165,6 +165,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "longer; needs --chunked-prefill-size to split a prompt. 0: off",
     )
     p.add_argument(
+        "--unpaced-prompt-tokens",
+        type=int,
+        default=field_default(EngineConfig, "unpaced_prompt_tokens"),
+        help="a prompt with at most this many tokens left to compute after its cached prefix (a chat's "
+        "next turn on the decode worker holding its history) runs whole in one step, outside "
+        "--max-decode-slowdown's pace: its streams wait that step once. 0: every prompt is paced",
+    )
+    p.add_argument(
         "--speculative-algorithm",
         choices=SPECULATIVE_ALGORITHMS,
         default=field_default(EngineConfig, "speculative_algorithm"),

@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 
 from engine.config import ConfigError, EngineConfig
-from engine.step_costs import DecodePacer, DecodeStepTimes, DraftBudget
 from engine.page_allocator import PageAllocator
 from engine.page_pool import NoPrefixCache
+from engine.prefix_cache import PrefixCache
 from engine.request import Request, SamplingParams
 from engine.scheduler import Scheduler
+from engine.step_costs import DecodePacer, DecodeStepTimes, DraftBudget
 from engine.step_records import ModelOutput, SampledToken
 
 
@@ -127,6 +128,32 @@ def test_scheduler_holds_a_prompt_chunk_to_the_pacers_cap_only_while_requests_de
     paced = scheduler.schedule()
     assert [r.request_id for r in paced.requests] == ["stream", "long"]
     assert paced.num_new_tokens == (1, 3) and paced.num_decode_tokens == 1
+
+
+def test_a_short_prompt_runs_whole_outside_the_pace_and_a_long_one_stays_paced() -> None:
+    """With `unpaced_tokens` 16: a prompt of 40 tokens whose first 32 are cached (8 left) runs whole in
+    the step that measures the decode reference (the pace allows no prompt token there), while a
+    200-token prompt waits for the pace and then gets its cap. With 0, the short prompt is paced too."""
+    for unpaced, expected in ((16, [("stream", 1), ("chat", 8)]), (0, [("stream", 1)])):
+        pacer = _pacer(1.5, initial_cap=3, refresh_steps=1000, unpaced_tokens=unpaced)
+        cache = PrefixCache(PageAllocator(64), 4)
+        history = list(range(100, 140))
+        cache.insert(history[:32], cache.allocate(8), 0)   # an earlier turn's pages
+        scheduler = Scheduler(cache, 8, 1000, chunked_prefill_size=64, pacer=pacer)
+        scheduler.add_waiting(Request("stream", list(range(10, 18)), SamplingParams()))
+        first = scheduler.schedule()
+        scheduler.update_from_output(first, ModelOutput(((SampledToken(5, -0.1),),), ()))
+        scheduler.add_waiting(Request("chat", history, SamplingParams()))
+        measuring = scheduler.schedule()
+        assert list(zip([r.request_id for r in measuring.requests], measuring.num_new_tokens)) == expected
+    long_pacer = _pacer(1.5, initial_cap=3, refresh_steps=1000, unpaced_tokens=16)
+    scheduler = Scheduler(NoPrefixCache(PageAllocator(64), 4), 8, 1000, chunked_prefill_size=64, pacer=long_pacer)
+    scheduler.add_waiting(Request("stream", list(range(10, 18)), SamplingParams()))
+    first = scheduler.schedule()
+    scheduler.update_from_output(first, ModelOutput(((SampledToken(5, -0.1),),), ()))
+    scheduler.add_waiting(Request("long", list(range(10, 210)), SamplingParams()))
+    assert scheduler.schedule().num_new_tokens == (1,)   # measuring: the long prompt waits
+    assert scheduler.waiting[0].num_computed == 0 and scheduler.waiting[0].page_ids == []
 
 
 def _times(costs: dict[int, float]) -> DecodeStepTimes:
