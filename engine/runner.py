@@ -34,6 +34,7 @@ from engine.weights import Checkpoint
 from kernels.attention import resolve_attention_backend
 from kernels.lora import NO_ADAPTER
 from kernels.quant_linear import QuantizedEmbedding, QuantizedLinear
+from kernels.rejection_sampling import verify_drafts
 from kernels.sampling import SamplingBatch, create_sampler, resolve_sampler
 
 logger = logging.getLogger(__name__)
@@ -170,7 +171,7 @@ class ModelRunner:
             token_ids, logprobs = self.sampler.sample(adjusted, sampling)
             emitted = [[t] for t in token_ids.tolist()]
         else:
-            emitted = self.sampler.verify(adjusted, [r.draft_ids for r in batch], None, sampling).token_ids
+            emitted = verify_drafts(self.sampler, adjusted, [r.draft_ids for r in batch], None, sampling).token_ids
         firsts = accumulate(num_rows, initial=0)
         rows = [first + j for first, tokens in zip(firsts, emitted) for j in range(len(tokens))]  # of each token
         needs_extras = any(r.sampling.top_logprobs_num or r.sampling.token_ids_logprob for r in batch)

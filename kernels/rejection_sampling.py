@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from kernels.sampling import SEED_MIX, SamplingBatch, truncated_sorted
+from kernels.sampling import SEED_MIX, Sampler, SamplingBatch, truncated_sorted
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +87,32 @@ def with_logprobs(logits: torch.Tensor, num_drafts: Sequence[int], token_ids: li
     flat_emitted = torch.tensor([t for tokens in token_ids for t in tokens], device=logits.device)
     logprobs = torch.log_softmax(logits[emitted_rows], dim=-1).gather(1, flat_emitted.unsqueeze(1)).squeeze(1)
     return Verified(token_ids, _split(logprobs.tolist(), [len(tokens) for tokens in token_ids]))
+
+
+@runtime_checkable
+class DraftVerifier(Protocol):
+    """A sampler with its own verification of drafts (FlashInfer's chain kernel), under `verify`'s contract."""
+
+    def verify(
+        self,
+        logits: torch.Tensor,
+        draft_token_ids: Sequence[Sequence[int]],
+        draft_probs: torch.Tensor | None,
+        batch: SamplingBatch,
+    ) -> Verified: ...
+
+
+def verify_drafts(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    draft_token_ids: Sequence[Sequence[int]],
+    draft_probs: torch.Tensor | None,
+    batch: SamplingBatch,
+) -> Verified:
+    """`sampler`'s own verification where it has one (a `DraftVerifier`), else `verify`."""
+    if isinstance(sampler, DraftVerifier):
+        return sampler.verify(logits, draft_token_ids, draft_probs, batch)
+    return verify(logits, draft_token_ids, draft_probs, batch)
 
 
 def expand_to_rows(batch: SamplingBatch, num_drafts: Sequence[int]) -> SamplingBatch:

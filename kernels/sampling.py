@@ -8,16 +8,12 @@ imported only when asked for).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from kernels.registry import BackendRegistry, as_device, is_flashinfer_installed
-
-if TYPE_CHECKING:
-    from kernels.rejection_sampling import Verified
 
 SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step) pairs over the generator's seed space
 
@@ -55,19 +51,6 @@ class Sampler(ABC):
         """logits: [B, V] fp32 on the device. Returns (token_ids [B] int64, logprobs [B] fp32) on the
         device; logprobs are log_softmax of the raw logits (before temperature and truncation).
         Greedy rows are exactly argmax; a seeded row's draw depends only on (seed, step)."""
-
-    def verify(
-        self,
-        logits: torch.Tensor,
-        draft_token_ids: Sequence[Sequence[int]],
-        draft_probs: torch.Tensor | None,
-        batch: SamplingBatch,
-    ) -> Verified:
-        """Accept or reject each request's draft tokens against the target logits: the contract of
-        `kernels.rejection_sampling.verify`, which this default runs."""
-        from kernels.rejection_sampling import verify  # that module builds on this one
-
-        return verify(logits, draft_token_ids, draft_probs, batch)
 
 
 _SAMPLERS: BackendRegistry[Sampler] = BackendRegistry("sampling", {"flashinfer": "kernels.flashinfer_sampling"})
