@@ -98,6 +98,8 @@ class Engine:
             self.pages = NoPrefixCache(self.allocator, config.page_size)
         self.step_times = DecodeStepTimes()
         is_budgeted = config.speculative_algorithm is not None and config.speculative_draft_policy == "auto"
+        pace, unpaced = config.max_decode_slowdown, config.unpaced_prompt_tokens
+        pacer = DecodePacer(pace, self.step_times, unpaced_tokens=unpaced) if pace else None
         self.scheduler = Scheduler(
             self.pages,
             config.max_running_requests,
@@ -107,11 +109,7 @@ class Engine:
             self.eos_token_ids,
             self.context_len,
             NgramProposer(config.speculative_num_draft_tokens) if config.speculative_algorithm == "ngram" else None,
-            (
-                DecodePacer(config.max_decode_slowdown, self.step_times, unpaced_tokens=config.unpaced_prompt_tokens)
-                if config.max_decode_slowdown
-                else None
-            ),
+            pacer,
             DraftBudget(config.speculative_num_draft_tokens, self.step_times) if is_budgeted else None,
         )
         self.kv_connector = kv_connector
