@@ -1,5 +1,7 @@
 """DecodeService: reserve pages for a handoff (sharing the prompt's prefix this worker already holds in
-its prefix cache), then decode the request in the continuous batch; or,
+its prefix cache; the engine holds them as a receiving request and its KV connector,
+server_runtime/kv_receive.py, keeps the deadline), then confirm it with the first token and decode it
+in the continuous batch; or,
 for prefill on decode, prefill the prompt here through the engine's own prefill (the path a preempted
 request takes to be recomputed) and decode it in the same batch, with no KV transfer."""
 
@@ -14,13 +16,14 @@ from collections.abc import AsyncIterator
 import grpc
 
 from engine.errors import EngineError
-from engine.request import FinishReason, Request, StepOutput
+from engine.kv_connector import ReceivedKV
+from engine.request import FinishReason, Request, SamplingParams, StepOutput
 from server_runtime.common_rpcs import add_worker_servicer
 from server_runtime.context import WorkerContext
 from server_runtime.convert import finish_to_proto, layout_to_proto, sampling_from_proto, token_to_proto
 from server_runtime.errors import RequestFailedError, abort_with
 from server_runtime.kv_grants import GrantError, IssuedGrants, grant_key
-from server_runtime.lora_serving import held_lora
+from server_runtime.lora_serving import HeldLora, held_lora
 from server_runtime.spans import record_decode, record_local_prefill
 from server_runtime.worker import WorkerKind, start_engine_worker
 from tandem import tracing
@@ -34,6 +37,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
         self.grants = IssuedGrants(grant_key(ctx.config.kv_grant_secret))
+        assert ctx.receiver is not None, "a decode worker's engine takes KV in through a KVReceiveConnector"
+        self.receiver = ctx.receiver
 
     async def Reserve(
         self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
@@ -41,13 +46,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         bind_request_id(request.request_id)
         if self.ctx.is_draining:  # a gateway that has not seen NOT_SERVING yet; it may retry elsewhere
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode worker is shutting down")
-        ttl_s, grace_s = self.ctx.config.reservation_ttl_s, self.ctx.config.write_grace_s
+        ttl_s = self.ctx.config.reservation_ttl_s  # the engine's KV connector keeps the pages as long
         try:
             reserved = await self.ctx.loop.reserve(
                 request.request_id,
                 request.prompt_len,
-                ttl_s,
-                grace_s,
                 request.priority,
                 list(request.prompt_token_ids) or None,
                 self._cache_namespace(request.lora_name),
@@ -96,21 +99,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 try:
                     sampling = sampling_from_proto(request.sampling_params)
                     if sampling.grammar is not None:  # compile off the engine thread (see GrammarBackend)
-                        ttl_s = self.ctx.config.reservation_ttl_s  # a slow compile must not let the reservation expire
-                        await self.ctx.loop.call(lambda engine: engine.touch_reservation(rid, ttl_s))
+                        # a slow compile must not let the reservation expire
+                        await self.ctx.loop.call(lambda engine: self.receiver.keep(rid))
                         await self.ctx.loop.prepare_grammar(sampling.grammar, self.ctx.config.grammar_compile_timeout_s)
                     lora = await held.enter_async_context(held_lora(self.ctx.loras, request.lora_name, self.ctx.loop))
-                    sink = await self.ctx.loop.admit(
-                        rid,
-                        list(request.prompt_token_ids),
-                        request.first_token.token_id,
-                        request.first_token.logprob,
-                        sampling,
-                        request.weights_id,
-                        request.priority,
-                        lora.slot_id if lora else None,
-                        lora.lora_id if lora else "",
-                    )
+                    first = request.first_token
+                    confirmed = ReceivedKV(first.token_id, first.logprob, request.weights_id)
+                    sink = await self.ctx.loop.submit(_request(rid, request, sampling, lora, confirmed))
                 except EngineError as exc:
                     await abort_with(context, exc)  # the finally below drops the reservation
                 admitted = time.perf_counter()
@@ -143,15 +138,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     if sampling.grammar is not None:  # compile off the engine thread (see GrammarBackend)
                         await self.ctx.loop.prepare_grammar(sampling.grammar, self.ctx.config.grammar_compile_timeout_s)
                     lora = await held.enter_async_context(held_lora(self.ctx.loras, request.lora_name, self.ctx.loop))
-                    req = Request(
-                        rid,
-                        list(request.prompt_token_ids),
-                        sampling,
-                        priority=request.priority,
-                        lora_id=lora.lora_id if lora else "",
-                        lora_slot=lora.slot_id if lora else None,
-                    )
-                    sink = await self.ctx.loop.submit(req)
+                    sink = await self.ctx.loop.submit(_request(rid, request, sampling, lora))
                 except EngineError as exc:
                     await abort_with(context, exc)
                 trace = tracing.caller_context(context.invocation_metadata())
@@ -167,6 +154,25 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             finally:
                 if not finished:  # rejected, or the client went away: free the request's pages now
                     await asyncio.shield(self.ctx.loop.abort(rid, "client cancelled", write_settled=True))
+
+
+def _request(
+    rid: str,
+    request: decode_pb2.GenerateRequest | decode_pb2.PrefillAndGenerateRequest,
+    sampling: SamplingParams,
+    lora: HeldLora | None,
+    received: ReceivedKV | None = None,
+) -> Request:
+    """The engine request of a Generate (confirming its reservation: `received`) or a PrefillAndGenerate."""
+    return Request(
+        rid,
+        list(request.prompt_token_ids),
+        sampling,
+        priority=request.priority,
+        lora_id=lora.lora_id if lora else "",
+        lora_slot=lora.slot_id if lora else None,
+        kv_params=received,
+    )
 
 
 async def _stream(

@@ -3,18 +3,21 @@
 Single-threaded by contract: every method must be called from the same thread (the server
 runtime's engine loop), with two exceptions: while `execute` computes a step on another thread, that
 thread may call `reserve(..., may_preempt=False)` and `slow_tier_digests`; and `read_slow_tiers` may
-run on any thread. Three ways in:
-- `add_request`: a prompt to prefill (and decode, unless `is_prefill_only`);
-- `reserve` + `admit`: a decode server takes a request whose prompt KV another process wrote
-  into the reserved pages (all but the prompt's prefix it already held in its prefix cache);
-- `abort` / `expire_reservations`: end requests and return their pages (a dropped reservation's after
-  a write grace: engine/reservations.py).
+run on any thread. Two ways in:
+- `add_request`: a prompt to prefill (and decode, unless `is_prefill_only`), or the confirmation of a
+  reservation;
+- `reserve`: a request whose prompt KV another process writes into its pages (all but the prompt's
+  prefix this worker already held in its prefix cache) waits as RECEIVING until `add_request` confirms
+  it with its first token (`ReceivedKV`), then decodes;
+and `abort` ends either.
 
-A prefill-only request's KV leaves through the KV connector (engine/kv_connector.py), which keeps its
-pages while it sends them. A prompt whose cached pages sit in a slow tier (disk, the cluster's store)
-waits as "loading" while `background` reads them, then queues and finds them in the pool. `poll_kv`
-takes in what finished off the engine thread: it frees the pages of sends that are over and queues the
-prompts whose reads are done; `wake` (the worker's) is called from the thread that finished.
+KV moves through the KV connector (engine/kv_connector.py): a prefill-only request's KV leaves through
+it, which keeps its pages while it sends them; it gives a receiving request its deadline and keeps the
+pages of one dropped unconfirmed while a write may still land. A prompt whose cached pages sit in a slow
+tier (disk, the cluster's store) waits as "loading" while `background` reads them, then queues and finds
+them in the pool. `poll_kv` takes in what finished off the engine thread: it frees the pages of sends
+that are over, drops expired reservations, takes back quarantined pages and queues the prompts whose
+reads are done; `wake` (the worker's) is called from the thread that finished.
 
 Pages come and go through one `PagePool`, with or without a prefix cache (engine/page_pool.py).
 """
@@ -37,11 +40,9 @@ from engine.errors import (
     RequestNotFoundError,
 )
 from engine.grammar import GrammarBackend
-from engine.kv_connector import KVConnector
-from engine.kv_disk_tier import DiskTier
-from engine.kv_host_tier import HostTier, TierChain, TierReads
-from engine.kv_pool import KVPool
-from engine.kv_store_tier import StoreAccess, StoreTier
+from engine.kv_connector import KVConnector, ReceivedKV, ReservedPages
+from engine.kv_host_tier import TierReads, tier_chain
+from engine.kv_store_tier import StoreAccess
 from engine.lora import LoraAdapter
 from engine.lora_slots import LoraSlots
 from engine.outputs import accept_token, append_token, finish_output
@@ -49,8 +50,7 @@ from engine.page_allocator import PageAllocator, pages_needed
 from engine.page_pool import NoPrefixCache, PagePool
 from engine.prefix_cache import PrefixCache
 from engine.proposers import NgramProposer
-from engine.request import FinishReason, PromptLimits, Request, SamplingParams, StepOutput
-from engine.reservations import Reservation, Reservations, ReservedPages
+from engine.request import FinishReason, PromptLimits, Request, RequestStatus, SamplingParams, StepOutput
 from engine.runner import FaultHooks, ModelRunner
 from engine.scheduler import Scheduler, cacheable_prompt
 from engine.stats import EngineStats
@@ -76,7 +76,8 @@ class Engine:
         """`background` runs the slow tiers' reads and the disk tier's writes off the engine thread (None: on
         it, and no prompt waits as loading); `kv_store`: the
         cluster's KV store, where the prefix cache keeps its pages too (engine/kv_store_tier.py);
-        `kv_connector` sends prefill-only requests' KV (None: their pages are freed once computed)."""
+        `kv_connector` moves KV in and out of the pool (None: none moves; prefill-only requests' pages are
+        freed once computed)."""
         mc = checkpoint.config
         if mc.num_labels > 0:
             raise ConfigError(
@@ -91,7 +92,7 @@ class Engine:
         self.grammar = GrammarBackend(checkpoint.path, mc.vocab_size)
         self.runner = ModelRunner(checkpoint, config, self.context_len, progress=progress, faults=faults)
         self.allocator = PageAllocator(self.runner.kv_pool.num_pages)
-        self.kv_tiers = _kv_tiers(config, self.runner.kv_pool, checkpoint.identity, background, kv_store)
+        self.kv_tiers = tier_chain(config, self.runner.kv_pool, checkpoint.identity, background, kv_store)
         if config.enable_prefix_cache:
             self.pages: PagePool = PrefixCache(self.allocator, config.page_size, self.kv_tiers)
         else:
@@ -112,19 +113,23 @@ class Engine:
             pacer,
             DraftBudget(config.speculative_num_draft_tokens, self.step_times) if is_budgeted else None,
         )
-        self.kv_connector = kv_connector
+        self.kv_connector = kv_connector or KVConnector()
         self.wake: Callable[[], None] = lambda: None  # from another thread: something for `poll_kv` is ready
         self._background = background
         self._fetched: collections.deque[tuple[str, TierReads]] = collections.deque()  # (request id, its reads)
         self._requests: dict[str, Request] = {}
         self._sending: dict[str, Request] = {}  # prefill-only requests whose pages the connector holds
+        self._receiving: dict[str, Request] = {}  # reserved requests whose KV is being written from outside
         self.weights_id = checkpoint.identity  # names the weights; prefill and decode must agree on it
-        self._reservations = Reservations(self.pages)
 
     # ---- ways in -------------------------------------------------------------------------
 
-    def add_request(self, req: Request) -> None:
-        """Queue a prompt. Raises InvalidRequestError / ContextLengthExceededError / CapacityError."""
+    def add_request(self, req: Request) -> StepOutput | None:
+        """Queue a prompt, or, for a request whose `kv_params` is `ReceivedKV`, start decoding the reserved
+        request it confirms (`_admit`). Raises InvalidRequestError / ContextLengthExceededError /
+        CapacityError. Returns a finish output if a confirmed request's first token already ends it."""
+        if isinstance(req.kv_params, ReceivedKV):
+            return self._admit(req, req.kv_params)
         if self.holds(req.request_id):
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
         self.prompt_limits.check_prompt(req.prompt_ids, logprob_start=req.prompt_logprob_start)
@@ -137,6 +142,7 @@ class Engine:
             self.scheduler.add_loading(req)
         else:
             self.scheduler.add_waiting(req)
+        return None
 
     def _start_fetch(self, req: Request) -> bool:
         """Start reading the pages of `req`'s prompt that only the slow tiers hold, off the engine thread:
@@ -213,23 +219,21 @@ class Engine:
         self,
         request_id: str,
         prompt_len: int,
-        ttl_s: float,
-        grace_s: float = 0.0,
         priority: int = 0,
         may_preempt: bool = True,
         prompt_ids: list[int] | None = None,
         namespace: str | None = "",
         reads: TierReads | None = None,
     ) -> ReservedPages:
-        """Hold pages for a prompt whose KV will be written from outside; dropped after `ttl_s`.
-        Running requests of a worse `priority` may be preempted for them (`Scheduler.reserve`);
-        without `may_preempt` (a step is computing them), WouldPreemptError instead.
+        """Make a RECEIVING request that holds pages for a prompt whose KV another process writes; the KV
+        connector gives it its deadline (`KVConnector.on_reserved`). Running requests of a worse
+        `priority` may be preempted for its pages (`Scheduler.reserve`); without `may_preempt` (a step is
+        computing them), WouldPreemptError instead.
 
         Given the prompt's tokens (`prompt_ids`), its longest prefix cached in `namespace` (the LoRA
         adapter's cache id; "" the base model; None matches nothing) is shared into the reservation,
         and only the pages after it are to be written; the pages of it that only the slow tiers hold are
         those `reads` found (`read_slow_tiers`, run off the engine thread), or, without `reads`, read now.
-        If dropped before `admit`, the written pages are reused only `grace_s` seconds later.
         """
         if self.holds(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -257,87 +261,93 @@ class Engine:
         except BaseException:
             self.pages.release(cached)
             raise
-        reservation = Reservation(page_ids, prompt_len, time.monotonic() + ttl_s, grace_s, len(cached), namespace or "")
-        self._reservations.add(request_id, reservation)
-        return ReservedPages(reservation.written_page_ids, len(cached) * self.config.page_size)
+        req = Request(
+            request_id,
+            list(prompt_ids or ()),
+            SamplingParams(),  # its confirmation brings the real ones
+            page_ids=page_ids,
+            num_computed=prompt_len,
+            num_cached_tokens=len(cached) * self.config.page_size,
+            status=RequestStatus.RECEIVING,
+            priority=priority,
+            lora_id=namespace or "",
+        )
+        try:
+            self.kv_connector.on_reserved(req)
+        except BaseException:
+            self.pages.release(page_ids)
+            raise
+        self._receiving[request_id] = req
+        return ReservedPages(page_ids[len(cached) :], req.num_cached_tokens)
 
-    def touch_reservation(self, request_id: str, ttl_s: float) -> None:
-        """Keep a reservation at least `ttl_s` more seconds: its Generate has arrived and is getting
-        ready (compiling a grammar), so the prefill's KV is already in its pages."""
-        self._reservations.touch(request_id, time.monotonic() + ttl_s)
-
-    def admit(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        first_token: int,
-        first_logprob: float,
-        sampling: SamplingParams,
-        weights_id: str | None = None,
-        priority: int = 0,
-        lora_slot: int | None = None,
-        lora_id: str = "",
-    ) -> StepOutput | None:
-        """Start decoding a reserved request from its first token. Returns a finish output if the
-        first token already ends it (its pages are then freed). The prompt's KV must have been
-        computed with the same weights as ours: `weights_id` is the prefill engine's (None: not checked),
-        under the LoRA adapter now in slot `lora_slot` (None: the base model; `lora_id` names it)."""
-        reservation = self._reservations.get(request_id)
-        if reservation is None:
+    def _admit(self, req: Request, received: ReceivedKV) -> StepOutput | None:
+        """Start decoding the reserved request `req` confirms from its first token: the prompt's KV is in
+        the reserved pages, computed with the weights `received.weights_id` names (None: not checked),
+        under the LoRA adapter now in slot `req.lora_slot` (`req.lora_id` names it). Returns a finish
+        output if the first token already ends it (its pages are then freed)."""
+        request_id = req.request_id
+        reserved = self._receiving.get(request_id)
+        if reserved is None:
             raise RequestNotFoundError(f"no reservation for request {request_id!r} (expired or never made)")
-        if reservation.num_cached_pages and reservation.namespace != lora_id:
+        if reserved.num_cached_tokens and reserved.lora_id != req.lora_id:
             raise RequestAbortedError(
                 "the LoRA adapter was loaded again between the reservation and Generate: "
                 "the cached prefix was computed under the one before"
             )
-        if weights_id is not None and weights_id != self.weights_id:
+        if received.weights_id is not None and received.weights_id != self.weights_id:
             raise RequestAbortedError(
                 f"the prefill and decode workers hold different model weights "
-                f"(prefill {weights_id or 'unnamed'}, decode {self.weights_id}); "
+                f"(prefill {received.weights_id or 'unnamed'}, decode {self.weights_id}); "
                 "they were updated apart or started from different checkpoints"
             )
-        if len(prompt_ids) != reservation.prompt_len:
-            raise InvalidRequestError(f"prompt has {len(prompt_ids)} tokens but {reservation.prompt_len} were reserved")
-        if request_id in self._requests or request_id in self._sending:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        self.prompt_limits.check_prompt(prompt_ids + [first_token], allow_full_context=True)
-        self._check_lora_slot(lora_slot)
-        matcher = None
-        if sampling.grammar is not None:  # replay prefill's first token into our own matcher
-            matcher = self.grammar.new_matcher(sampling.grammar)
-            accept_token(matcher, first_token)
-        self._reservations.take(request_id)
-        req = Request(
-            request_id,
-            list(prompt_ids),
-            sampling,
-            page_ids=reservation.page_ids,
-            num_computed=len(prompt_ids),
-            grammar_matcher=matcher,
-            priority=priority,
-            lora_id=lora_id,
-            lora_slot=lora_slot,
-        )
-        req.num_cached_tokens = reservation.num_cached_pages * self.config.page_size
+        if req.prompt_len != reserved.num_computed:
+            raise InvalidRequestError(f"prompt has {req.prompt_len} tokens but {reserved.num_computed} were reserved")
+        self.prompt_limits.check_prompt(req.prompt_ids + [received.first_token], allow_full_context=True)
+        self._check_lora_slot(req.lora_slot)
+        if req.sampling.grammar is not None:  # replay prefill's first token into our own matcher
+            req.grammar_matcher = self.grammar.new_matcher(req.sampling.grammar)
+            accept_token(req.grammar_matcher, received.first_token)
+        del self._receiving[request_id]
+        self.kv_connector.on_received(reserved)
+        req.kv_params = None
+        req.page_ids = reserved.page_ids
+        req.num_computed = req.prompt_len
+        req.num_cached_tokens = reserved.num_cached_tokens
         # the written pages now hold KV too: the prompt's full pages join the prefix cache
-        self.pages.insert(req.prompt_ids, req.page_ids, reservation.num_cached_pages, lora_id)
+        num_cached_pages = reserved.num_cached_tokens // self.config.page_size
+        self.pages.insert(req.prompt_ids, req.page_ids, num_cached_pages, req.lora_id)
         self._requests[request_id] = req
         self.scheduler.add_running(req)
-        reason = append_token(req, SampledToken(first_token, first_logprob), self.eos_token_ids, self.context_len)
+        first = SampledToken(received.first_token, received.first_logprob)
+        reason = append_token(req, first, self.eos_token_ids, self.context_len)
         if reason is None:
             return None
         self.scheduler.finish(req, reason)
         del self._requests[request_id]
         return finish_output(req)
 
-    def abort(self, request_id: str, message: str = "aborted", write_settled: bool = False) -> StepOutput | None:
-        """End a request or drop a reservation, freeing its pages. None if nothing was held, or if the
-        request's KV is being sent (its pages are freed once `poll_kv` sees the send over).
+    def _drop_reservation(self, request_id: str, write_settled: bool) -> bool:
+        """End a RECEIVING request: the prefix-cache pages it shared go back at once, the pages written
+        from outside once the connector says no write can land in them. False if there was none."""
+        req = self._receiving.pop(request_id, None)
+        if req is None:
+            return False
+        num_cached_pages = req.num_cached_tokens // self.config.page_size
+        self.pages.release(req.page_ids[:num_cached_pages])  # no write aims at these
+        written = req.page_ids[num_cached_pages:]
+        if not self.kv_connector.on_dropped(req, written, write_settled):
+            self.pages.release(written)
+        req.status = RequestStatus.FINISHED
+        return True
 
-        A dropped reservation's pages sit out the write grace unless `write_settled` says no KV
-        write into them can still be in flight.
+    def abort(self, request_id: str, message: str = "aborted", write_settled: bool = False) -> StepOutput | None:
+        """End a request, freeing its pages. None if nothing was held, if it was still RECEIVING, or if
+        its KV is being sent (its pages are freed once `poll_kv` sees the send over).
+
+        A receiving request's written pages sit out the connector's write grace unless `write_settled`
+        says no KV write into them can still be in flight.
         """
-        if self._reservations.drop(request_id, time.monotonic(), write_settled):
+        if self._drop_reservation(request_id, write_settled):
             return None
         if request_id in self._sending:  # a send may be reading its pages: they go when it is over
             return None
@@ -356,8 +366,8 @@ class Engine:
         if changes:
             raise InvalidRequestError(f"the new weights do not match the served model's shapes ({', '.join(changes)})")
         outputs = [self.abort(rid, "aborted: the model weights are being updated") for rid in list(self._requests)]
-        for rid in self._reservations.ids():  # their cached prefixes hold the old weights' KV
-            self._reservations.drop(rid, time.monotonic())
+        for rid in list(self._receiving):  # their cached prefixes hold the old weights' KV
+            self._drop_reservation(rid, write_settled=False)
         self.runner.load_weights(checkpoint)
         self.flush_prefix_cache()
         self.weights_id = checkpoint.identity
@@ -367,33 +377,31 @@ class Engine:
 
     def poll_kv(self) -> list[str]:
         """Take in the KV moves that finished off the engine thread: queue the prompts whose slow-tier reads
-        are over, with their pages in the pool, and free the pages of the sends that are over
-        (`KVConnector.poll`). Returns the ids of those sends."""
+        are over, with their pages in the pool, and what the KV connector's `poll` reports: free the pages
+        of the sends that are over and of the quarantine's end, drop the reservations past their deadline.
+        Returns the ids of those sends and reservations."""
         while self._fetched:
             request_id, reads = self._fetched.popleft()
             req = self.scheduler.loading.get(request_id)
             self._take_fetched(reads, req)
             self.scheduler.end_loading(request_id)
-        if self.kv_connector is None:
-            return []
-        done = self.kv_connector.poll()
-        for request_id in done:
+        polled = self.kv_connector.poll()
+        for request_id in polled.sent:
             if (req := self._sending.pop(request_id, None)) is not None:
                 self.scheduler.release_pages(req)
-        return done
+        for request_id in polled.expired:
+            self._drop_reservation(request_id, write_settled=False)
+        self.pages.release(polled.released)
+        return polled.sent + polled.expired
 
     def holds(self, request_id: str) -> bool:
-        """Whether a request, reservation or KV being sent exists under this id."""
-        return request_id in self._requests or request_id in self._reservations or request_id in self._sending
+        """Whether a request (receiving, queued, running, or its KV being sent) exists under this id."""
+        return request_id in self._requests or request_id in self._receiving or request_id in self._sending
 
     @property
     def is_idle(self) -> bool:
-        """No request, reservation or KV being sent: nothing in flight would be lost by stopping now."""
-        return not (self._requests or self._reservations or self._sending)
-
-    def expire_reservations(self, now: float) -> list[str]:
-        """Drop reservations past their TTL and return quarantined pages whose grace is over."""
-        return self._reservations.expire(now)
+        """No request of any kind: nothing in flight would be lost by stopping now."""
+        return not (self._requests or self._receiving or self._sending)
 
     @property
     def num_cached_pages(self) -> int:
@@ -405,13 +413,9 @@ class Engine:
         return self.pages.flush()
 
     @property
-    def num_quarantined_pages(self) -> int:
-        return self._reservations.num_quarantined_pages
-
-    @property
-    def num_reservations(self) -> int:
-        """Reservations whose prompt KV has not been admitted yet (a prefill is on its way for each)."""
-        return len(self._reservations)
+    def num_receiving(self) -> int:
+        """Reserved requests not confirmed yet (a prefill is on its way for each)."""
+        return len(self._receiving)
 
     def stats(self) -> EngineStats:
         """The queues and the page pool now, as a value other threads may read."""
@@ -474,27 +478,9 @@ class Engine:
         for req in scheduled.aborted + scheduled.requests:
             if req.is_finished and self._requests.pop(req.request_id, None) is not None:
                 if req.is_prefill_only and req.finish_reason is None:  # its KV is computed: send it, or let it go
-                    if self.kv_connector is not None and self.kv_connector.on_finished(req):
+                    if self.kv_connector.on_finished(req):
                         self._sending[req.request_id] = req
                     else:
                         self.scheduler.release_pages(req)
-        if self.kv_connector is not None:
-            self.kv_connector.start_saves()
+        self.kv_connector.start_saves()
         return outputs
-
-
-def _kv_tiers(
-    config: EngineConfig,
-    pool: KVPool,
-    weights_identity: str,
-    background: Callable[[Callable[[], None]], object] | None,
-    kv_store: StoreAccess | None,
-) -> TierChain | None:
-    """The prefix cache's tiers beyond the pool, from `config` and `kv_store` (None: no tier at all)."""
-    host = HostTier(int(config.kv_host_cache_gib * 2**30), pool) if config.kv_host_cache_gib else None
-    disk = None
-    if config.kv_disk_cache_dir is not None:
-        capacity = int(config.kv_disk_cache_gib * 2**30)
-        disk = DiskTier(config.kv_disk_cache_dir, capacity, pool, weights_identity, background)
-    store = StoreTier(kv_store.store, pool, kv_store.secret) if kv_store is not None else None
-    return TierChain(host, disk, store, weights_identity) if host or disk or store else None

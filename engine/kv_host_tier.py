@@ -8,18 +8,20 @@ the pool stay the size the decode batch needs while the cache keeps more.
 
 `TierChain` puts tiers in order, fastest first (host, disk, then the cluster's store): a page joins every tier, a lookup
 takes the first that holds it, and a page found only in a slower tier is copied into the faster ones
-on its way back into the pool.
+on its way back into the pool. `tier_chain` builds the chain an engine's config asks for.
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 
 import torch
 
+from engine.config import EngineConfig
 from engine.kv_disk_tier import DiskTier, copy_payload, kv_identity, root_digest
 from engine.kv_pool import KVPool
-from engine.kv_store_tier import StoreTier
+from engine.kv_store_tier import StoreAccess, StoreTier
 from engine.prefix_cache import PageRead
 from engine.stats import TierStats
 
@@ -166,3 +168,20 @@ class TierChain:
         if tier is self.store and self.disk is not None:
             self.disk.save(digest, page_id)
         return True
+
+
+def tier_chain(
+    config: EngineConfig,
+    pool: KVPool,
+    weights_identity: str,
+    background: Callable[[Callable[[], None]], object] | None,
+    kv_store: StoreAccess | None,
+) -> TierChain | None:
+    """The prefix cache's tiers beyond the pool, from `config` and `kv_store` (None: no tier at all)."""
+    host = HostTier(int(config.kv_host_cache_gib * 2**30), pool) if config.kv_host_cache_gib else None
+    disk = None
+    if config.kv_disk_cache_dir is not None:
+        capacity = int(config.kv_disk_cache_gib * 2**30)
+        disk = DiskTier(config.kv_disk_cache_dir, capacity, pool, weights_identity, background)
+    store = StoreTier(kv_store.store, pool, kv_store.secret) if kv_store is not None else None
+    return TierChain(host, disk, store, weights_identity) if host or disk or store else None

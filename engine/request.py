@@ -14,6 +14,7 @@ from tandem.sampling import GrammarSpec, SamplingSpec
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # prompt KV not computed yet (or only its first chunks)
     LOADING = "loading"  # not queued yet: its prompt's cached pages are being read from a slow KV tier
+    RECEIVING = "receiving"  # reserved: its pages await its prompt's KV (`num_computed` tokens) from another process
     RUNNING = "running"  # has KV for every token but the last one; decodes each step
     FINISHED = "finished"
 

@@ -18,6 +18,7 @@ from engine.stats import EngineStats
 from kv_transfer import KVTransport
 from server_runtime.config import WorkerConfig
 from server_runtime.engine_loop import EngineLoop
+from server_runtime.kv_receive import KVReceiveConnector
 from server_runtime.lora_serving import LoraAdapters
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,8 @@ class WorkerContext:
     # shutting down: new requests (Reserve, Prefill, PrefillAndGenerate) are refused, those in flight end
     is_draining: bool = False
     loras: LoraAdapters | None = None  # the LoRA adapters it serves (None: --max-loras 0)
+    # a decode worker's KV connector (touched on the engine thread only); None on a prefill worker
+    receiver: KVReceiveConnector | None = None
 
     @property
     def weights_dirs(self) -> tuple[str, ...]:

@@ -3,7 +3,7 @@ one executor for the other blocking work (`BlockingWork`).
 
 The engine thread owns the `Engine` (which is single-threaded by contract). Coroutines send it
 commands with `call()`; per-request `StepOutput`s come back through an asyncio.Queue opened with
-`submit()` / `admit()`. A command or step that raises never kills the thread: commands return
+`submit()`. A command or step that raises never kills the thread: commands return
 the exception to their caller, a failing step aborts the requests it held.
 
 Each step's forward pass runs on a compute thread (the kernels release the GIL) while the engine
@@ -14,7 +14,8 @@ a reservation in the time of the call, not of the step it arrived in.
 Blocking calls that are not the engine's (opening a checkpoint, compiling a grammar, the
 embedder's batches) run on `BlockingWork`'s executor; what they produce for the engine enters it
 through `call()`. KV writes run on the transport's own terms, started and polled by the engine's KV
-connector (server_runtime/kv_send.py), which `wake`s the engine thread when one settles.
+connector (server_runtime/kv_send.py), which `wake`s the engine thread when one settles; an idle engine
+thread still polls the connector every `_TICK_S`, for the reservations past their deadline.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ import torch
 
 from engine.engine import Engine
 from engine.errors import InvalidRequestError, WouldPreemptError
+from engine.kv_connector import ReservedPages
 from engine.kv_host_tier import TierReads
-from engine.request import FinishReason, Request, SamplingParams, StepOutput
-from engine.reservations import ReservedPages
+from engine.request import FinishReason, Request, StepOutput
 from engine.step_records import ModelOutput, SchedulerOutput
 from server_runtime.metrics import WorkerMetrics
 from server_runtime.threads import ThreadTuner
@@ -44,7 +45,7 @@ from tandem.sampling import GrammarSpec
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_EXPIRY_INTERVAL_S = 0.25
+_TICK_S = 0.25
 _BLOCKING_THREADS = 4  # a grammar compile, an embedder batch and checkpoint opens at once, with room
 
 
@@ -182,8 +183,6 @@ class EngineLoop:
         self,
         request_id: str,
         prompt_len: int,
-        ttl_s: float,
-        grace_s: float,
         priority: int,
         prompt_ids: list[int] | None = None,
         namespace: str | None = "",
@@ -200,7 +199,7 @@ class EngineLoop:
                 reads = await self.work.run(self.engine.read_slow_tiers, digests)
         return await self._call_during_step(
             lambda engine, is_in_step: engine.reserve(
-                request_id, prompt_len, ttl_s, grace_s, priority, not is_in_step, prompt_ids, namespace, reads
+                request_id, prompt_len, priority, not is_in_step, prompt_ids, namespace, reads
             )
         )
 
@@ -234,43 +233,20 @@ class EngineLoop:
         self._commands.put(_Command(lambda engine, is_in_step: engine.grammar.store(spec, compiled), None))
 
     async def submit(self, req: Request) -> asyncio.Queue:
-        """Queue a prompt; its outputs arrive on the returned queue."""
+        """Queue a prompt, or confirm a reservation (`Engine.add_request`); its outputs arrive on the
+        returned queue."""
         sink: asyncio.Queue = asyncio.Queue()
 
         def add(engine: Engine) -> None:
-            engine.add_request(req)
+            output = engine.add_request(req)
+            if output is not None:  # a confirmed reservation whose first token ends it
+                sink.put_nowait(output)  # safe: the queue is not shared with the loop yet
+                return
             self._sinks[req.request_id] = sink
             if req.is_prefill_only:
                 self._prefill_only.add(req.request_id)
 
         await self.call(add)
-        return sink
-
-    async def admit(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        first_token: int,
-        first_logprob: float,
-        sampling: SamplingParams,
-        weights_id: str | None = None,
-        priority: int = 0,
-        lora_slot: int | None = None,
-        lora_id: str = "",
-    ) -> asyncio.Queue:
-        """Start decoding a reserved request; its outputs arrive on the returned queue."""
-        sink: asyncio.Queue = asyncio.Queue()
-
-        def admit(engine: Engine) -> None:
-            output = engine.admit(
-                request_id, prompt_ids, first_token, first_logprob, sampling, weights_id, priority, lora_slot, lora_id
-            )
-            if output is None:
-                self._sinks[request_id] = sink
-            else:
-                sink.put_nowait(output)  # safe: the queue is not shared with the loop yet
-
-        await self.call(admit)
         return sink
 
     async def abort(self, request_id: str, message: str = "aborted", write_settled: bool = False) -> bool:
@@ -362,17 +338,16 @@ class EngineLoop:
 
     def _run(self) -> None:
         use_device(self.engine.config.device)
-        next_expiry = 0.0
+        next_tick = 0.0
         while not self._stopped.is_set():
             self._drain_commands(block=not self.engine.has_work)
-            self.engine.poll_kv()
+            self.engine.poll_kv()  # the connector's sends, expired reservations, quarantine
             now = time.monotonic()
-            if now >= next_expiry:
-                self.engine.expire_reservations(now)
+            if now >= next_tick:
                 # not every step: counting cached pages walks the cache
                 self.metrics.observe_stats(self.engine.stats())
                 self._publish_kv_events()
-                next_expiry = now + _EXPIRY_INTERVAL_S
+                next_tick = now + _TICK_S
             if self.engine.has_work:
                 self._step()
 
@@ -381,11 +356,7 @@ class EngineLoop:
         for command in deferred:
             self._execute(command, is_in_step=False)
         try:
-            command = (
-                self._commands.get(timeout=_EXPIRY_INTERVAL_S)
-                if block and not deferred
-                else self._commands.get_nowait()
-            )
+            command = self._commands.get(timeout=_TICK_S) if block and not deferred else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -430,7 +401,7 @@ class EngineLoop:
         return self.engine.execute(scheduled)
 
     def _step(self) -> None:
-        kv_on_its_way = self.engine.num_reservations > 0
+        kv_on_its_way = self.engine.num_receiving > 0
         started = time.perf_counter()
         try:
             scheduled = self.engine.schedule()

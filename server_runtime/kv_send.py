@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.kv_connector import KVConnector, KVPoll
 from engine.request import Request
 from kv_transfer import KVTransferError, KVTransferTimeout, KVTransport, RemotePages, TransferStats, check_timeout
 
@@ -44,7 +45,7 @@ class KVSend:
         check_timeout(self.timeout_s)
 
 
-class KVSendConnector:
+class KVSendConnector(KVConnector):
     """Sends prefill-only requests' KV from the pool at `pool_base_addr` through `transport`."""
 
     def __init__(self, transport: KVTransport, pool_base_addr: int, wake: Callable[[], None] = lambda: None) -> None:
@@ -90,12 +91,12 @@ class KVSendConnector:
             send.written.set_exception(exc)
         self.wake()
 
-    def poll(self) -> list[str]:
+    def poll(self) -> KVPoll:
         now = time.monotonic()
         over = [rid for rid, (send, deadline) in self._running.items() if send.written.done() or now >= deadline]
         for request_id in over:
             del self._running[request_id]
-        return over
+        return KVPoll(sent=over)
 
     @property
     def num_running(self) -> int:

@@ -3,7 +3,7 @@
 Who writes what (prometheus_client's values are thread-safe, so each writer updates them directly):
 
 - the engine thread (`EngineLoop`): step time and batch size and tokens generated after each step,
-  queue depths and KV pages every 0.25 s (with the reservation expiry);
+  queue depths and KV pages every 0.25 s (on the engine thread's tick);
 - `RpcMetricsInterceptor`, on the event loop: every `tandem.v1` RPC by method and final status code;
 - the prefill servicer: prompt and cached tokens, KV bytes and transfer time of each request;
 - the decode servicer: each handoff's prompt tokens and those its prefix cache already held.

@@ -35,6 +35,7 @@ from server_runtime.context import EngineFacts, WorkerContext
 from server_runtime.embedding import EmbeddingContext, start_embedding
 from server_runtime.engine_loop import EngineLoop, use_device
 from server_runtime.kv_grants import store_page_key
+from server_runtime.kv_receive import KVReceiveConnector
 from server_runtime.kv_send import KVSendConnector
 from server_runtime.lora_serving import LoraAdapters
 from server_runtime.metrics import WorkerMetrics, serve_metrics
@@ -177,7 +178,8 @@ async def serve_worker(config: WorkerConfig, kind: WorkerKind) -> None:
 def start_engine_worker(config: WorkerConfig, metrics: WorkerMetrics) -> WorkerContext:
     """Start a KV transport, load the model into an `Engine`, register its KV pool (in the engine
     device's memory) with the transport, give the engine its KV connector (the prefill side of the
-    handoff: server_runtime/kv_send.py) and start the engine thread (a prefill or decode worker's
+    handoff, server_runtime/kv_send.py, or the decode side, server_runtime/kv_receive.py) and start the
+    engine thread (a prefill or decode worker's
     runtime). The transport is asked first whether it can move that device's memory, so a worker
     that could never send or receive KV stops before it loads a model."""
     transport = create_transport(config.transport)
@@ -192,10 +194,14 @@ def start_engine_worker(config: WorkerConfig, metrics: WorkerMetrics) -> WorkerC
         raise
     metrics.torch_threads.set(config.torch_threads)
     loop = EngineLoop(engine, asyncio.get_running_loop(), metrics, thread_tuner(config))
-    engine.kv_connector = KVSendConnector(transport, facts.pool_base_addr, loop.wake)  # before the loop starts
+    receiver = None
+    if config.role == "decode":
+        engine.kv_connector = receiver = KVReceiveConnector(config.reservation_ttl_s, config.write_grace_s)
+    else:  # before the loop starts
+        engine.kv_connector = KVSendConnector(transport, facts.pool_base_addr, loop.wake)
     engine.wake = loop.wake
     loop.start()
-    return WorkerContext(config, loop, transport, facts, tandem.version(), weights_id, loras=loras)
+    return WorkerContext(config, loop, transport, facts, tandem.version(), weights_id, loras=loras, receiver=receiver)
 
 
 def thread_tuner(config: WorkerConfig) -> ThreadTuner | None:

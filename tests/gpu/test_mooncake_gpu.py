@@ -32,6 +32,7 @@ from engine.engine import Engine  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
 from engine.weights import open_checkpoint  # noqa: E402
 from server_runtime.kv_send import KVSend, KVSendConnector  # noqa: E402
+from tests.local_handoff import confirm, take_kv_in  # noqa: E402
 
 SRC = torch.device("cuda:0")
 DST = torch.device("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
@@ -98,7 +99,8 @@ def test_a_decode_engine_on_a_gpu_continues_from_kv_written_into_its_pool(smollm
         for engine, transport in ((prefill, sender), (decode, receiver)):
             pool = engine.runner.kv_pool
             transport.register(pool.base_addr, pool.num_bytes, str(pool.device))
-        dst_pages = decode.reserve("h", len(PROMPT), ttl_s=30).page_ids
+        take_kv_in(decode)  # as a decode worker's
+        dst_pages = decode.reserve("h", len(PROMPT)).page_ids
         dst = RemotePages(receiver.session_id, decode.runner.kv_pool.base_addr, decode.runner.layout.page_bytes,
                           tuple(dst_pages))
         send = KVSend(dst, 0, int((time.time() + 30) * 1000), timeout_s=30)
@@ -107,7 +109,7 @@ def test_a_decode_engine_on_a_gpu_continues_from_kv_written_into_its_pool(smollm
         [first] = prefill.step()   # reads the sampled token to the host: the step's KV writes are done
         send.written.result(timeout=30)
         assert prefill.poll_kv() == ["h"]
-        decode.admit("h", list(PROMPT), first.token_id, first.logprob, GREEDY)
+        confirm(decode, "h", list(PROMPT), first.token_id, first.logprob, GREEDY)
         handed_off = [first.token_id, *_run_to_end(decode)]
     finally:
         sender.close()

@@ -18,6 +18,7 @@ from engine.request import Request, SamplingParams
 from engine.weights import open_checkpoint
 from server_runtime.engine_loop import EngineLoop
 from server_runtime.metrics import WorkerMetrics
+from tests.local_handoff import take_kv_in
 from tests.tiny_models import save_tiny_llama
 
 PAGE_SIZE = 4
@@ -46,7 +47,9 @@ class GatedEngine(Engine):
 
 def _engine(model_dir: Path, num_pages: int) -> GatedEngine:
     config = EngineConfig(dtype="float32", page_size=PAGE_SIZE, max_total_tokens=num_pages * PAGE_SIZE)
-    return GatedEngine(open_checkpoint(str(model_dir)), config, progress=False)
+    engine = GatedEngine(open_checkpoint(str(model_dir)), config, progress=False)
+    take_kv_in(engine)  # it takes reservations, as a decode worker's engine does
+    return engine
 
 
 async def _wait(event: threading.Event) -> None:
@@ -70,7 +73,7 @@ def test_a_reservation_is_answered_while_a_step_computes(model_dir: Path) -> Non
                 order.append(name)
 
             tasks = [asyncio.create_task(later("count", loop.call(lambda e: len(e.scheduler.running)))),
-                     asyncio.create_task(later("reserve", loop.reserve("k", 9, 60.0, 0.0, 0)))]
+                     asyncio.create_task(later("reserve", loop.reserve("k", 9, 0)))]
             await asyncio.wait_for(tasks[1], 10)   # answered with the step still held
             order.append("step released")
             engine.release.set()
@@ -102,7 +105,7 @@ def test_a_reservation_that_would_preempt_waits_for_the_step_and_then_preempts(m
             engine.release.clear()
             engine.began.clear()
             await _wait(engine.began)   # a decode step of "low" is held
-            reserving = asyncio.create_task(loop.reserve("high", 12, 60.0, 0.0, 0))   # 3 pages: only by preempting
+            reserving = asyncio.create_task(loop.reserve("high", 12, 0))   # 3 pages: only by preempting
             await asyncio.sleep(0.2)
             assert not reserving.done()   # it must not take pages the held step is writing
             engine.release.set()

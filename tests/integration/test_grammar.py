@@ -14,7 +14,7 @@ from tandem.sampling import GrammarKind, GrammarSpec
 from engine.request import Request, SamplingParams
 from engine.weights import open_checkpoint
 from gateway.text.tokenizer import load_tokenizer
-from tests.local_handoff import LocalHandoff
+from tests.local_handoff import LocalHandoff, confirm, take_kv_in
 
 # The population is bounded: unbounded, the bundled 4-bit model's greedy answer repeats "1" past any token
 # limit, and a cut-off answer tests nothing; bounded, the grammar must also end the number in time.
@@ -81,13 +81,14 @@ def test_a_handed_off_request_keeps_its_grammar(setup) -> None:
                               grammar=GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA)))
     whole = _run(_engine(checkpoint), "w", prompt, sampling)
     prefill, decode = _engine(checkpoint), _engine(checkpoint)
-    pages = decode.reserve("h", len(prompt), ttl_s=30).page_ids
+    take_kv_in(decode)
+    pages = decode.reserve("h", len(prompt)).page_ids
     with LocalHandoff(prefill, decode) as handoff:  # the transfer, in-process
         send = handoff.target(pages)
         prefill.add_request(Request("h", prompt, sampling, is_prefill_only=True, kv_params=send))
         [first] = prefill.step()
         send.written.result(timeout=10)
-    assert decode.admit("h", prompt, first.token_id, first.logprob, sampling) is None
+    assert confirm(decode, "h", prompt, first.token_id, first.logprob, sampling) is None
     handed = [first.token_id]
     while decode.has_work:
         handed += [o.token_id for o in decode.step() if o.token_id is not None]

@@ -15,6 +15,7 @@ from engine.request import Request, SamplingParams
 from engine.weights import open_checkpoint
 from kv_transfer import RemotePages, TransportConfig, create_transport
 from server_runtime.kv_send import KVSend, KVSendConnector
+from tests.local_handoff import confirm, take_kv_in
 
 pytest.importorskip("mooncake.engine")
 
@@ -32,6 +33,7 @@ def engines(smollm2_path: Path):
         transport = create_transport(TransportConfig(backend="mooncake", hostname="127.0.0.1"))
         transport.register(engine.runner.kv_pool.base_addr, engine.runner.kv_pool.num_bytes)
         transports.append(transport)
+    take_kv_in(decode)
     yield prefill, decode, transports[0], transports[1]
     for transport in transports:
         transport.close()
@@ -48,7 +50,7 @@ def test_decode_pages_hold_exactly_the_prefill_kv_and_decoding_continues(engines
     prefill, decode, prefill_transport, decode_transport = engines
     # the decode pool is dirty where the KV will land: stale bytes must all be overwritten
     decode.runner.kv_pool.tensor.normal_()
-    dst_pages = decode.reserve("h1", len(PROMPT), ttl_s=30).page_ids
+    dst_pages = decode.reserve("h1", len(PROMPT)).page_ids
     woken = threading.Event()
     prefill.kv_connector = KVSendConnector(prefill_transport, prefill.runner.kv_pool.base_addr, woken.set)
     dst = RemotePages(decode_transport.session_id, decode.runner.kv_pool.base_addr,
@@ -70,7 +72,7 @@ def test_decode_pages_hold_exactly_the_prefill_kv_and_decoding_continues(engines
     assert torch.equal(sent, received)
     assert sent.abs().sum() > 0
 
-    assert decode.admit("h1", list(PROMPT), first.token_id, first.logprob, GREEDY) is None
+    assert confirm(decode, "h1", list(PROMPT), first.token_id, first.logprob, GREEDY) is None
     handed_off = [first.token_id] + _run_to_end(decode)
 
     # the same request run start to finish on one engine gives the same tokens
@@ -82,21 +84,40 @@ def test_decode_pages_hold_exactly_the_prefill_kv_and_decoding_continues(engines
 
 def test_unused_reservation_expires_and_frees_its_pages(engines) -> None:
     _, decode, _, _ = engines
-    before = decode.allocator.num_free
-    decode.reserve("stale", 40, ttl_s=0.0)
-    assert decode.allocator.num_free == before - 3
-    assert decode.expire_reservations(now=float("inf")) == ["stale"]
-    assert decode.allocator.num_free == before
+    now = [0.0]
+    receiver = decode.kv_connector
+    take_kv_in(decode, ttl_s=30.0, clock=lambda: now[0])
+    try:
+        before = decode.allocator.num_free
+        decode.reserve("stale", 40)
+        assert decode.allocator.num_free == before - 3 and decode.poll_kv() == []
+        now[0] = 31.0
+        assert decode.poll_kv() == ["stale"]
+        assert decode.allocator.num_free == before and not decode.holds("stale")
+    finally:
+        decode.kv_connector = receiver
 
 
 def test_dropped_reservation_pages_sit_out_the_write_grace_period(engines) -> None:
     # a prefill server may still be writing into them: they must not go to another request yet
     _, decode, _, _ = engines
-    before = decode.allocator.num_free
-    decode.reserve("late", 20, ttl_s=30, grace_s=5.0)
-    decode.abort("late")
-    assert decode.allocator.num_free == before - 2 and decode.num_quarantined_pages == 2
-    decode.expire_reservations(now=0.0)
-    assert decode.allocator.num_free == before - 2
-    decode.expire_reservations(now=float("inf"))
-    assert decode.allocator.num_free == before and decode.num_quarantined_pages == 0
+    now = [0.0]
+    receiver = decode.kv_connector
+    quarantine = take_kv_in(decode, ttl_s=30.0, grace_s=5.0, clock=lambda: now[0])
+    try:
+        before = decode.allocator.num_free
+        decode.reserve("late", 20)
+        decode.abort("late")
+        assert decode.allocator.num_free == before - 2 and quarantine.num_quarantined_pages == 2
+        assert not decode.holds("late")   # the id is free again; its pages are not
+        now[0] = 4.9
+        decode.poll_kv()
+        assert decode.allocator.num_free == before - 2
+        now[0] = 5.0
+        decode.poll_kv()
+        assert decode.allocator.num_free == before and quarantine.num_quarantined_pages == 0
+        decode.reserve("settled", 20)
+        decode.abort("settled", write_settled=True)   # the write is known to be over: no quarantine
+        assert decode.allocator.num_free == before and quarantine.num_quarantined_pages == 0
+    finally:
+        decode.kv_connector = receiver

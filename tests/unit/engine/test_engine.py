@@ -6,7 +6,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from engine.request import FinishReason, Request, SamplingParams, StepOutput
 from engine.runner import FaultHooks
 from engine.weights import open_checkpoint
 from kv_transfer import KVTransferError
-from tests.local_handoff import LocalHandoff
+from tests.local_handoff import LocalHandoff, confirm, take_kv_in
 from tests.tiny_models import save_tiny_llama
 
 PAGE_SIZE = 4
@@ -36,9 +35,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _engine(model_dir: Path, **overrides) -> Engine:
+    """An engine that also takes reservations, as a decode worker's does (a KVReceiveConnector)."""
     config = dict(dtype="float32", page_size=PAGE_SIZE, max_total_tokens=64)
     config.update(overrides)
-    return Engine(open_checkpoint(str(model_dir)), EngineConfig(**config), progress=False)
+    engine = Engine(open_checkpoint(str(model_dir)), EngineConfig(**config), progress=False)
+    take_kv_in(engine)
+    return engine
 
 
 def _run(engine: Engine, max_steps: int = 500) -> dict[str, list[StepOutput]]:
@@ -174,7 +176,7 @@ def test_generation_stops_at_the_context_length(model_dir: Path) -> None:
     with pytest.raises(ContextLengthExceededError):
         engine.add_request(Request("long", list(range(12)), SamplingParams()))
     with pytest.raises(ContextLengthExceededError):
-        engine.reserve("res", prompt_len=12, ttl_s=10)
+        engine.reserve("res", prompt_len=12)
     _assert_idle(engine)
 
 
@@ -199,7 +201,7 @@ def test_duplicate_request_id_is_rejected(model_dir: Path) -> None:
     with pytest.raises(InvalidRequestError):
         engine.add_request(Request("dup", PROMPT_B, SamplingParams()))
     with pytest.raises(InvalidRequestError):
-        engine.reserve("dup", prompt_len=4, ttl_s=10)
+        engine.reserve("dup", prompt_len=4)
     outputs = _run(engine)
     assert len(_tokens(outputs["dup"])) == 3
     _assert_idle(engine)
@@ -207,11 +209,11 @@ def test_duplicate_request_id_is_rejected(model_dir: Path) -> None:
 
 def test_reserved_id_cannot_be_reused_by_a_prompt(model_dir: Path) -> None:
     engine = _engine(model_dir)
-    engine.reserve("res", prompt_len=4, ttl_s=60)
+    engine.reserve("res", prompt_len=4)
     with pytest.raises(InvalidRequestError):
         engine.add_request(Request("res", PROMPT_B, SamplingParams()))
     with pytest.raises(InvalidRequestError):
-        engine.reserve("res", prompt_len=4, ttl_s=60)
+        engine.reserve("res", prompt_len=4)
     assert not engine.has_work and engine.allocator.num_used == 1
 
 
@@ -244,7 +246,7 @@ def test_reserve_then_admit_decodes_from_transferred_kv(model_dir: Path) -> None
 
     prefill, decode = _engine(model_dir), _engine(model_dir)
     decode.allocator.allocate(3)  # so the reserved page ids differ from the prefill engine's
-    page_ids = decode.reserve("r", prompt_len=len(PROMPT_A), ttl_s=60).page_ids
+    page_ids = decode.reserve("r", prompt_len=len(PROMPT_A)).page_ids
     assert len(page_ids) == pages_needed(len(PROMPT_A), PAGE_SIZE) and decode.holds("r")
     assert decode.allocator.num_used == 3 + len(page_ids)
     with LocalHandoff(prefill, decode) as handoff:
@@ -257,23 +259,23 @@ def test_reserve_then_admit_decodes_from_transferred_kv(model_dir: Path) -> None
         assert prefill.poll_kv() == ["r"]
     _assert_idle(prefill)
 
-    assert decode.admit("r", PROMPT_A, first.token_id, first.logprob,
-                        SamplingParams(max_new_tokens=8, **GREEDY)) is None
+    assert confirm(decode, "r", PROMPT_A, first.token_id, first.logprob,
+                   SamplingParams(max_new_tokens=8, **GREEDY)) is None
     outputs = _run(decode)["r"]
     assert [first.token_id] + _tokens(outputs) == expected
     assert outputs[-1].finish_reason is FinishReason.LENGTH
     assert decode.allocator.num_used == 3 and not decode.holds("r")
 
 
-def test_admit_errors_keep_or_lack_the_reservation(model_dir: Path) -> None:
+def test_confirmation_errors_keep_or_lack_the_reservation(model_dir: Path) -> None:
     engine = _engine(model_dir)
     with pytest.raises(RequestNotFoundError):
-        engine.admit("unknown", PROMPT_B, 1, -0.5, SamplingParams())
-    engine.reserve("r", prompt_len=len(PROMPT_B), ttl_s=60)
+        confirm(engine, "unknown", PROMPT_B, 1, -0.5, SamplingParams())
+    engine.reserve("r", prompt_len=len(PROMPT_B))
     with pytest.raises(InvalidRequestError):
-        engine.admit("r", PROMPT_B + [1], 1, -0.5, SamplingParams())
+        confirm(engine, "r", PROMPT_B + [1], 1, -0.5, SamplingParams())
     with pytest.raises(InvalidRequestError):
-        engine.admit("r", PROMPT_B, 256, -0.5, SamplingParams())  # first token outside vocab
+        confirm(engine, "r", PROMPT_B, 256, -0.5, SamplingParams())  # first token outside vocab
     assert engine.holds("r") and engine.allocator.num_used == pages_needed(len(PROMPT_B), PAGE_SIZE)
     assert engine.abort("r") is None  # dropping a reservation returns no output
     _assert_idle(engine)
@@ -284,28 +286,31 @@ def test_admit_errors_keep_or_lack_the_reservation(model_dir: Path) -> None:
     (dict(max_new_tokens=1), FinishReason.LENGTH),
     (dict(max_new_tokens=5, stop_token_ids=(7,)), FinishReason.STOP),
 ])
-def test_admit_whose_first_token_finishes(model_dir: Path, sampling: dict, reason: FinishReason) -> None:
+def test_a_confirmation_whose_first_token_finishes(model_dir: Path, sampling: dict, reason: FinishReason) -> None:
     engine = _engine(model_dir)
-    engine.reserve("r", prompt_len=len(PROMPT_B), ttl_s=60)
-    out = engine.admit("r", PROMPT_B, 7, -0.25, SamplingParams(**sampling))
+    engine.reserve("r", prompt_len=len(PROMPT_B))
+    out = confirm(engine, "r", PROMPT_B, 7, -0.25, SamplingParams(**sampling))
     assert out is not None and out.finish_reason is reason and out.token_id is None
     assert out.matched_token_id == (7 if reason is FinishReason.STOP else None)
     _assert_idle(engine)
     assert not engine.holds("r")
 
 
-def test_expire_reservations_frees_pages_after_ttl(model_dir: Path) -> None:
-    engine = _engine(model_dir)
-    start = time.monotonic()
-    engine.reserve("short", prompt_len=5, ttl_s=1.0)
-    engine.reserve("long", prompt_len=9, ttl_s=100.0)
-    assert engine.allocator.num_used == 2 + 3
-    assert engine.expire_reservations(start) == []
-    assert engine.expire_reservations(start + 2.0) == ["short"]
+def test_reservations_past_their_ttl_are_dropped_by_poll_kv(model_dir: Path) -> None:
+    engine, now = _engine(model_dir), [0.0]
+    take_kv_in(engine, ttl_s=1.0, clock=lambda: now[0])
+    engine.reserve("short", prompt_len=5)
+    now[0] = 0.5
+    engine.reserve("long", prompt_len=9)
+    assert engine.allocator.num_used == 2 + 3 and engine.num_receiving == 2
+    assert engine.poll_kv() == []
+    now[0] = 1.2
+    assert engine.poll_kv() == ["short"]
     assert engine.allocator.num_used == 3 and not engine.holds("short") and engine.holds("long")
     with pytest.raises(RequestNotFoundError):
-        engine.admit("short", [1] * 5, 1, -1.0, SamplingParams())
-    assert engine.expire_reservations(start + 200.0) == ["long"]
+        confirm(engine, "short", [1] * 5, 1, -1.0, SamplingParams())
+    now[0] = 200.0
+    assert engine.poll_kv() == ["long"] and engine.poll_kv() == []
     _assert_idle(engine)
 
 
@@ -401,13 +406,18 @@ def test_different_seeds_give_different_tokens(model_dir: Path) -> None:
     _assert_idle(engine)
 
 
-def test_a_touched_reservation_outlives_its_first_ttl(model_dir: Path) -> None:
-    engine = _engine(model_dir)
-    engine.reserve("slow-grammar", len(PROMPT_A), ttl_s=0.05)
-    engine.touch_reservation("slow-grammar", ttl_s=30)
-    time.sleep(0.1)
-    assert engine.expire_reservations(time.monotonic()) == [] and engine.holds("slow-grammar")
-    engine.touch_reservation("unknown", ttl_s=30)   # nothing to keep: no error
+def test_a_kept_reservation_outlives_its_first_ttl(model_dir: Path) -> None:
+    engine, now = _engine(model_dir), [0.0]
+    receiver = take_kv_in(engine, ttl_s=30.0, clock=lambda: now[0])
+    engine.reserve("slow-grammar", len(PROMPT_A))
+    now[0] = 20.0
+    receiver.keep("slow-grammar")                 # its Generate is compiling a grammar
+    now[0] = 40.0
+    assert engine.poll_kv() == [] and engine.holds("slow-grammar")
+    receiver.keep("unknown")                      # nothing to keep: no error
+    now[0] = 50.0
+    assert engine.poll_kv() == ["slow-grammar"]
+    _assert_idle(engine)
 
 
 def test_non_finite_logits_fail_that_request_alone(model_dir: Path) -> None:
@@ -455,11 +465,11 @@ def test_a_better_reservation_preempts_a_worse_running_request_which_comes_back_
     free = engine.allocator.num_free
     prompt_len = (free + 1) * PAGE_SIZE          # one page more than is free
     with pytest.raises(CapacityError):
-        engine.reserve("same", prompt_len, ttl_s=30, priority=1)
-    assert engine.reserve("urgent", prompt_len, ttl_s=30, priority=0).page_ids
+        engine.reserve("same", prompt_len, priority=1)
+    assert engine.reserve("urgent", prompt_len, priority=0).page_ids
     assert [r.request_id for r in engine.scheduler.running] == ["low_old"] and engine.scheduler.has_resuming
     with pytest.raises(CapacityError):           # the paused one comes back before new ones of its priority
-        engine.reserve("later", PAGE_SIZE, ttl_s=30, priority=1)
+        engine.reserve("later", PAGE_SIZE, priority=1)
     engine.abort("urgent", write_settled=True)
     for rid, more in _run(engine).items():
         outputs.setdefault(rid, []).extend(more)

@@ -14,6 +14,7 @@ from engine.errors import InvalidRequestError
 from engine.request import FinishReason, Request, SamplingParams
 from engine.weights import open_checkpoint
 from tests.hf_oracle import hf_last_logits, load_hf_dir
+from tests.local_handoff import confirm, take_kv_in
 from tests.tiny_models import save_tiny_llama
 
 PROMPT = [5, 17, 42, 99, 3, 7]
@@ -126,9 +127,10 @@ def test_update_weights_checks_shapes_first_and_renames_the_weights(model_dir: P
     with pytest.raises(InvalidRequestError, match="do not match"):
         engine.update_weights(open_checkpoint(str(save_tiny_qwen2(tmp_path / "qwen"))))
     assert engine.weights_id == open_checkpoint(str(other)).identity
-    engine.reserve("late", len(PROMPT), ttl_s=30)
+    take_kv_in(engine)
+    engine.reserve("late", len(PROMPT))
     with pytest.raises(RequestAbortedError, match="different model weights"):
-        engine.admit("late", list(PROMPT), 5, -1.0, SamplingParams(), weights_id=before)
+        confirm(engine, "late", list(PROMPT), 5, -1.0, SamplingParams(), weights_id=before)
 
 
 def _hf_all_logprobs(model_dir: Path, ids: list[int]) -> torch.Tensor:

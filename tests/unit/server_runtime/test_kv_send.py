@@ -33,11 +33,11 @@ def test_a_send_writes_the_pages_after_the_skipped_ones_and_is_polled_once() -> 
         send = KVSend(RemotePages(receiver.session_id, dst.data_ptr(), 8 * 4, (2, 3)), 1, FAR, timeout_s=5)
         assert not connector.on_finished(_computed("none", [0], None))  # type: ignore[arg-type]
         assert connector.on_finished(_computed("r", [0, 1, 3], send))  # page 0 is already on the decode side
-        assert not send.written.done() and connector.poll() == []  # nothing starts before start_saves
+        assert not send.written.done() and connector.poll().sent == []  # nothing starts before start_saves
         connector.start_saves()
         stats = asyncio.run(await_write(send))
         assert stats.num_bytes == 64 and torch.equal(dst[2], src[1]) and torch.equal(dst[3], src[3])
-        assert woken == [True] and connector.poll() == ["r"] and connector.poll() == []
+        assert woken == [True] and connector.poll().sent == ["r"] and connector.poll().sent == []
         with pytest.raises(KVTransferError, match="timeout_s"):   # refused before anything moves
             KVSend(send.dst, 0, FAR, timeout_s=0)
 
@@ -64,7 +64,7 @@ def test_a_send_past_its_deadline_times_out_its_waiter_and_gives_its_pages_back(
         asyncio.run(await_write(send))
     assert time.monotonic() - started < 1.0
     assert transport.write.running() and not send.written.done()  # the write was not cancelled under the backend
-    assert connector.poll() == ["r"] and connector.num_running == 0  # its deadline passed: the pages may go
+    assert connector.poll().sent == ["r"] and connector.num_running == 0  # its deadline passed: the pages may go
 
 
 def test_a_send_whose_grant_expired_or_whose_pages_do_not_match_writes_nothing() -> None:
@@ -79,4 +79,4 @@ def test_a_send_whose_grant_expired_or_whose_pages_do_not_match_writes_nothing()
         late.written.result(timeout=0)
     with pytest.raises(KVTransferError, match="2 pages to send, the target 3"):
         short.written.result(timeout=0)
-    assert not transport.write.running() and sorted(connector.poll()) == ["late", "short"]
+    assert not transport.write.running() and sorted(connector.poll().sent) == ["late", "short"]
