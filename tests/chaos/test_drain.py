@@ -30,9 +30,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.chaos_extended]
 DRAIN_TIMEOUT_S = 30
 NUM_STREAMS = 3
 MAX_TOKENS = 48
-# Streams that outlast the 5 s uvicorn gave them before --drain-timeout, yet end within the gateway's own
-# 30 s drain: about 10 s here (four streams at once, bfloat16); 200 tokens took only 4 s.
-GATEWAY_MAX_TOKENS = 500
+# The gateway test's streams must outlast the 5 s uvicorn gave them before --drain-timeout, yet end well
+# within the gateway's own 30 s drain: about this long, at the rate a short burst of as many streams
+# measures on this machine (500 tokens took 10 s on an AVX-512 EPYC and over 30 s on an AVX2 one).
+GATEWAY_STREAM_S = 12.0
 
 
 @pytest.fixture
@@ -109,16 +110,28 @@ def test_a_draining_decode_worker_finishes_its_streams_refuses_new_ones_and_exit
     assert_nothing_leaked(services)
 
 
+def _tokens_for(url: str, seconds: float, num_streams: int) -> int:
+    """How many tokens `num_streams` streams at once each take about `seconds` to give here, from a burst of
+    32-token streams (between 64 and 700, so that every stream fits the pool together)."""
+    burst = [Reply() for _ in range(num_streams)]
+    with ThreadPoolExecutor(num_streams) as pool:
+        for future in [pool.submit(completion, url, f"Count to {i}.", 32, True, r) for i, r in enumerate(burst)]:
+            future.result()
+    seconds_per_token = max((r.times[-2] - r.times[0]) / 31 for r in burst)  # from the first token to the last
+    return max(64, min(700, int(seconds / seconds_per_token)))
+
+
 def test_a_draining_gateway_finishes_its_streams_and_takes_no_new_connection(services: Services) -> None:
     baseline = canary(services.url)
+    max_tokens = _tokens_for(services.url, GATEWAY_STREAM_S, NUM_STREAMS + 1)
     streams = [Reply() for _ in range(NUM_STREAMS)]
     grpc_chunks: list[completion_pb2.CompletionChunk] = []
     with ThreadPoolExecutor(NUM_STREAMS + 1) as pool, grpc.insecure_channel(services.grpc_target) as channel:
         futures = [
-            pool.submit(completion, services.url, f"Tell me story number {i}.", GATEWAY_MAX_TOKENS, True, reply)
+            pool.submit(completion, services.url, f"Tell me story number {i}.", max_tokens, True, reply)
             for i, reply in enumerate(streams)
         ]
-        grpc_stream = pool.submit(_grpc_stream, channel, GATEWAY_MAX_TOKENS, grpc_chunks)
+        grpc_stream = pool.submit(_grpc_stream, channel, max_tokens, grpc_chunks)
         wait_for(
             lambda: all(len(s.events) >= 3 for s in streams) and len(grpc_chunks) >= 3,
             120,
@@ -135,14 +148,14 @@ def test_a_draining_gateway_finishes_its_streams_and_takes_no_new_connection(ser
             future.result()
         grpc_stream.result()
     finishes = [c.choices[0].finish_reason for c in grpc_chunks if c.choices and c.choices[0].finish_reason]
-    assert finishes == ["length"] and grpc_chunks[-1].usage.completion_tokens == GATEWAY_MAX_TOKENS
+    assert finishes == ["length"] and grpc_chunks[-1].usage.completion_tokens == max_tokens
 
     # uvicorn re-raises the signal once it has shut down, so the process ends "killed by SIGTERM"
     assert services.gateway.wait(DRAIN_TIMEOUT_S) == -signal.SIGTERM
     seconds_to_exit = time.monotonic() - signalled_at
     last_token_at = max(s.times[-1] for s in streams)
     print(
-        f"SIGTERM -> no new connection: {seconds_to_refuse:.2f} s; -> last stream done: "
+        f"{max_tokens} tokens a stream; SIGTERM -> no new connection: {seconds_to_refuse:.2f} s; -> last stream done: "
         f"{last_token_at - signalled_at:.2f} s; -> exit: {seconds_to_exit:.2f} s"
     )
     assert last_token_at - signalled_at > 5, "the streams were too short to show a drain longer than 5 s"
