@@ -235,6 +235,8 @@ class Engine:
         and only the pages after it are to be written; the pages of it that only the slow tiers hold are
         those `reads` found (`read_slow_tiers`, run off the engine thread), or, without `reads`, read now.
         """
+        if not self.kv_connector.takes_kv_in:
+            raise InvalidRequestError("this worker takes no KV from another process")
         if self.holds(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.prompt_limits.check_prompt_len(prompt_len)
@@ -249,13 +251,7 @@ class Engine:
             )
         if self.scheduler.has_resuming_at(priority):
             raise CapacityError("requests paused for lack of KV pages are resumed before new ones are reserved")
-        if reads is None and prompt_ids and namespace is not None:
-            reads = self.read_slow_tiers(self.slow_tier_digests(prompt_ids, namespace))
-        if reads and self.kv_tiers is not None:
-            self.kv_tiers.adopt(reads)
-        cached = self.pages.match(prompt_ids, namespace) if prompt_ids and namespace is not None else []
-        if self.kv_tiers is not None:
-            self.kv_tiers.forget_fetched()
+        cached = self._share_cached_prefix(prompt_ids, namespace, reads) if prompt_ids and namespace is not None else []
         try:
             page_ids = cached + self.scheduler.reserve(prompt_len, priority, may_preempt, num_held_pages=len(cached))
         except BaseException:
@@ -272,13 +268,21 @@ class Engine:
             priority=priority,
             lora_id=namespace or "",
         )
-        try:
-            self.kv_connector.on_reserved(req)
-        except BaseException:
-            self.pages.release(page_ids)
-            raise
+        self.kv_connector.on_reserved(req)
         self._receiving[request_id] = req
         return ReservedPages(page_ids[len(cached) :], req.num_cached_tokens)
+
+    def _share_cached_prefix(self, prompt_ids: list[int], namespace: str, reads: TierReads | None) -> list[int]:
+        """The pages of `prompt_ids`' longest prefix cached in `namespace`, a reference taken on each; the
+        slow tiers' pages of it are those `reads` found, or, without `reads`, read now."""
+        if reads is None:
+            reads = self.read_slow_tiers(self.slow_tier_digests(prompt_ids, namespace))
+        if reads and self.kv_tiers is not None:
+            self.kv_tiers.adopt(reads)
+        cached = self.pages.match(prompt_ids, namespace)
+        if self.kv_tiers is not None:
+            self.kv_tiers.forget_fetched()
+        return cached
 
     def _admit(self, req: Request, received: ReceivedKV) -> StepOutput | None:
         """Start decoding the reserved request `req` confirms from its first token: the prompt's KV is in

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidRequestError
 from engine.request import Request
 
 
@@ -68,7 +67,10 @@ class KVPoll:
 
 
 class KVConnector:
-    """Moves nothing: prefill-only requests' pages are freed once computed, and no KV is taken in."""
+    """Moves nothing: prefill-only requests' pages are freed once computed, and no KV is taken in
+    (`takes_kv_in`: whether `Engine.reserve` may make receiving requests at all)."""
+
+    takes_kv_in = False
 
     def on_finished(self, req: Request) -> bool:
         """`req` (prefill-only) has its prompt's KV in `req.page_ids`: True if the connector sends it and
@@ -79,10 +81,8 @@ class KVConnector:
         """At the end of a step's update: start the sends `on_finished` accepted in it."""
 
     def on_reserved(self, req: Request) -> None:
-        """`req` is RECEIVING: its `page_ids` cover its prompt, and the pages after its first
-        `num_cached_tokens` tokens' are to be written from outside. Raises InvalidRequestError if this
-        connector takes no KV in."""
-        raise InvalidRequestError("this worker takes no KV from another process")
+        """`req` is RECEIVING (only with `takes_kv_in`): its `page_ids` cover its prompt, and the pages
+        after its first `num_cached_tokens` tokens' are to be written from outside."""
 
     def on_received(self, req: Request) -> None:
         """`req`'s KV is confirmed and it is admitted: it no longer waits."""

@@ -27,6 +27,8 @@ class KVReceiveConnector(KVConnector):
     """Deadlines of the reservations and the quarantine of dropped ones; `clock` is time.monotonic's
     kind (seconds)."""
 
+    takes_kv_in = True
+
     def __init__(self, ttl_s: float, grace_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         if ttl_s <= 0 or grace_s < 0:
             raise ValueError("a reservation's ttl must be positive and its write grace >= 0")

@@ -15,6 +15,7 @@ from transformers import LlamaForCausalLM
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import CapacityError, ContextLengthExceededError, InvalidRequestError, RequestNotFoundError
+from engine.kv_connector import KVConnector
 from engine.page_allocator import pages_needed
 from engine.request import FinishReason, Request, SamplingParams, StepOutput
 from engine.runner import FaultHooks
@@ -205,6 +206,17 @@ def test_duplicate_request_id_is_rejected(model_dir: Path) -> None:
     outputs = _run(engine)
     assert len(_tokens(outputs["dup"])) == 3
     _assert_idle(engine)
+
+
+def test_an_engine_whose_connector_takes_no_kv_in_refuses_reservations_before_taking_a_page(model_dir: Path) -> None:
+    engine = _engine(model_dir)
+    engine.kv_connector = KVConnector()   # a prefill worker's kind: it sends KV, it takes none in
+    engine.add_request(Request("running", PROMPT_A, SamplingParams(max_new_tokens=40, **GREEDY), priority=5))
+    engine.step()
+    used = engine.allocator.num_used
+    with pytest.raises(InvalidRequestError, match="takes no KV"):
+        engine.reserve("r", prompt_len=64 - 4, priority=0)   # would preempt "running" for its pages
+    assert engine.allocator.num_used == used and not engine.holds("r") and not engine.scheduler.has_resuming
 
 
 def test_reserved_id_cannot_be_reused_by_a_prompt(model_dir: Path) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import InvalidRequestError
 from engine.kv_connector import KVConnector
 from engine.request import Request, RequestStatus, SamplingParams
 from server_runtime.kv_receive import KVReceiveConnector
@@ -80,7 +79,6 @@ def test_no_grace_frees_at_once_and_bad_settings_are_refused() -> None:
             KVReceiveConnector(ttl_s, grace_s)
 
 
-def test_the_base_connector_takes_no_kv_in() -> None:
-    with pytest.raises(InvalidRequestError, match="takes no KV"):
-        KVConnector().on_reserved(_reserved("r", [1]))
+def test_only_the_receive_connector_takes_kv_in() -> None:
+    assert KVReceiveConnector(1.0, 0.0).takes_kv_in and not KVConnector().takes_kv_in
     assert not KVConnector().on_dropped(_reserved("r", [1]), [1], write_settled=False)
