@@ -172,12 +172,12 @@ def test_stalled_peer_times_out_instead_of_hanging(pair: Pair, handshake_first: 
         assert connector.on_finished(Request("stalled", [1], SamplingParams(), page_ids=[2, 3], kv_params=send))
         start = time.monotonic()
         connector.start_saves()
-        assert connector.poll() == []
+        assert connector.poll().sent == []
         with pytest.raises(KVTransferTimeout, match="within 0.5 s"):
             asyncio.run(await_write(send))
         assert 0.5 <= time.monotonic() - start < 1.5
         assert not write.done() and not send.written.done()
-        assert connector.poll() == ["stalled"] and connector.num_running == 0
+        assert connector.poll().sent == ["stalled"] and connector.num_running == 0
     finally:
         peer.kill()
         peer.wait(timeout=10)
