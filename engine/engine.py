@@ -259,8 +259,8 @@ class Engine:
             raise
         req = Request(
             request_id,
-            list(prompt_ids or ()),
-            SamplingParams(),  # its confirmation brings the real ones
+            [],  # its confirmation brings the prompt and the sampling
+            SamplingParams(),
             page_ids=page_ids,
             num_computed=prompt_len,
             num_cached_tokens=len(cached) * self.config.page_size,

@@ -137,8 +137,9 @@ class Scheduler:
         requests: list[Request] = list(decoding)
         counts = [1 + len(r.draft_ids) for r in decoding]
         num_decode_tokens = sum(counts)
-        budget = self._prompt_budget(num_decode_tokens)
-        unpaced_budget = self._prompt_budget(num_decode_tokens, paced=False)
+        unpaced_budget = self._prompt_budget(num_decode_tokens)
+        cap = self.pacer.prompt_budget(num_decode_tokens) if self.pacer is not None else None
+        budget = unpaced_budget if cap is None else min(unpaced_budget, cap)
         num_prompt_tokens = 0
         for req in [r for r in self.running if r.seq_len - r.num_computed > 1]:  # chunks to continue
             if num_prompt_tokens >= budget:
@@ -198,16 +199,14 @@ class Scheduler:
                 drafts = drafts[: len(req.page_ids) * self.page_size - req.seq_len]
         req.draft_ids = drafts
 
-    def _prompt_budget(self, num_decode_tokens: int, paced: bool = True) -> int:
-        """Prompt tokens this step may compute, after `num_decode_tokens` decode tokens (without
-        `paced`: ignoring the decode pace)."""
+    def _prompt_budget(self, num_decode_tokens: int) -> int:
+        """Prompt tokens this step may compute, after `num_decode_tokens` decode tokens, before the decode
+        pace caps them."""
         budget = self.max_prefill_tokens
         if self.chunked_prefill_size is not None:
             budget = min(budget, self.chunked_prefill_size)
         if self.max_num_batched_tokens is not None:
             budget = min(budget, self.max_num_batched_tokens - num_decode_tokens)
-        if paced and self.pacer is not None and (cap := self.pacer.prompt_budget(num_decode_tokens)) is not None:
-            budget = min(budget, cap)
         return budget
 
     def _admit_waiting(

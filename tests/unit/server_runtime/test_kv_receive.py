@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv_connector import KVConnector
 from engine.request import Request, RequestStatus, SamplingParams
 from server_runtime.kv_receive import KVReceiveConnector
 
@@ -78,7 +77,3 @@ def test_no_grace_frees_at_once_and_bad_settings_are_refused() -> None:
         with pytest.raises(ValueError):
             KVReceiveConnector(ttl_s, grace_s)
 
-
-def test_only_the_receive_connector_takes_kv_in() -> None:
-    assert KVReceiveConnector(1.0, 0.0).takes_kv_in and not KVConnector().takes_kv_in
-    assert not KVConnector().on_dropped(_reserved("r", [1]), [1], write_settled=False)
