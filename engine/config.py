@@ -147,7 +147,7 @@ class ModelConfig:
 
 _DTYPES = ("bfloat16", "float32", "float16")
 QUANTIZATIONS = ("none", "gguf", "q8_0", "q4_0", "q4_1")  # what each means: engine/weight_loader.py
-SPECULATIVE_ALGORITHMS = ("ngram",)  # draft proposers: engine/proposers.py
+SPECULATIVE_ALGORITHMS = ("ngram", "draft")  # draft proposers: engine/proposers.py, engine/draft_model.py
 DRAFT_POLICIES = ("auto", "always")
 MAX_LORA_RANK = 64  # the batched LoRA kernels' largest rank (kernels/lora.py)
 # "meta" (shapes without data) lets tests run the whole forward pass with no memory and no GPU
@@ -166,9 +166,10 @@ class EngineConfig:
     prefilled over several steps (0 is accepted as off, as SGLang's users write it).
     `max_num_batched_tokens` (None: no cap beyond those) caps every step's tokens, decode and prompt
     together: decode tokens go first, prompts get what is left (engine/scheduler.py).
-    `speculative_algorithm` "ngram" (None: off) has each decoding request feed up to
-    `speculative_num_draft_tokens` guessed tokens (prompt lookup, engine/proposers.py) and verify them
-    in the same step; output follows the target distribution exactly either way.
+    `speculative_algorithm` "ngram" or "draft" (None: off) has each decoding request feed up to
+    `speculative_num_draft_tokens` guessed tokens (prompt lookup, engine/proposers.py; a draft model
+    the engine is given, engine/draft_model.py) and verify them in the same step; output follows the
+    target distribution exactly either way.
     `speculative_draft_policy` "auto" verifies a draft only where the measured step times and the
     request's acceptance so far say it pays (engine/step_costs.py); "always": every draft, every step.
     `max_loras` (0: none) LoRA adapters of rank up to `max_lora_rank` can be held at once, each in a

@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 from engine.config import ConfigError, EngineConfig
+from engine.draft_model import proposer_for
 from engine.errors import (
     CapacityError,
     InvalidRequestError,
@@ -49,7 +50,6 @@ from engine.outputs import accept_token, append_token, finish_output
 from engine.page_allocator import PageAllocator, pages_needed
 from engine.page_pool import NoPrefixCache, PagePool
 from engine.prefix_cache import PrefixCache
-from engine.proposers import NgramProposer
 from engine.request import FinishReason, PromptLimits, Request, RequestStatus, SamplingParams, StepOutput
 from engine.runner import FaultHooks, ModelRunner
 from engine.scheduler import Scheduler, cacheable_prompt
@@ -72,8 +72,10 @@ class Engine:
         background: Callable[[Callable[[], None]], object] | None = None,
         kv_store: StoreAccess | None = None,
         kv_connector: KVConnector | None = None,
+        draft: Checkpoint | None = None,
     ) -> None:
-        """`background` runs the slow tiers' reads and the disk tier's writes off the engine thread (None: on
+        """`draft`: the draft model of `speculative_algorithm` "draft". `background` runs the slow tiers'
+        reads and the disk tier's writes off the engine thread (None: on
         it, and no prompt waits as loading); `kv_store`: the
         cluster's KV store, where the prefix cache keeps its pages too (engine/kv_store_tier.py);
         `kv_connector` moves KV in and out of the pool (None: none moves; prefill-only requests' pages are
@@ -109,7 +111,7 @@ class Engine:
             config.max_num_batched_tokens,
             self.eos_token_ids,
             self.context_len,
-            NgramProposer(config.speculative_num_draft_tokens) if config.speculative_algorithm == "ngram" else None,
+            proposer_for(config, draft, mc, self.context_len, self.runner.kv_pool.num_pages, progress),
             pacer,
             DraftBudget(config.speculative_num_draft_tokens, self.step_times) if is_budgeted else None,
         )

@@ -2,7 +2,8 @@
 
 A proposer guesses the next few tokens of a request; the target model then checks every guess in
 one forward pass (`kernels.rejection_sampling.verify`), so a good guess saves decode steps and a bad
-one costs only the wasted rows.
+one costs only the wasted rows. `NgramProposer` looks the guess up in the request's own text; the
+draft-model proposer (`engine/draft_model.py`, torch) asks a smaller model of the same tokenizer.
 """
 
 from __future__ import annotations
@@ -12,16 +13,37 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
+@dataclass(frozen=True, slots=True)
+class DraftAsk:
+    """One decoding request's question to a proposer: the tokens that follow `token_ids` (its prompt
+    then its output so far; only read), at most `max_tokens` of them."""
+
+    request_id: str
+    token_ids: Sequence[int]
+    max_tokens: int
+
+
 class Proposer(ABC):
-    """Guesses the tokens that follow a request's text."""
+    """Guesses the tokens that follow requests' texts, a step's requests at once.
+
+    A proposer that samples its drafts would have to give the verifier the probabilities it drew
+    them from; these propose fixed guesses (a lookup, a draft model's argmax), which the verifier
+    treats as drawn with probability one, so the output keeps the target distribution exactly."""
 
     @abstractmethod
-    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        """Draft tokens to follow `token_ids` (the prompt then the output so far), at most
-        `max_tokens` of them (zero or less: none); [] when there is no guess. `token_ids` is only
-        read. A proposer that samples its drafts must also give the probabilities it drew them from
-        to the verifier; one that returns [] or fixed guesses gives none (the verifier then treats
-        each draft as drawn with probability one)."""
+    def propose(self, asks: Sequence[DraftAsk]) -> list[list[int]]:
+        """The drafts for each ask, in order: at most its `max_tokens` (zero or less: none); [] where
+        there is no guess."""
+
+    def forget(self, request_id: str) -> None:
+        """The request stopped decoding here (finished, aborted, preempted): a proposer that keeps
+        state per request drops its."""
+        return None
+
+    @property
+    def seconds_per_draft(self) -> float:
+        """What proposing one draft token costs, measured (0: next to nothing, as a lookup)."""
+        return 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +68,11 @@ class NgramProposer(Proposer):
         if self.max_n < self.min_n:
             raise ValueError(f"max_n ({self.max_n}) must be at least min_n ({self.min_n})")
 
-    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+    def propose(self, asks: Sequence[DraftAsk]) -> list[list[int]]:
+        return [self.guess(ask.token_ids, ask.max_tokens) for ask in asks]
+
+    def guess(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """The drafts to follow `token_ids`, at most `max_tokens` (and `num_draft_tokens`) of them."""
         num_wanted = min(self.num_draft_tokens, max_tokens)
         seq_len = len(token_ids)
         if num_wanted <= 0 or seq_len <= self.min_n:

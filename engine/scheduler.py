@@ -40,7 +40,7 @@ from engine.errors import CapacityError, WouldPreemptError
 from engine.outputs import accept_grammar_token, append_token, finish_output, prefill_only_output, token_output
 from engine.page_allocator import pages_needed
 from engine.page_pool import PagePool
-from engine.proposers import Proposer
+from engine.proposers import DraftAsk, Proposer
 from engine.request import FinishReason, Request, RequestStatus, StepOutput, join_prompt_logprobs
 from engine.step_costs import DecodePacer, DraftBudget
 from engine.step_records import ModelOutput, SchedulerOutput
@@ -131,9 +131,7 @@ class Scheduler:
         aborted = self._grow_decode_pages(decoding)
         decoding = [r for r in decoding if r in self.running]
         if self.proposer is not None:
-            for req, limit in zip(decoding, self._draft_limits(decoding)):
-                if limit > 0:
-                    self._propose(req, self.proposer, limit)
+            self._propose(decoding, self.proposer)
         requests: list[Request] = list(decoding)
         counts = [1 + len(r.draft_ids) for r in decoding]
         num_decode_tokens = sum(counts)
@@ -171,33 +169,41 @@ class Scheduler:
             (r.num_accepted_drafts + 2 * overall) / (r.num_accepted_drafts + r.num_rejecting_steps + 2)
             for r in decoding
         ]
-        return self.draft_budget.num_drafts(acceptance)
+        cost = self.proposer.seconds_per_draft if self.proposer is not None else 0.0
+        return self.draft_budget.num_drafts(acceptance, cost)
 
-    def _propose(self, req: Request, proposer: Proposer, limit: int) -> None:
-        """Give a decoding request the drafts `proposer` guesses: at most `limit`, and as many as its
-        limits (max tokens, context), its grammar (the drafts up to the first one it refuses) and the
-        pages it holds or can take without preempting allow. A request whose next token's logits
-        depend on its earlier tokens (penalties, logit bias, a minimum of new tokens still to reach) or
-        that will not decode here gets none."""
-        params = req.sampling
-        if (
-            req.is_prefill_only
-            or params.has_penalties
-            or params.logit_bias
-            or len(req.output_ids) < params.min_new_tokens
-        ):
+    def _propose(self, decoding: list[Request], proposer: Proposer) -> None:
+        """Give the decoding requests the drafts `proposer` guesses, asked once for all of them: each at
+        most what the draft budget allows it and its limits (max tokens, context) leave room for, cut
+        at the first draft its grammar refuses and to the pages it holds or can take without
+        preempting. A request whose next token's logits depend on its earlier tokens (penalties, logit
+        bias, a minimum of new tokens still to reach) or that will not decode here gets none."""
+        asks: list[tuple[Request, DraftAsk]] = []
+        for req, limit in zip(decoding, self._draft_limits(decoding)):
+            params = req.sampling
+            if (
+                limit <= 0
+                or req.is_prefill_only
+                or params.has_penalties
+                or params.logit_bias
+                or len(req.output_ids) < params.min_new_tokens
+            ):
+                continue
+            room = min(params.max_new_tokens - len(req.output_ids) - 1, self.context_len - req.seq_len - 1, limit)
+            if room > 0:
+                asks.append((req, DraftAsk(req.request_id, req.token_ids(0, req.seq_len), room)))
+        if not asks:
             return
-        room = min(params.max_new_tokens - len(req.output_ids) - 1, self.context_len - req.seq_len - 1, limit)
-        drafts = proposer.propose(req.token_ids(0, req.seq_len), room) if room > 0 else []
-        if drafts and req.grammar_matcher is not None:
-            drafts = _grammar_prefix(req.grammar_matcher, drafts)
-        extra_pages = pages_needed(req.seq_len + len(drafts), self.page_size) - len(req.page_ids)
-        if extra_pages > 0:
-            if self.pages.can_allocate(extra_pages):
-                req.page_ids.extend(self.pages.allocate(extra_pages))
-            else:
-                drafts = drafts[: len(req.page_ids) * self.page_size - req.seq_len]
-        req.draft_ids = drafts
+        for (req, _), drafts in zip(asks, proposer.propose([ask for _, ask in asks])):
+            if drafts and req.grammar_matcher is not None:
+                drafts = _grammar_prefix(req.grammar_matcher, drafts)
+            extra_pages = pages_needed(req.seq_len + len(drafts), self.page_size) - len(req.page_ids)
+            if extra_pages > 0:
+                if self.pages.can_allocate(extra_pages):
+                    req.page_ids.extend(self.pages.allocate(extra_pages))
+                else:
+                    drafts = drafts[: len(req.page_ids) * self.page_size - req.seq_len]
+            req.draft_ids = drafts
 
     def _prompt_budget(self, num_decode_tokens: int) -> int:
         """Prompt tokens this step may compute, after `num_decode_tokens` decode tokens, before the decode
@@ -342,6 +348,8 @@ class Scheduler:
         prompts of its priority), keeping what it generated."""
         self.running.remove(req)
         self.release_pages(req)
+        if self.proposer is not None:
+            self.proposer.forget(req.request_id)
         req.num_computed = req.num_cached_tokens = 0
         req.draft_ids = []
         req.is_resuming = True
@@ -375,6 +383,8 @@ class Scheduler:
         req.abort_message = message
         if req in self.running:
             self.running.remove(req)
+            if self.proposer is not None:
+                self.proposer.forget(req.request_id)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.loading.pop(req.request_id, None)

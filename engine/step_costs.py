@@ -32,7 +32,8 @@ accepted. With a request's per-draft acceptance p, its j-th draft is worth p**j 
 cost a + b * rows over the decode-only steps' fit yields its tokens at (sum of worths) / (a + b *
 rows). Drafts are added in order of worth while one raises that rate (that is, while its worth is
 above b times the rate so far), so a step verifies drafts only where rows are cheaper than what they
-are expected to return. Without two row counts measured it allows every draft (which measures them);
+are expected to return. A draft model's drafts cost their proposal too: its measured seconds per
+draft count beside b. Without two row counts measured it allows every draft (which measures them);
 every `explore_steps` decode steps it allows every draft once more, so a stale fit is corrected.
 """
 
@@ -149,9 +150,10 @@ class DraftBudget:
         self.explore_steps = explore_steps
         self._steps = 0  # decode steps since the last that allowed every draft
 
-    def num_drafts(self, acceptance: Sequence[float]) -> list[int]:
+    def num_drafts(self, acceptance: Sequence[float], draft_cost_s: float = 0.0) -> list[int]:
         """Drafts for each of a step's decoding requests, given each one's per-draft acceptance
-        probability (in [0, 1]), in the same order."""
+        probability (in [0, 1]), in the same order; `draft_cost_s`: what proposing one draft costs
+        besides its row (a draft model's forward pass, shared by the step's requests)."""
         self._steps += 1
         fit = self.times.fit()
         if fit is None or self._steps >= self.explore_steps:
@@ -164,8 +166,8 @@ class DraftBudget:
         )
         counts = [0] * len(acceptance)
         for worth, i in worths:  # a request's j-th draft is worth less than its (j-1)-th: taken in order
-            if worth * seconds <= b * tokens:
+            if worth * seconds <= (b + draft_cost_s) * tokens:
                 break
             counts[i] += 1
-            tokens, seconds = tokens + worth, seconds + b
+            tokens, seconds = tokens + worth, seconds + b + draft_cost_s
         return counts

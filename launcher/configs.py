@@ -124,6 +124,7 @@ def worker_config(
         return WorkerConfig(
             role=role,
             model_path=args.model_path or default_model_path(),
+            draft_model_path=_draft_model_path(args, role),
             host=host,
             port=port,
             engine=engine or engine_config(args, role, is_embedding),
@@ -171,7 +172,7 @@ def engine_config(args: argparse.Namespace, role: str, is_embedding: bool) -> En
             max_prefill_tokens=args.max_prefill_tokens,
             chunked_prefill_size=args.chunked_prefill_size,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            speculative_algorithm=args.speculative_algorithm,
+            speculative_algorithm=args.speculative_algorithm if role == "decode" else None,  # only decode drafts
             speculative_num_draft_tokens=args.speculative_num_draft_tokens,
             speculative_draft_policy=args.speculative_draft_policy,
             max_decode_slowdown=args.max_decode_slowdown,
@@ -195,6 +196,22 @@ def engine_config(args: argparse.Namespace, role: str, is_embedding: bool) -> En
         )
     except ValueError as exc:
         raise SystemExit(f"tandem {args.command}: {exc}") from None
+
+
+def _draft_model_path(args: argparse.Namespace, role: str) -> str | None:
+    """A decode worker's draft model: --speculative-draft-model-path, which only --speculative-algorithm
+    draft takes and needs."""
+    path, is_draft = args.speculative_draft_model_path, args.speculative_algorithm == "draft"
+    if is_draft != bool(path):
+        raise SystemExit(
+            f"tandem {args.command}: "
+            + (
+                "--speculative-algorithm draft needs --speculative-draft-model-path"
+                if is_draft
+                else "--speculative-draft-model-path is used only with --speculative-algorithm draft"
+            )
+        )
+    return os.path.abspath(path) if path and role == "decode" else None
 
 
 def _kv_store_address(args: argparse.Namespace) -> str | None:

@@ -168,14 +168,16 @@ def serve(args: argparse.Namespace) -> int:
         # traceback from each of them.
         supervisor.spawn()
         try:
-            problem = checkpoint_problem(model_path)
+            draft_path = stack.decodes[0].draft_model_path
+            problems = [(path, checkpoint_problem(path)) for path in (model_path, draft_path) if path]
         except BaseException:
             supervisor.stop()
             raise
-        if problem is not None:
-            supervisor.stop()
-            logger.error("cannot serve %s: %s", model_path, problem)
-            return 2
+        for path, problem in problems:
+            if problem is not None:
+                supervisor.stop()
+                logger.error("cannot serve %s: %s", path, problem)
+                return 2
     prefills = ", ".join(_address(w) for w in stack.prefills)
     workers = (
         f"embedding prefill {prefills}, no decode). Ctrl-C stops them all."

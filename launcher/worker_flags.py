@@ -177,8 +177,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=SPECULATIVE_ALGORITHMS,
         default=field_default(EngineConfig, "speculative_algorithm"),
         help="speculative decoding on decode workers: ngram guesses each request's next tokens from "
-        "its own text (prompt lookup, no second model) and verifies them in the same step; the output "
-        "follows the model's distribution exactly (greedy output is unchanged). Unset: off",
+        "its own text (prompt lookup, no second model), draft asks a smaller model of the same "
+        "tokenizer (--speculative-draft-model-path); either is verified in the same step, and the "
+        "output follows the model's distribution exactly (greedy output is unchanged). Unset: off",
+    )
+    p.add_argument(
+        "--speculative-draft-model-path",
+        default=None,
+        help="the draft model of --speculative-algorithm draft (HF safetensors directory or GGUF file, "
+        "the target's vocabulary): each decode worker runs it beside the target, on the same device, "
+        "with the same dtype and quantization",
     )
     p.add_argument(
         "--speculative-num-draft-tokens",

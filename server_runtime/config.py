@@ -42,6 +42,7 @@ class WorkerConfig:
     lora_dir: str | None = None
     # "host:port" of the cluster's KV store (`tandem kv-store`), where the prefix cache keeps pages too; None: none
     kv_store: str | None = None
+    draft_model_path: str | None = None  # decode: the draft model of engine.speculative_algorithm "draft"
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -67,6 +68,8 @@ class WorkerConfig:
                 raise ValueError(f"kv_store must be the store's host:port, got {self.kv_store!r}")
         if (self.lora_paths or self.lora_dir) and self.engine.max_loras == 0:
             raise ValueError("LoRA adapters need slots for them: set --max-loras (engine.max_loras) above 0")
+        if (self.draft_model_path is not None) != (self.engine.speculative_algorithm == "draft"):
+            raise ValueError("a draft model path goes with speculative algorithm 'draft', and only with it")
         if self.is_embedding and self.role != "prefill":
             raise ValueError("is_embedding is for prefill workers only: embeddings need no decode")
         if self.engine.device != "cpu" and not self.is_embedding and self.transport.backend == "local":

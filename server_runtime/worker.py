@@ -235,7 +235,10 @@ def build_engine(config: WorkerConfig) -> Engine:
     if config.engine.kv_disk_cache_dir is not None or kv_store is not None:  # slow tiers' I/O, off the engine thread
         # two threads: a prompt's read of cached pages does not wait behind a burst of disk writes
         background = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kv-tier-io").submit
-    return Engine(checkpoint, config.engine, faults=fault_hooks_from_env(), background=background, kv_store=kv_store)
+    draft = open_checkpoint(config.draft_model_path) if config.draft_model_path else None
+    return Engine(
+        checkpoint, config.engine, faults=fault_hooks_from_env(), background=background, kv_store=kv_store, draft=draft
+    )
 
 
 def fault_hooks_from_env() -> FaultHooks:

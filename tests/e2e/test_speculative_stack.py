@@ -1,6 +1,8 @@
-"""N-gram speculative decoding through the three processes: the decode worker started with
+"""Speculative decoding through the three processes. The decode worker started with
 `--speculative-algorithm ngram` gives exactly the greedy text of the shared stack (the same settings
-without it) for a prompt from the edit workload, accepts drafts, and says so in `/metrics`."""
+without it) for a prompt from the edit workload, accepts drafts, and says so in `/metrics`. One started
+with `--speculative-algorithm draft` and the model itself as its draft model builds the draft KV of a
+prompt the prefill worker handed over, and has nearly every draft accepted, with the same text."""
 
 from __future__ import annotations
 
@@ -30,6 +32,16 @@ def speculative_stack(tmp_path_factory: pytest.TempPathFactory) -> Stack:
                         "--quantization", "none", "--context-length", str(CONTEXT_LEN), "--max-total-tokens", "8192",
                         "--torch-threads", "1", "--speculative-algorithm", "ngram",
                         "--speculative-num-draft-tokens", "4", "--speculative-draft-policy", "always")
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def draft_stack(tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    stack = start_stack(tmp_path_factory.mktemp("draft-stack"), "--dtype", "float32", "--quantization", "none",
+                        "--context-length", str(CONTEXT_LEN), "--max-total-tokens", "8192", "--torch-threads", "1",
+                        "--speculative-algorithm", "draft", "--speculative-draft-model-path", default_model_path(),
+                        "--speculative-num-draft-tokens", "3", "--speculative-draft-policy", "always")
     yield stack
     stack.stop()
 
@@ -72,3 +84,14 @@ def test_generate_meta_info_says_how_many_steps_verified_drafts(stack: Stack, sp
         (output,) = api.Generate(request, timeout=120).outputs
     assert (output.meta_info.spec_verify_ct, output.meta_info.spec_accepted_tokens) == (
         meta["spec_verify_ct"], meta["spec_accepted_tokens"])
+
+
+def test_the_model_drafting_for_itself_keeps_the_text_and_has_its_drafts_accepted(
+    stack: Stack, draft_stack: Stack
+) -> None:
+    messages = json.loads(WORKLOAD.read_text().splitlines()[1])["messages"]
+    assert _greedy_text(draft_stack.url, messages) == _greedy_text(stack.url, messages)
+    metrics = draft_stack.worker_metrics("decode")
+    drafts, accepted = _metric(metrics, "tandem_worker_spec_draft_tokens"), _metric(metrics, "tandem_worker_spec_accepted_tokens")
+    assert drafts >= 3 * (MAX_TOKENS // 4 - 1) and accepted >= 0.9 * drafts
+    draft_stack.assert_no_pages_held()

@@ -163,6 +163,27 @@ def test_ngram_speculation_on_cuda_keeps_greedy_tokens_and_verifies_sampled_draf
     assert verified > 0 and len(sampled) == 32 and all(0 <= t < TINY["vocab_size"] for t in sampled)
 
 
+@pytest.mark.gpu
+def test_a_draft_model_on_cuda_keeps_greedy_tokens_and_has_its_drafts_accepted(model_dir: Path) -> None:
+    """The model drafting for itself on CUDA (its own KV pool and attention plan there): the greedy
+    tokens are those of decoding without drafts, and nearly every draft is accepted."""
+    def generate(draft: bool) -> tuple[list[int], int, int]:
+        drafts = dict(speculative_algorithm="draft", speculative_num_draft_tokens=3, speculative_draft_policy="always")
+        config = _meta_config(device="cuda", max_total_tokens=256, attention_backend="auto", sampling_backend="auto",
+                              **(drafts if draft else {}))
+        checkpoint = open_checkpoint(str(model_dir))
+        engine = Engine(checkpoint, config, progress=False, draft=checkpoint if draft else None)
+        engine.add_request(Request("d", [3, 17, 42, 99, 5, 61, 7], SamplingParams(temperature=0.0, ignore_eos=True,
+                                                                                 max_new_tokens=32)))
+        tokens: list[int] = []
+        while engine.has_work:
+            tokens += [out.token_id for out in engine.step() if out.token_id is not None]
+        return tokens, engine.scheduler.num_draft_tokens, engine.scheduler.num_accepted_tokens
+    tokens, num_drafts, num_accepted = generate(True)
+    assert tokens == generate(False)[0]
+    assert num_drafts > 0 and num_accepted >= 0.9 * num_drafts
+
+
 def test_a_kv_pool_in_another_dtype_than_the_model_is_cpu_only() -> None:
     assert EngineConfig(device="cpu", dtype="float32", kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"
     assert EngineConfig(device="cuda", dtype="bfloat16", kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"

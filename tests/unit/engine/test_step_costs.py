@@ -178,6 +178,14 @@ def test_drafts_go_where_rows_are_cheap_and_not_where_they_are_dear() -> None:
     assert dear.num_drafts([0.99]) == [4]  # unless nearly every draft is accepted
 
 
+def test_a_draft_models_proposal_cost_counts_beside_the_row() -> None:
+    """Rows nearly free, but each draft costs a draft-model pass: drafts go only where acceptance pays for it."""
+    budget = DraftBudget(4, _times({1: 0.0172, 5: 0.0180}))
+    assert budget.num_drafts([0.53], draft_cost_s=0.0) == [4]
+    assert budget.num_drafts([0.53], draft_cost_s=0.010) == [0]  # 0.53 tokens for 10 ms against 58 tokens/s
+    assert budget.num_drafts([0.95], draft_cost_s=0.004)[0] >= 2
+
+
 def test_drafts_go_to_the_requests_likeliest_to_keep_them() -> None:
     budget = DraftBudget(4, _times({2: 0.020, 10: 0.036}))  # a = 16 ms, b = 2 ms a row
     counts = budget.num_drafts([0.9, 0.2])

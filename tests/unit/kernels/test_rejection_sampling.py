@@ -118,7 +118,7 @@ def test_greedy_output_is_identical_with_speculation_on_and_off() -> None:
     speculative, num_steps = list(prompt), 0
     while len(speculative) < len(prompt) + num_new:
         remaining = len(prompt) + num_new - len(speculative)
-        drafts = proposer.propose(speculative, remaining - 1)
+        drafts = proposer.guess(speculative, remaining - 1)
         fed = speculative + drafts
         rows = torch.stack([table[fed[i - 2], fed[i - 1]] for i in range(len(speculative), len(fed) + 1)])
         result = verify(rows, [drafts], None, _batch(1, is_greedy=True))

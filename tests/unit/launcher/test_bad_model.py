@@ -58,3 +58,42 @@ def test_the_bundled_default_passes_the_check() -> None:
     stack = stack_configs(build_parser().parse_args(["serve"]))
     assert stack.gateway.model_path.endswith(".gguf")
     assert checkpoint_problem(stack.gateway.model_path) is None
+
+
+def test_a_missing_draft_model(tmp_path: Path) -> None:
+    """The draft model is checked beside the target, with the same one line."""
+    missing = tmp_path / "draft.gguf"
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "serve", "--port", "0", "--speculative-algorithm", "draft",
+         "--speculative-draft-model-path", str(missing)],
+        capture_output=True, text=True, timeout=120,
+    )
+    _one_line_error(result, str(missing), "does not exist locally")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--speculative-algorithm", "draft"], "--speculative-algorithm draft needs --speculative-draft-model-path"),
+        (["--speculative-draft-model-path", "d.gguf"], "used only with --speculative-algorithm draft"),
+        (["--speculative-algorithm", "ngram", "--speculative-draft-model-path", "d.gguf"], "used only with"),
+    ],
+)
+def test_draft_flags_that_do_not_go_together(flags: list[str], message: str) -> None:
+    from launcher.flags import build_parser
+    from launcher.serve import stack_configs
+
+    with pytest.raises(SystemExit, match=message):
+        stack_configs(build_parser().parse_args(["serve", *flags]))
+
+
+def test_only_decode_workers_get_the_draft_model(tmp_path: Path) -> None:
+    from launcher.flags import build_parser
+    from launcher.serve import stack_configs
+
+    draft = tmp_path / "draft.gguf"
+    stack = stack_configs(build_parser().parse_args(
+        ["serve", "--speculative-algorithm", "draft", "--speculative-draft-model-path", str(draft)]))
+    assert [w.draft_model_path for w in stack.decodes] == [str(draft)]
+    assert [w.engine.speculative_algorithm for w in stack.decodes] == ["draft"]
+    assert all(w.draft_model_path is None and w.engine.speculative_algorithm is None for w in stack.prefills)

@@ -1,0 +1,200 @@
+"""The draft-model proposer: a smaller model of the same tokenizer guesses each request's next tokens
+(`--speculative-algorithm draft`, `--speculative-draft-model-path`), and `proposer_for`, which builds
+the proposer an engine's settings ask for.
+
+The draft model keeps its own paged KV pool, beside the target's and as many tokens deep, and a KV
+sequence per decoding request. A step's asks run as one batch per draft position: the first pass
+feeds each request what its draft KV lacks (the whole prompt the first time, built here on the decode
+worker; after a step, the accepted drafts and the target's own token), every later pass feeds the
+draft just chosen. A draft is the draft model's argmax, a fixed guess, so the target's verification
+keeps its own distribution exactly. What the target rejected is overwritten: a sequence's KV is cut
+back to the longest prefix it shares with the request's tokens before each step.
+
+A request's draft KV goes when it stops decoding here (`forget`); when the draft pool runs short,
+the sequences of requests that ask nothing this step go first, and a request that still finds no
+room gets no drafts that step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.forward_batch import paged_forward_batch
+from engine.kv_pool import KVLayout, KVPool
+from engine.model_setup import attention_backend, load_causal_lm, rotary_embedding, torch_dtype
+from engine.page_allocator import PageAllocator, pages_needed
+from engine.proposers import DraftAsk, NgramProposer, Proposer
+from engine.weights import Checkpoint
+from kernels.attention import resolve_attention_backend
+
+_EMA_WEIGHT = 0.2  # of a new step's seconds per draft in their moving average
+
+
+def proposer_for(
+    config: EngineConfig,
+    draft: Checkpoint | None,
+    target: ModelConfig,
+    context_len: int,
+    num_pages: int,
+    progress: bool = False,
+) -> Proposer | None:
+    """The proposer `config.speculative_algorithm` names (None: no speculation); "draft" runs the
+    `draft` checkpoint, which only it may be given."""
+    algorithm = config.speculative_algorithm
+    if (algorithm == "draft") != (draft is not None):
+        raise ConfigError(
+            "speculative algorithm 'draft' needs a draft model (--speculative-draft-model-path)"
+            if algorithm == "draft"
+            else f"a draft model is run only by speculative algorithm 'draft', not {algorithm!r}"
+        )
+    if algorithm == "ngram":
+        return NgramProposer(config.speculative_num_draft_tokens)
+    if draft is not None:
+        return DraftModelProposer(draft, config, target, context_len, num_pages, progress)
+    return None
+
+
+@dataclass(slots=True)
+class _DraftSequence:
+    """One request's tokens whose KV the draft pool holds, and the pages holding it."""
+
+    token_ids: list[int] = field(default_factory=list)
+    page_ids: list[int] = field(default_factory=list)
+
+
+class DraftModelProposer(Proposer):
+    """Drafts from a smaller model's greedy continuation (see the module docstring)."""
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        config: EngineConfig,
+        target: ModelConfig,
+        context_len: int,
+        num_pages: int,
+        progress: bool = False,
+    ) -> None:
+        mc = checkpoint.config
+        if mc.vocab_size != target.vocab_size:
+            raise ConfigError(
+                f"the draft model's vocabulary ({mc.vocab_size} tokens) is not the target's ({target.vocab_size}): "
+                "a draft model must share the target's tokenizer"
+            )
+        self.num_draft_tokens = config.speculative_num_draft_tokens
+        self.page_size = config.page_size
+        self.device = torch.device(config.device)
+        self._pin = self.device.type == "cuda"
+        dtype, kv_dtype = torch_dtype(config.dtype), torch_dtype(config.kv_cache_dtype or config.dtype)
+        self.model = load_causal_lm(
+            checkpoint, dtype, self.device, config.quantization, config.int8_activations, progress
+        )
+        self.context_len = min(context_len, mc.max_position_embeddings)
+        self.kv_pool = KVPool(KVLayout.for_model(mc, config.page_size, kv_dtype), num_pages, self.device)
+        self.rotary = rotary_embedding(mc, self.context_len, dtype, self.device)
+        backend = resolve_attention_backend(config.attention_backend, self.device, dtype)
+        self.attention = attention_backend(backend, mc, config.page_size, dtype, self.device)
+        self.model.fuse_layers(self.attention, kv_dtype)
+        self.allocator = PageAllocator(num_pages)
+        self._sequences: dict[str, _DraftSequence] = {}
+        self._seconds_per_draft = 0.0
+
+    @property
+    def seconds_per_draft(self) -> float:
+        return self._seconds_per_draft
+
+    @property
+    def num_sequences(self) -> int:
+        """Requests whose draft KV the pool holds."""
+        return len(self._sequences)
+
+    def forget(self, request_id: str) -> None:
+        seq = self._sequences.pop(request_id, None)
+        if seq is not None:
+            self.allocator.free(seq.page_ids)
+
+    @torch.inference_mode()
+    def propose(self, asks: Sequence[DraftAsk]) -> list[list[int]]:
+        started = time.perf_counter()
+        drafts: list[list[int]] = [[] for _ in asks]
+        asking = {ask.request_id for ask in asks}
+        # (ask index, its sequence, the tokens to feed next, the drafts it wants)
+        live: list[tuple[int, _DraftSequence, list[int], int]] = []
+        for i, ask in enumerate(asks):
+            token_ids = list(ask.token_ids)
+            num_tokens = len(token_ids)
+            wanted = min(ask.max_tokens, self.num_draft_tokens, self.context_len - num_tokens)
+            if wanted <= 0 or num_tokens == 0:
+                continue
+            seq = self._sequences.setdefault(ask.request_id, _DraftSequence())
+            # the last token is always fed: its logits give the first draft
+            num_kept = min(_common_prefix_len(seq.token_ids, token_ids), num_tokens - 1)
+            if not self._hold_pages(seq, num_tokens + wanted - 1, asking):
+                continue
+            del seq.token_ids[num_kept:]
+            live.append((i, seq, token_ids[num_kept:], wanted))
+        num_drafts = 0
+        while live:
+            next_ids = self._forward_argmax(live)
+            still: list[tuple[int, _DraftSequence, list[int], int]] = []
+            for (i, seq, feed, wanted), token_id in zip(live, next_ids):
+                seq.token_ids.extend(feed)
+                drafts[i].append(token_id)
+                num_drafts += 1
+                if len(drafts[i]) < wanted:
+                    still.append((i, seq, [token_id], wanted))
+            live = still
+        if num_drafts:
+            per_draft = (time.perf_counter() - started) / num_drafts
+            old = self._seconds_per_draft
+            self._seconds_per_draft = per_draft if old == 0 else old + _EMA_WEIGHT * (per_draft - old)
+        return drafts
+
+    def _forward_argmax(self, live: Sequence[tuple[int, _DraftSequence, list[int], int]]) -> list[int]:
+        """One draft-model pass feeding each live sequence its tokens (KV written after its kept
+        ones); each one's greedy next token."""
+        host = paged_forward_batch(
+            [feed for _, _, feed, _ in live],
+            [len(seq.token_ids) for _, seq, _, _ in live],
+            [seq.page_ids for _, seq, _, _ in live],
+            self.page_size,
+            self._pin,
+        )
+        self.attention.plan(host.meta)
+        batch = host.to(self.device)
+        hidden = self.model(batch, self.rotary, self.attention, self.kv_pool.tensor)
+        return self.model.compute_logits(hidden[batch.logit_rows]).argmax(dim=-1).tolist()
+
+    def _hold_pages(self, seq: _DraftSequence, num_tokens: int, asking: Collection[str]) -> bool:
+        """Give `seq` pages for `num_tokens` tokens, evicting the sequences of requests not in
+        `asking` if the pool runs short; False when there is still no room (its pages are kept)."""
+        extra = pages_needed(num_tokens, self.page_size) - len(seq.page_ids)
+        if extra <= 0:
+            return True
+        for request_id in [r for r in self._sequences if r not in asking]:
+            if self.allocator.can_allocate(extra):
+                break
+            self.allocator.free(self._sequences.pop(request_id).page_ids)
+        if not self.allocator.can_allocate(extra):
+            return False
+        seq.page_ids.extend(self.allocator.allocate(extra))
+        return True
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share (list slices compared at C speed, bisected)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n - 1  # a[:low] == b[:low] and a[:high + 1] != b[:high + 1]
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
