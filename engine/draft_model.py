@@ -8,7 +8,9 @@ feeds each request what its draft KV lacks (the whole prompt the first time, bui
 worker; after a step, the accepted drafts and the target's own token), every later pass feeds the
 draft just chosen. A draft is the draft model's argmax, a fixed guess, so the target's verification
 keeps its own distribution exactly. What the target rejected is overwritten: a sequence's KV is cut
-back to the longest prefix it shares with the request's tokens before each step.
+back to the longest prefix it shares with the request's tokens before each step. A step feeds at
+most `catch_up_tokens` of prompts beyond the decoding requests' few tokens: a longer prompt is caught
+up over several steps, drafting nothing until it is.
 
 A request's draft KV goes when it stops decoding here (`forget`); when the draft pool runs short,
 the sequences of requests that ask nothing this step go first, and a request that still finds no
@@ -70,6 +72,11 @@ class _DraftSequence:
 class DraftModelProposer(Proposer):
     """Drafts from a smaller model's greedy continuation (see the module docstring)."""
 
+    # Prompt tokens a step feeds the draft model beyond the decoding requests' few: a new request's
+    # prompt is caught up in chunks of this (no drafts until it is), so its streams' step grows by a
+    # bounded draft prefill rather than by the whole prompt's.
+    catch_up_tokens = 256
+
     def __init__(
         self,
         checkpoint: Checkpoint,
@@ -122,7 +129,8 @@ class DraftModelProposer(Proposer):
         started = time.perf_counter()
         drafts: list[list[int]] = [[] for _ in asks]
         asking = {ask.request_id for ask in asks}
-        # (ask index, its sequence, the tokens to feed next, the drafts it wants)
+        catch_up_left = self.catch_up_tokens
+        # (ask index, its sequence, the tokens to feed next, the drafts it wants: 0 while catching up)
         live: list[tuple[int, _DraftSequence, list[int], int]] = []
         for i, ask in enumerate(asks):
             token_ids = list(ask.token_ids)
@@ -133,18 +141,25 @@ class DraftModelProposer(Proposer):
             seq = self._sequences.setdefault(ask.request_id, _DraftSequence())
             # the last token is always fed: its logits give the first draft
             num_kept = min(_common_prefix_len(seq.token_ids, token_ids), num_tokens - 1)
-            if not self._hold_pages(seq, num_tokens + wanted - 1, asking):
+            feed = token_ids[num_kept:]
+            if len(feed) > max(catch_up_left, self.num_draft_tokens + 1):  # a chunk of a prompt, no drafts yet
+                feed, wanted = feed[: max(catch_up_left, 0)], 0
+                if not feed:
+                    continue
+            catch_up_left -= len(feed)
+            if not self._hold_pages(seq, num_kept + len(feed) + max(wanted - 1, 0), asking):
                 continue
             del seq.token_ids[num_kept:]
-            live.append((i, seq, token_ids[num_kept:], wanted))
+            live.append((i, seq, feed, wanted))
         num_drafts = 0
         while live:
             next_ids = self._forward_argmax(live)
             still: list[tuple[int, _DraftSequence, list[int], int]] = []
             for (i, seq, feed, wanted), token_id in zip(live, next_ids):
                 seq.token_ids.extend(feed)
-                drafts[i].append(token_id)
-                num_drafts += 1
+                if len(drafts[i]) < wanted:
+                    drafts[i].append(token_id)
+                    num_drafts += 1
                 if len(drafts[i]) < wanted:
                     still.append((i, seq, [token_id], wanted))
             live = still

@@ -179,3 +179,24 @@ def test_draft_settings_that_cannot_work_are_refused(target_dir: Path, other_dir
 )
 def test_common_prefix_len(a: list[int], b: list[int], expected: int) -> None:
     assert _common_prefix_len(a, b) == expected == _common_prefix_len(b, a)
+
+
+def test_a_long_prompt_is_caught_up_in_chunks_with_no_drafts_until_it_is(target_dir: Path) -> None:
+    plain = _run(_engine(target_dir, None), _requests(max_new_tokens=30))
+    engine = _engine(target_dir, target_dir)
+    _proposer(engine).catch_up_tokens = 4  # the 11-token prompt takes three steps, the 9-token ones more
+    first_drafts = None
+    for req in _requests(max_new_tokens=30):
+        engine.add_request(req)
+    outputs: dict[str, list[int]] = {rid: [] for rid in PROMPTS}
+    steps = 0
+    while engine.has_work:
+        steps += 1
+        for out in engine.step():
+            outputs[out.request_id] += [out.token_id] if out.token_id is not None else []
+        if first_drafts is None and engine.scheduler.num_draft_tokens:
+            first_drafts = steps
+    assert outputs == plain
+    assert first_drafts is not None and first_drafts >= 4  # after the first step's prompts, three catching up
+    assert engine.scheduler.num_accepted_tokens >= 0.9 * engine.scheduler.num_draft_tokens
+    _assert_draft_pool_empty(engine)
