@@ -126,7 +126,6 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, asks: Sequence[DraftAsk]) -> list[list[int]]:
-        started = time.perf_counter()
         drafts: list[list[int]] = [[] for _ in asks]
         asking = {ask.request_id for ask in asks}
         catch_up_left = self.catch_up_tokens
@@ -151,23 +150,25 @@ class DraftModelProposer(Proposer):
                 continue
             del seq.token_ids[num_kept:]
             live.append((i, seq, feed, wanted))
-        num_drafts = 0
         while live:
+            started = time.perf_counter()
             next_ids = self._forward_argmax(live)
             still: list[tuple[int, _DraftSequence, list[int], int]] = []
             for (i, seq, feed, wanted), token_id in zip(live, next_ids):
                 seq.token_ids.extend(feed)
                 if len(drafts[i]) < wanted:
                     drafts[i].append(token_id)
-                    num_drafts += 1
                 if len(drafts[i]) < wanted:
                     still.append((i, seq, [token_id], wanted))
+            if all(len(feed) <= self.num_draft_tokens + 1 and wanted for _, _, feed, wanted in live):
+                self._observe(time.perf_counter() - started, len(live))  # a catch-up's pass is no draft's cost
             live = still
-        if num_drafts:
-            per_draft = (time.perf_counter() - started) / num_drafts
-            old = self._seconds_per_draft
-            self._seconds_per_draft = per_draft if old == 0 else old + _EMA_WEIGHT * (per_draft - old)
         return drafts
+
+    def _observe(self, seconds: float, num_drafts: int) -> None:
+        """Learn a draft's cost from a pass that drafted `num_drafts` tokens and caught nothing up."""
+        per_draft, old = seconds / num_drafts, self._seconds_per_draft
+        self._seconds_per_draft = per_draft if old == 0 else old + _EMA_WEIGHT * (per_draft - old)
 
     def _forward_argmax(self, live: Sequence[tuple[int, _DraftSequence, list[int], int]]) -> list[int]:
         """One draft-model pass feeding each live sequence its tokens (KV written after its kept
