@@ -2,15 +2,15 @@
 (`--speculative-algorithm draft`, `--speculative-draft-model-path`), and `proposer_for`, which builds
 the proposer an engine's settings ask for.
 
-The draft model keeps its own paged KV pool, beside the target's and as many tokens deep, and a KV
-sequence per decoding request. A step's asks run as one batch per draft position: the first pass
-feeds each request what its draft KV lacks (the whole prompt the first time, built here on the decode
-worker; after a step, the accepted drafts and the target's own token), every later pass feeds the
-draft just chosen. A draft is the draft model's argmax, a fixed guess, so the target's verification
-keeps its own distribution exactly. What the target rejected is overwritten: a sequence's KV is cut
-back to the longest prefix it shares with the request's tokens before each step. A step feeds at
-most `catch_up_tokens` of prompts beyond the decoding requests' few tokens: a longer prompt is caught
-up over several steps, drafting nothing until it is.
+The draft model runs in its own `ModelRunner`, with a paged KV pool beside the target's and as many
+tokens deep, and keeps a KV sequence per decoding request. A step's asks run as one batch per draft
+position: the first pass feeds each request what its draft KV lacks (the whole prompt the first time,
+built here on the decode worker; after a step, the accepted drafts and the target's own token), every
+later pass feeds the draft just chosen. A draft is the draft model's argmax, a fixed guess, so the
+target's verification keeps its own distribution exactly. What the target rejected is overwritten: a
+sequence's KV is cut back to the longest prefix it shares with the request's tokens before each step.
+A step feeds at most `catch_up_tokens` of prompts beyond the decoding requests' few tokens: a longer
+prompt is caught up over several steps, drafting nothing until it is.
 
 A request's draft KV goes when it stops decoding here (`forget`); when the draft pool runs short,
 the sequences of requests that ask nothing this step go first, and a request that still finds no
@@ -21,18 +21,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from engine.config import ConfigError, EngineConfig, ModelConfig
-from engine.forward_batch import paged_forward_batch
-from engine.kv_pool import KVLayout, KVPool
-from engine.model_setup import attention_backend, load_causal_lm, rotary_embedding, torch_dtype
 from engine.page_allocator import PageAllocator, pages_needed
 from engine.proposers import DraftAsk, NgramProposer, Proposer
+from engine.runner import ModelRunner
 from engine.weights import Checkpoint
-from kernels.attention import resolve_attention_backend
 
 _EMA_WEIGHT = 0.2  # of a new step's seconds per draft in their moving average
 
@@ -94,19 +91,11 @@ class DraftModelProposer(Proposer):
             )
         self.num_draft_tokens = config.speculative_num_draft_tokens
         self.page_size = config.page_size
-        self.device = torch.device(config.device)
-        self._pin = self.device.type == "cuda"
-        dtype, kv_dtype = torch_dtype(config.dtype), torch_dtype(config.kv_cache_dtype or config.dtype)
-        self.model = load_causal_lm(
-            checkpoint, dtype, self.device, config.quantization, config.int8_activations, progress
-        )
         self.context_len = min(context_len, mc.max_position_embeddings)
-        self.kv_pool = KVPool(KVLayout.for_model(mc, config.page_size, kv_dtype), num_pages, self.device)
-        self.rotary = rotary_embedding(mc, self.context_len, dtype, self.device)
-        backend = resolve_attention_backend(config.attention_backend, self.device, dtype)
-        self.attention = attention_backend(backend, mc, config.page_size, dtype, self.device)
-        self.model.fuse_layers(self.attention, kv_dtype)
-        self.allocator = PageAllocator(num_pages)
+        # the target's device, dtype and quantization; as many pages as its pool; no adapter, no CUDA graph
+        pool = replace(config, max_total_tokens=num_pages * config.page_size, max_loras=0, cuda_graph_batch_sizes=())
+        self.runner = ModelRunner(checkpoint, pool, self.context_len, progress=progress)
+        self.allocator = PageAllocator(self.runner.kv_pool.num_pages)
         self._sequences: dict[str, _DraftSequence] = {}
         self._seconds_per_draft = 0.0
 
@@ -132,7 +121,7 @@ class DraftModelProposer(Proposer):
         # (ask index, its sequence, the tokens to feed next, the drafts it wants: 0 while catching up)
         live: list[tuple[int, _DraftSequence, list[int], int]] = []
         for i, ask in enumerate(asks):
-            token_ids = list(ask.token_ids)
+            token_ids = ask.token_ids
             num_tokens = len(token_ids)
             wanted = min(ask.max_tokens, self.num_draft_tokens, self.context_len - num_tokens)
             if wanted <= 0 or num_tokens == 0:
@@ -173,17 +162,12 @@ class DraftModelProposer(Proposer):
     def _forward_argmax(self, live: Sequence[tuple[int, _DraftSequence, list[int], int]]) -> list[int]:
         """One draft-model pass feeding each live sequence its tokens (KV written after its kept
         ones); each one's greedy next token."""
-        host = paged_forward_batch(
+        logits = self.runner.forward_paged(
             [feed for _, _, feed, _ in live],
             [len(seq.token_ids) for _, seq, _, _ in live],
             [seq.page_ids for _, seq, _, _ in live],
-            self.page_size,
-            self._pin,
         )
-        self.attention.plan(host.meta)
-        batch = host.to(self.device)
-        hidden = self.model(batch, self.rotary, self.attention, self.kv_pool.tensor)
-        return self.model.compute_logits(hidden[batch.logit_rows]).argmax(dim=-1).tolist()
+        return logits.argmax(dim=-1).tolist()
 
     def _hold_pages(self, seq: _DraftSequence, num_tokens: int, asking: Collection[str]) -> bool:
         """Give `seq` pages for `num_tokens` tokens, evicting the sequences of requests not in

@@ -19,7 +19,7 @@ class DraftAsk:
     then its output so far; only read), at most `max_tokens` of them."""
 
     request_id: str
-    token_ids: Sequence[int]
+    token_ids: list[int]
     max_tokens: int
 
 

@@ -21,7 +21,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graph import capture_decode_graphs
-from engine.forward_batch import ForwardBatch, build_forward_batch
+from engine.forward_batch import ForwardBatch, build_forward_batch, paged_forward_batch
 from engine.grammar import GrammarBackend
 from engine.kv_pool import KVLayout, KVPool
 from engine.logits import adjust_logits, logprob_extras, score_prompt
@@ -233,6 +233,20 @@ class ModelRunner:
         host = build_forward_batch(requests, num_new_tokens, self.page_size, self._pin, counts)
         if lora is not None:
             host = replace(host, lora=lora)
+        return self._run(host)
+
+    @torch.inference_mode()
+    def forward_paged(
+        self, new_token_ids: Sequence[Sequence[int]], starts: Sequence[int], page_ids: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """One forward pass over sequences that are no `Request`s (a draft model's, engine/draft_model.py):
+        sequence i feeds `new_token_ids[i]` after `starts[i]` tokens whose KV is in its pages `page_ids[i]`
+        (`paged_forward_batch`). fp32 logits [B, V] at each one's last new token (KV written)."""
+        hidden, batch = self._run(paged_forward_batch(new_token_ids, starts, page_ids, self.page_size, self._pin))
+        return self.model.compute_logits(hidden[batch.logit_rows])
+
+    def _run(self, host: ForwardBatch) -> tuple[torch.Tensor, ForwardBatch]:
+        """The model over a host batch: planned, copied to the device, computed; hidden states and the device batch."""
         self.attention.plan(host.meta)
         batch = host.to(self.device)
         return self.model(batch, self.rotary, self.attention, self.kv_pool.tensor), batch

@@ -199,18 +199,9 @@ def engine_config(args: argparse.Namespace, role: str, is_embedding: bool) -> En
 
 
 def _draft_model_path(args: argparse.Namespace, role: str) -> str | None:
-    """A decode worker's draft model: --speculative-draft-model-path, which only --speculative-algorithm
-    draft takes and needs."""
-    path, is_draft = args.speculative_draft_model_path, args.speculative_algorithm == "draft"
-    if is_draft != bool(path):
-        raise SystemExit(
-            f"tandem {args.command}: "
-            + (
-                "--speculative-algorithm draft needs --speculative-draft-model-path"
-                if is_draft
-                else "--speculative-draft-model-path is used only with --speculative-algorithm draft"
-            )
-        )
+    """A decode worker's draft model (--speculative-draft-model-path); `WorkerConfig` checks that it goes
+    with --speculative-algorithm draft."""
+    path = args.speculative_draft_model_path
     return os.path.abspath(path) if path and role == "decode" else None
 
 

@@ -68,8 +68,12 @@ class WorkerConfig:
                 raise ValueError(f"kv_store must be the store's host:port, got {self.kv_store!r}")
         if (self.lora_paths or self.lora_dir) and self.engine.max_loras == 0:
             raise ValueError("LoRA adapters need slots for them: set --max-loras (engine.max_loras) above 0")
-        if (self.draft_model_path is not None) != (self.engine.speculative_algorithm == "draft"):
-            raise ValueError("a draft model path goes with speculative algorithm 'draft', and only with it")
+        if self.engine.speculative_algorithm == "draft" and self.draft_model_path is None:
+            raise ValueError("--speculative-algorithm draft needs --speculative-draft-model-path (draft_model_path)")
+        if self.draft_model_path is not None and self.engine.speculative_algorithm != "draft":
+            raise ValueError(
+                "--speculative-draft-model-path (draft_model_path) is used only with --speculative-algorithm draft"
+            )
         if self.is_embedding and self.role != "prefill":
             raise ValueError("is_embedding is for prefill workers only: embeddings need no decode")
         if self.engine.device != "cpu" and not self.is_embedding and self.transport.backend == "local":
