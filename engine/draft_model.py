@@ -104,6 +104,10 @@ class DraftModelProposer(Proposer):
         return self._seconds_per_draft
 
     @property
+    def runs_model(self) -> bool:
+        return True
+
+    @property
     def num_sequences(self) -> int:
         """Requests whose draft KV the pool holds."""
         return len(self._sequences)

@@ -452,6 +452,11 @@ class Engine:
         scheduled = self.schedule()
         return self.update(scheduled, self.execute(scheduled))
 
+    @property
+    def schedule_computes(self) -> bool:
+        """Whether `schedule` runs a model (a draft model proposing), so is best run where steps compute."""
+        return self.scheduler.proposer is not None and self.scheduler.proposer.runs_model
+
     def schedule(self) -> SchedulerOutput:
         """The next step's batch (`Scheduler.schedule`), once `poll_kv` has taken in the finished reads and sends."""
         self.poll_kv()

@@ -45,6 +45,12 @@ class Proposer(ABC):
         """What proposing one draft token costs, measured (0: next to nothing, as a lookup)."""
         return 0.0
 
+    @property
+    def runs_model(self) -> bool:
+        """Whether proposing runs a model (then the server schedules on the thread its steps compute on,
+        with the threads they are tuned to)."""
+        return False
+
 
 @dataclass(frozen=True, slots=True)
 class NgramProposer(Proposer):

@@ -133,7 +133,8 @@ class EngineLoop:
     """The engine thread, its compute thread and the process's `BlockingWork` (`work`), owned together:
     `start()` starts the engine thread, `stop()` ends them all. Once started only the engine thread
     touches `engine`, except `Engine.execute`, which the compute thread runs while the engine thread
-    answers reservations alone."""
+    answers reservations alone, and `Engine.schedule` where it runs a draft model, which the compute
+    thread runs while the engine thread waits."""
 
     def __init__(
         self,
@@ -394,6 +395,19 @@ class EngineLoop:
                 self._deferred.append(command)
         return computing.result()
 
+    def _schedule(self, kv_on_its_way: bool) -> SchedulerOutput:
+        """`Engine.schedule`; where it runs a model (a draft model's passes), on the compute thread and
+        its tuned thread count, the engine thread waiting meanwhile (no command runs during it)."""
+        if not self.engine.schedule_computes:
+            return self.engine.schedule()
+        return self._compute.submit(self._compute_schedule, kv_on_its_way).result()
+
+    def _compute_schedule(self, kv_on_its_way: bool) -> SchedulerOutput:
+        """On the compute thread."""
+        if self.threads is not None:
+            self.threads.before_step(kv_on_its_way=kv_on_its_way)
+        return self.engine.schedule()
+
     def _compute_step(self, scheduled: SchedulerOutput, kv_on_its_way: bool) -> ModelOutput:
         """On the compute thread."""
         if self.threads is not None:
@@ -404,7 +418,7 @@ class EngineLoop:
         kv_on_its_way = self.engine.num_receiving > 0
         started = time.perf_counter()
         try:
-            scheduled = self.engine.schedule()
+            scheduled = self._schedule(kv_on_its_way)
             outputs = self.engine.update(scheduled, self._execute_step(scheduled, kv_on_its_way))
         except Exception:
             logger.exception("engine step failed; aborting the requests it held")

@@ -11,11 +11,13 @@ reservation waits for its prefill, which `tandem serve` runs on this machine's c
 none is. In each:
 
 - it holds a thread count for `hold_steps` steps, then runs `probe_steps` steps on the other count;
-- the probe wins when its median step time is below `margin` times the median of the steps just before
-  it, and both ran the same number of rows;
-- a lost probe, or one across a batch change (no verdict), doubles the hold (up to `max_hold_steps`),
-  so a settled or unmeasurable choice costs little; a won probe starts the hold again from `hold_steps`;
-- when the held count's steps of the same rows grow slower than at its last verdict by more than the
+- each probe step is compared with the held count's recent steps of the same rows (or of nearly the
+  same: within 1/16), so drafts and joining requests that change the rows from step to step still
+  give a verdict; the probe wins when the median of those ratios is below `margin`;
+- a lost probe, or one whose steps matched too few held steps (fewer than half: no verdict), doubles
+  the hold (up to `max_hold_steps`), so a settled or unmeasurable choice costs little; a won probe
+  starts the hold again from `hold_steps`;
+- when the held count's steps of some rows grow slower than at its last verdict by more than the
   margin (other work took a core, say), it probes at once.
 
 The C++ kernels split output columns or (sequence, head) items among threads, never a sum, so a
@@ -42,10 +44,10 @@ class _Choice:
     chosen: int
     threads: int
     hold_steps: int
-    recent: deque[tuple[int, float]]  # (rows, seconds) of the last steps on `chosen`
+    recent: dict[int, deque[float]] = field(default_factory=dict)  # rows -> last step seconds on `chosen`
     held: int = 0  # steps on `chosen` since the last probe
-    probe: list[tuple[int, float]] = field(default_factory=list)
-    verdict: tuple[int, float] | None = None  # (rows, median seconds) of `chosen` at its last verdict
+    probe: list[tuple[int, float]] = field(default_factory=list)  # (rows, seconds) on the other count
+    verdict: dict[int, float] = field(default_factory=dict)  # rows -> median seconds of `chosen` at its last verdict
 
 
 class ThreadTuner:
@@ -71,13 +73,10 @@ class ThreadTuner:
         self.min_hold_steps, self.probe_steps, self.margin = hold_steps, probe_steps, margin
         self.max_hold_steps = max(max_hold_steps, hold_steps)
         self._set_threads = set_threads
-        self._choices = {waiting: self._new_choice() for waiting in (False, True)}
+        self._choices = {waiting: _Choice(low, low, hold_steps) for waiting in (False, True)}
         self._current = self._choices[False]
         self._applied = 0  # the count last handed to `set_threads`
         self.switches = 0
-
-    def _new_choice(self) -> _Choice:
-        return _Choice(self.low, self.low, self.min_hold_steps, deque(maxlen=self.probe_steps))
 
     @property
     def threads(self) -> int:
@@ -100,11 +99,11 @@ class ThreadTuner:
     def after_step(self, seconds: float, rows: int) -> None:
         c = self._current
         if c.threads == c.chosen:
-            c.recent.append((rows, seconds))
+            c.recent.setdefault(rows, deque(maxlen=self.probe_steps)).append(seconds)
             c.held += 1
-            if self._slowed(c):
+            if self._slowed(c, rows):
                 c.held, c.hold_steps = c.hold_steps, self.min_hold_steps
-            if c.held >= c.hold_steps and len(c.recent) == self.probe_steps:
+            if c.held >= c.hold_steps:
                 c.threads = self.high if c.chosen == self.low else self.low
                 c.probe = []
             return
@@ -112,39 +111,49 @@ class ThreadTuner:
         if len(c.probe) >= self.probe_steps:
             self._judge(c)
 
-    def _slowed(self, c: _Choice) -> bool:
-        """Whether the held count's last steps, all of the rows of its last verdict, got slower than then."""
-        if c.verdict is None or len(c.recent) < self.probe_steps:
+    def _slowed(self, c: _Choice, rows: int) -> bool:
+        """Whether the held count's last steps of `rows` rows, a full window of them, got slower than at its
+        last verdict."""
+        window = c.recent[rows]
+        if rows not in c.verdict or len(window) < self.probe_steps:
             return False
-        rows, seconds = c.verdict
-        if any(r != rows for r, _ in c.recent):
-            return False
-        return statistics.median(s for _, s in c.recent) * self.margin > seconds
+        return statistics.median(window) * self.margin > c.verdict[rows]
+
+    def _held_median(self, c: _Choice, rows: int) -> float | None:
+        """The held count's recent median step time at `rows` rows, or at the nearest row count within
+        1/16 of it; None without at least two such steps."""
+        near = [r for r, w in c.recent.items() if abs(r - rows) <= rows // 16 and len(w) >= 2]
+        if not near:
+            return None
+        return statistics.median(c.recent[min(near, key=lambda r: abs(r - rows))])
 
     def _judge(self, c: _Choice) -> None:
-        rows = {r for r, _ in c.recent} | {r for r, _ in c.probe}
-        held = statistics.median(s for _, s in c.recent)
-        probed = statistics.median(s for _, s in c.probe)
-        if len(rows) == 1 and probed < self.margin * held:
+        matched = [(rows, seconds, self._held_median(c, rows)) for rows, seconds in c.probe]
+        ratios = [seconds / held for _, seconds, held in matched if held]
+        has_verdict = 2 * len(ratios) >= len(c.probe)
+        ratio = statistics.median(ratios) if has_verdict else 1.0
+        if has_verdict and ratio < self.margin:
             logger.info(
-                "decode steps (%d rows, KV %s) now run on %d threads: %.1f ms a step, against %.1f ms on %d",
-                c.probe[0][0],
+                "decode steps (KV %s) now run on %d threads: %.2fx the time of steps of the same rows on %d "
+                "(%d to %d rows)",
                 "on its way" if c is self._choices[True] else "not awaited",
                 c.threads,
-                probed * 1e3,
-                held * 1e3,
+                ratio,
                 c.chosen,
+                min(r for r, _ in c.probe),
+                max(r for r, _ in c.probe),
             )
             c.chosen = c.threads
-            c.recent.clear()
-            c.recent.extend(c.probe)
-            c.verdict = (c.probe[0][0], probed)
+            c.recent = {}
+            for rows, seconds in c.probe:
+                c.recent.setdefault(rows, deque(maxlen=self.probe_steps)).append(seconds)
+            c.verdict = {rows: statistics.median(window) for rows, window in c.recent.items()}
             c.hold_steps = self.min_hold_steps
             self.switches += 1
-        else:  # lost, or the batch changed under the probe (no verdict): probe less often
+        else:  # lost, or the probe's rows matched too few held steps (no verdict): probe less often
             c.threads = c.chosen
             c.hold_steps = min(2 * c.hold_steps, self.max_hold_steps)
-            if len(rows) == 1:
-                c.verdict = (c.probe[0][0], held)
+            if has_verdict:
+                c.verdict = {rows: held for rows, _, held in matched if held}
         c.held = 0
         c.probe = []

@@ -164,3 +164,63 @@ def test_the_thread_tuner_sets_the_count_on_the_thread_that_computes(model_dir: 
     assert calls and all(name.startswith("engine-compute") for name in calls)
     assert len(seen) == 20 and {chosen for chosen, _ in seen} == {1, 2}   # it probed both counts
     assert all(chosen == actual for chosen, actual in seen)
+
+
+def test_a_draft_models_passes_run_where_steps_compute_on_the_tuned_count(model_dir: Path) -> None:
+    """A draft model proposes inside `Engine.schedule`: the loop schedules on the compute thread, on the
+    count the tuner chose, so its passes are tuned and timed with the step they draft for (on the engine
+    thread they ran on the process's start-up count). The output is the plain engine's."""
+    import torch
+
+    from engine.draft_model import DraftModelProposer
+    from server_runtime.threads import ThreadTuner
+
+    config = EngineConfig(
+        dtype="float32",
+        page_size=PAGE_SIZE,
+        max_total_tokens=128,
+        speculative_algorithm="draft",
+        speculative_num_draft_tokens=3,
+        speculative_draft_policy="always",
+    )
+    engine = Engine(open_checkpoint(str(model_dir)), config, progress=False, draft=open_checkpoint(str(model_dir)))
+    plain = Engine(open_checkpoint(str(model_dir)), EngineConfig(dtype="float32", page_size=PAGE_SIZE), progress=False)
+    proposer = engine.scheduler.proposer
+    assert isinstance(proposer, DraftModelProposer) and engine.schedule_computes and not plain.schedule_computes
+    tuner = ThreadTuner(1, 2, hold_steps=2, probe_steps=2)
+    seen: list[tuple[str, int, int]] = []   # (thread, count the tuner chose, count the proposing thread has)
+    real_propose = proposer.propose
+
+    def propose(asks):
+        seen.append((threading.current_thread().name, tuner.threads, torch.get_num_threads()))
+        return real_propose(asks)
+
+    proposer.propose = propose
+    prompt = [3, 17, 42, 99, 5, 3, 17, 42]
+
+    async def scenario(engine: Engine, tuner: ThreadTuner | None) -> list[int]:
+        loop = EngineLoop(engine, asyncio.get_running_loop(), WorkerMetrics("decode", "m", "0"), tuner)
+        loop.start()
+        tokens: list[int] = []
+        try:
+            params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+            sink = await loop.submit(Request("r", prompt, params))
+            while True:
+                out = await asyncio.wait_for(sink.get(), 30)
+                tokens += [out.token_id] if out.token_id is not None else []
+                if out.finish_reason is not None:
+                    break
+        finally:
+            loop.stop()
+        return tokens
+
+    torch_threads = torch.get_num_threads()
+    try:
+        drafted = asyncio.run(scenario(engine, tuner))
+        expected = asyncio.run(scenario(plain, None))
+    finally:
+        torch.set_num_threads(torch_threads)
+    assert drafted == expected and len(drafted) == 24
+    assert seen and all(name.startswith("engine-compute") for name, _, _ in seen)
+    assert all(chosen == actual for _, chosen, actual in seen) and {chosen for _, chosen, _ in seen} == {1, 2}
+    assert engine.scheduler.num_accepted_tokens > 0

@@ -59,6 +59,37 @@ def test_a_probe_across_a_batch_change_gives_no_verdict_and_the_next_waits_longe
     assert steps.tuner.chosen() == 1 and steps.tuner.threads == 1 and steps.tuner.hold_steps() == 16
 
 
+def test_steps_whose_rows_change_every_step_still_get_a_verdict() -> None:
+    """Drafts make the rows differ from step to step (1 to 5 at one stream): each probe step is compared
+    with the held count's steps of its own rows, so two threads that are faster at every row count win,
+    and one thread that is faster at every row count keeps its place."""
+    rows_cycle = [1, 5, 3, 5, 2, 4, 5, 1, 3]
+
+    def run(steps: Steps, count: int, seconds) -> None:
+        for i in range(count):
+            steps.run(1, rows_cycle[i % len(rows_cycle)], seconds)
+
+    faster = Steps(1, 2, hold_steps=27, probe_steps=6)
+    run(faster, 33, lambda threads, rows: (0.100 + 0.040 * rows) / (1.6 if threads == 2 else 1.0))
+    assert faster.tuner.chosen() == 2 and faster.tuner.switches == 1
+    slower = Steps(1, 2, hold_steps=27, probe_steps=6)
+    run(slower, 33, lambda threads, rows: (0.100 + 0.040 * rows) * (1.3 if threads == 2 else 1.0))
+    assert slower.tuner.chosen() == 1 and slower.tuner.hold_steps() == 54   # a lost probe, not "no verdict"
+
+
+def test_a_probe_is_matched_to_held_steps_of_nearly_the_same_rows() -> None:
+    """At 16 streams with drafts the rows rarely repeat exactly: a probe step of 66 rows is compared with
+    held steps of 64 (within 1/16), not with steps of other sizes."""
+    steps = Steps(1, 2, hold_steps=8, probe_steps=3)
+    steps.run(8, 64, lambda threads, rows: 0.500)
+    steps.run(3, 66, lambda threads, rows: 0.300)
+    assert steps.tuner.chosen() == 2
+    far = Steps(1, 2, hold_steps=8, probe_steps=3)
+    far.run(8, 64, lambda threads, rows: 0.500)
+    far.run(3, 80, lambda threads, rows: 0.300)   # a quarter more rows: no held steps to compare with
+    assert far.tuner.chosen() == 1 and far.tuner.hold_steps() == 16
+
+
 def test_steps_with_kv_on_its_way_keep_their_own_choice() -> None:
     """With a prefill under way (a reservation waits for its KV), the other core is busy and one thread wins;
     without, two do; each situation learns its own and keeps it while the other runs."""
