@@ -151,6 +151,12 @@ class ThreadTuner:
             c.hold_steps = self.min_hold_steps
             self.switches += 1
         else:  # lost, or the probe's rows matched too few held steps (no verdict): probe less often
+            logger.debug(
+                "a probe of %d threads %s; %d threads held",
+                c.threads,
+                f"lost ({ratio:.2f}x the time)" if has_verdict else "matched too few held steps (no verdict)",
+                c.chosen,
+            )
             c.threads = c.chosen
             c.hold_steps = min(2 * c.hold_steps, self.max_hold_steps)
             if has_verdict:
