@@ -10,7 +10,9 @@ later pass feeds the draft just chosen. A draft is the draft model's argmax, a f
 target's verification keeps its own distribution exactly. What the target rejected is overwritten: a
 sequence's KV is cut back to the longest prefix it shares with the request's tokens before each step.
 A step feeds at most `catch_up_tokens` of prompts beyond the decoding requests' few tokens: a longer
-prompt is caught up over several steps, drafting nothing until it is.
+prompt is caught up over several steps, drafting nothing until it is. While other requests decode
+beside it, the scheduler gives the catch-up a time (the decode pace's allowance) and the proposer
+feeds what fits, at its measured seconds per catch-up token, so the others keep their pace.
 
 A request's draft KV goes when it stops decoding here (`forget`); when the draft pool runs short,
 the sequences of requests that ask nothing this step go first, and a request that still finds no
@@ -31,7 +33,7 @@ from engine.proposers import DraftAsk, NgramProposer, Proposer
 from engine.runner import ModelRunner
 from engine.weights import Checkpoint
 
-_EMA_WEIGHT = 0.2  # of a new step's seconds per draft in their moving average
+_EMA_WEIGHT = 0.2  # of a new step's seconds per draft (or per catch-up token) in their moving average
 
 
 def proposer_for(
@@ -73,6 +75,8 @@ class DraftModelProposer(Proposer):
     # prompt is caught up in chunks of this (no drafts until it is), so its streams' step grows by a
     # bounded draft prefill rather than by the whole prompt's.
     catch_up_tokens = 256
+    first_paced_tokens = 16  # a paced catch-up's first chunk, before its cost per token is measured
+    min_paced_tokens = 8
 
     def __init__(
         self,
@@ -98,6 +102,7 @@ class DraftModelProposer(Proposer):
         self.allocator = PageAllocator(self.runner.kv_pool.num_pages)
         self._sequences: dict[str, _DraftSequence] = {}
         self._seconds_per_draft = 0.0
+        self.seconds_per_catch_up_token = 0.0  # measured on the passes that catch a prompt up (0: none yet)
 
     @property
     def seconds_per_draft(self) -> float:
@@ -118,10 +123,10 @@ class DraftModelProposer(Proposer):
             self.allocator.free(seq.page_ids)
 
     @torch.inference_mode()
-    def propose(self, asks: Sequence[DraftAsk]) -> list[list[int]]:
+    def propose(self, asks: Sequence[DraftAsk], catch_up_s: float | None = None) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in asks]
         asking = {ask.request_id for ask in asks}
-        catch_up_left = self.catch_up_tokens
+        catch_up_left = self.catch_up_budget(catch_up_s)
         # (ask index, its sequence, the tokens to feed next, the drafts it wants: 0 while catching up)
         live: list[tuple[int, _DraftSequence, list[int], int]] = []
         for i, ask in enumerate(asks):
@@ -153,15 +158,28 @@ class DraftModelProposer(Proposer):
                     drafts[i].append(token_id)
                 if len(drafts[i]) < wanted:
                     still.append((i, seq, [token_id], wanted))
+            seconds = time.perf_counter() - started
             if all(len(feed) <= self.num_draft_tokens + 1 and wanted for _, _, feed, wanted in live):
-                self._observe(time.perf_counter() - started, len(live))  # a catch-up's pass is no draft's cost
+                self._seconds_per_draft = _averaged(self._seconds_per_draft, seconds / len(live))
+            else:  # a catch-up's pass is no draft's cost; its rows are all counted as catch-up
+                per_token = seconds / sum(len(feed) for _, _, feed, _ in live)
+                self.seconds_per_catch_up_token = _averaged(self.seconds_per_catch_up_token, per_token)
             live = still
         return drafts
 
-    def _observe(self, seconds: float, num_drafts: int) -> None:
-        """Learn a draft's cost from a pass that drafted `num_drafts` tokens and caught nothing up."""
-        per_draft, old = seconds / num_drafts, self._seconds_per_draft
-        self._seconds_per_draft = per_draft if old == 0 else old + _EMA_WEIGHT * (per_draft - old)
+    def catch_up_budget(self, catch_up_s: float | None) -> int:
+        """Prompt tokens a step may catch up: `catch_up_tokens`, or with a time to keep, what fits in it
+        at the measured seconds per token (`first_paced_tokens` before any is measured), at least
+        `min_paced_tokens`: a request's tokens grow by one or more a step, and its catch-up must gain
+        on them."""
+        if catch_up_s is None:
+            return self.catch_up_tokens
+        fitting = (
+            int(catch_up_s / self.seconds_per_catch_up_token)
+            if self.seconds_per_catch_up_token
+            else self.first_paced_tokens
+        )
+        return min(max(fitting, self.min_paced_tokens), self.catch_up_tokens)
 
     def _forward_argmax(self, live: Sequence[tuple[int, _DraftSequence, list[int], int]]) -> list[int]:
         """One draft-model pass feeding each live sequence its tokens (KV written after its kept
@@ -187,6 +205,11 @@ class DraftModelProposer(Proposer):
             return False
         seq.page_ids.extend(self.allocator.allocate(extra))
         return True
+
+
+def _averaged(old: float, new: float) -> float:
+    """A moving average's next value (the first measurement as it is)."""
+    return new if old == 0 else old + _EMA_WEIGHT * (new - old)
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:

@@ -31,9 +31,10 @@ class Proposer(ABC):
     treats as drawn with probability one, so the output keeps the target distribution exactly."""
 
     @abstractmethod
-    def propose(self, asks: Sequence[DraftAsk]) -> list[list[int]]:
+    def propose(self, asks: Sequence[DraftAsk], catch_up_s: float | None = None) -> list[list[int]]:
         """The drafts for each ask, in order: at most its `max_tokens` (zero or less: none); [] where
-        there is no guess."""
+        there is no guess. A proposer that builds state from the requests' prompts (a draft model's
+        KV) spends at most about `catch_up_s` seconds on it this step (None: no pace to keep)."""
 
     def forget(self, request_id: str) -> None:
         """The request stopped decoding here (finished, aborted, preempted): a proposer that keeps
@@ -74,7 +75,7 @@ class NgramProposer(Proposer):
         if self.max_n < self.min_n:
             raise ValueError(f"max_n ({self.max_n}) must be at least min_n ({self.min_n})")
 
-    def propose(self, asks: Sequence[DraftAsk]) -> list[list[int]]:
+    def propose(self, asks: Sequence[DraftAsk], catch_up_s: float | None = None) -> list[list[int]]:
         return [self.guess(ask.token_ids, ask.max_tokens) for ask in asks]
 
     def guess(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:

@@ -71,6 +71,17 @@ class DecodeStepTimes:
         rows = min(times, key=lambda r: abs(r - num_rows))
         return times[rows] if abs(rows - num_rows) <= _NEAR * num_rows else None
 
+    def estimate(self, num_rows: int) -> float | None:
+        """A decode-only step's seconds at `num_rows`: measured near them, else on the fitted line,
+        else the fastest step measured; None before any."""
+        measured = self.near(num_rows)
+        if measured is not None:
+            return measured
+        line = self.fit()
+        if line is not None:
+            return line[0] + line[1] * num_rows
+        return min(self.seconds.values(), default=None)
+
     def fit(self) -> tuple[float, float] | None:
         """(a, b) of the least-squares line seconds = a + b * rows over the measured row counts
         (b at least 0); None with fewer than two of them."""

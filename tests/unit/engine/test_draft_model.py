@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.config import ConfigError, EngineConfig
 from engine.draft_model import DraftModelProposer, _common_prefix_len
+from engine.draft_model import _DraftSequence as _DraftSeq
 from engine.engine import Engine
 from engine.proposers import DraftAsk
 from engine.request import FinishReason, Request, SamplingParams, StepOutput
@@ -199,4 +200,61 @@ def test_a_long_prompt_is_caught_up_in_chunks_with_no_drafts_until_it_is(target_
     assert outputs == plain
     assert first_drafts is not None and first_drafts >= 4  # after the first step's prompts, three catching up
     assert engine.scheduler.num_accepted_tokens >= 0.9 * engine.scheduler.num_draft_tokens
+    _assert_draft_pool_empty(engine)
+
+
+def test_a_paced_catch_up_feeds_what_fits_in_its_time(target_dir: Path) -> None:
+    proposer = _proposer(_engine(target_dir, target_dir))
+    assert proposer.catch_up_budget(None) == proposer.catch_up_tokens   # no pace to keep
+    assert proposer.catch_up_budget(0.050) == proposer.first_paced_tokens   # nothing measured yet
+    proposer.seconds_per_catch_up_token = 0.001
+    assert proposer.catch_up_budget(0.050) == 50
+    assert proposer.catch_up_budget(0.0001) == proposer.min_paced_tokens   # it gains on the request's growth
+    assert proposer.catch_up_budget(100.0) == proposer.catch_up_tokens
+
+
+def test_a_prompt_caught_up_beside_decoding_requests_keeps_their_pace(target_dir: Path) -> None:
+    """While two or more requests decode, the scheduler gives the catch-up the decode pace's allowance
+    over a decode-only step, and the proposer feeds what fits at its measured cost per token; one
+    request alone is caught up as fast as it goes. The output is the plain engine's."""
+    long_prompt = [(7 * i + 3) % 250 for i in range(40)]
+    requests = lambda: [  # noqa: E731
+        Request("short", [3, 17, 42], SamplingParams(max_new_tokens=40, **GREEDY)),
+        Request("long", list(long_prompt), SamplingParams(max_new_tokens=8, **GREEDY)),
+    ]
+    plain = _run(_engine(target_dir, None), requests())
+    engine = _engine(target_dir, target_dir, max_decode_slowdown=1.01)   # a pace that binds: the least chunks
+    proposer = _proposer(engine)
+    seen: list[tuple[int, float | None, int, int]] = []   # (decoding requests, catch-up seconds, budget, fed)
+    real_propose = proposer.propose
+
+    def propose(asks, catch_up_s=None):
+        before = {a.request_id: len(proposer._sequences.get(a.request_id, _DraftSeq()).token_ids) for a in asks}
+        budget = proposer.catch_up_budget(catch_up_s)
+        out = real_propose(asks, catch_up_s)
+        fed = sum(len(proposer._sequences[r].token_ids) - n for r, n in before.items() if r in proposer._sequences)
+        seen.append((len(asks), catch_up_s, budget, fed))
+        return out
+
+    proposer.propose = propose
+    short, long = requests()
+    engine.add_request(short)
+    outputs: dict[str, list[int]] = {"short": [], "long": []}
+    for _ in range(6):   # the short request decodes alone: decode-only steps are measured
+        for out in engine.step():
+            outputs[out.request_id] += [out.token_id] if out.token_id is not None else []
+    engine.add_request(long)
+    while engine.has_work:
+        for out in engine.step():
+            outputs[out.request_id] += [out.token_id] if out.token_id is not None else []
+    assert outputs == plain
+    alone = [s for n, s, _, _ in seen if n == 1]
+    beside = [(s, budget, fed) for n, s, budget, fed in seen if n == 2]
+    assert alone and all(s is None for s in alone)
+    assert beside and all(s is not None and s > 0 for s, _, _ in beside)
+    # the long prompt's 40 tokens went in over several steps, each within the budget its time allowed
+    # (plus the short request's own few tokens)
+    assert all(fed <= budget + proposer.num_draft_tokens + 1 for _, budget, fed in beside)
+    assert len([fed for _, _, fed in beside if fed > proposer.num_draft_tokens + 1]) >= 3
+    assert min(budget for _, budget, _ in beside) == proposer.min_paced_tokens
     _assert_draft_pool_empty(engine)

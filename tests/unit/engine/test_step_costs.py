@@ -211,3 +211,13 @@ def test_step_times_are_kept_apart_per_thread_count() -> None:
     assert times.near(4) == 0.024
     times.threads = 1
     assert times.near(4) == 0.036
+
+
+def test_a_step_time_is_estimated_near_on_the_line_or_from_the_fastest() -> None:
+    times = DecodeStepTimes()
+    assert times.estimate(4) is None
+    times.observe(4, 0.040)
+    assert times.estimate(4) == 0.040 and times.estimate(1) == 0.040   # only one row count: the fastest
+    times.observe(16, 0.100)
+    assert times.estimate(15) == 0.100   # within a quarter: measured
+    assert abs(times.estimate(8) - 0.060) < 1e-9   # on the line through (4, 0.040) and (16, 0.100)
