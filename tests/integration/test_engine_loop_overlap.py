@@ -191,9 +191,9 @@ def test_a_draft_models_passes_run_where_steps_compute_on_the_tuned_count(model_
     seen: list[tuple[str, int, int]] = []   # (thread, count the tuner chose, count the proposing thread has)
     real_propose = proposer.propose
 
-    def propose(asks):
+    def propose(asks, catch_up_s=None):
         seen.append((threading.current_thread().name, tuner.threads, torch.get_num_threads()))
-        return real_propose(asks)
+        return real_propose(asks, catch_up_s)
 
     proposer.propose = propose
     prompt = [3, 17, 42, 99, 5, 3, 17, 42]
