@@ -11,7 +11,7 @@ target's verification keeps its own distribution exactly. What the target reject
 sequence's KV is cut back to the longest prefix it shares with the request's tokens before each step.
 A step feeds at most `catch_up_tokens` of prompts beyond the decoding requests' few tokens: a longer
 prompt is caught up over several steps, drafting nothing until it is. While other requests decode
-beside it, the scheduler gives the catch-up a time (the decode pace's allowance) and the proposer
+beside it, the decode pacer gives the catch-up a time (its allowance) and the proposer
 feeds what fits, at its measured seconds per catch-up token, so the others keep their pace.
 
 A request's draft KV goes when it stops decoding here (`forget`); when the draft pool runs short,

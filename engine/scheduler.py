@@ -194,7 +194,8 @@ class Scheduler:
                 asks.append((req, DraftAsk(req.request_id, req.token_ids(0, req.seq_len), room)))
         if not asks:
             return
-        for (req, _), drafts in zip(asks, proposer.propose([ask for _, ask in asks], self._catch_up_seconds(decoding))):
+        catch_up_s = self.pacer.catch_up_seconds(len(decoding)) if self.pacer is not None else None
+        for (req, _), drafts in zip(asks, proposer.propose([ask for _, ask in asks], catch_up_s)):
             if drafts and req.grammar_matcher is not None:
                 drafts = _grammar_prefix(req.grammar_matcher, drafts)
             extra_pages = pages_needed(req.seq_len + len(drafts), self.page_size) - len(req.page_ids)
@@ -204,15 +205,6 @@ class Scheduler:
                 else:
                     drafts = drafts[: len(req.page_ids) * self.page_size - req.seq_len]
             req.draft_ids = drafts
-
-    def _catch_up_seconds(self, decoding: list[Request]) -> float | None:
-        """The time a proposer may spend this step on catching prompts up (a draft model's KV): the
-        decode pace's allowance over a decode-only step of these rows while two or more requests
-        decode (one catching up slows the others); None (no pace to keep) otherwise."""
-        if self.pacer is None or len(decoding) < 2:
-            return None
-        step_s = self.pacer.times.estimate(len(decoding))
-        return None if step_s is None else (self.pacer.max_slowdown - 1) * step_s
 
     def _prompt_budget(self, num_decode_tokens: int) -> int:
         """Prompt tokens this step may compute, after `num_decode_tokens` decode tokens, before the decode

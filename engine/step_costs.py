@@ -130,6 +130,17 @@ class DecodePacer:
             return 0
         return max(1, int(self.cap))
 
+    def allowance(self, decode_s: float) -> float:
+        """What a step may add beyond a decode-only step of `decode_s` seconds."""
+        return (self.max_slowdown - 1) * decode_s
+
+    def catch_up_seconds(self, num_decoding: int) -> float | None:
+        """The time a step with `num_decoding` decoding requests may spend catching prompts up beside
+        them (a draft model's KV): the allowance over a decode-only step of those rows, estimated; None
+        with fewer than two (nobody else waits) or before any decode-only step is measured."""
+        decode_s = self.times.estimate(num_decoding) if num_decoding >= 2 else None
+        return None if decode_s is None else self.allowance(decode_s)
+
     def observe(self, num_decode_tokens: int, num_prompt_tokens: int, seconds: float) -> None:
         """Learn from a step that computed `num_decode_tokens` decode rows and `num_prompt_tokens`
         prompt rows in `seconds` (after `times` has seen it)."""
@@ -142,7 +153,7 @@ class DecodePacer:
             self._mixed_steps += 1
         if decode_s is None:
             return
-        allowance = (self.max_slowdown - 1) * decode_s
+        allowance = self.allowance(decode_s)
         extra_s = max(seconds - decode_s, 1e-9) if num_prompt_tokens else 0.0
         self.balance = min(max(self.balance + allowance - extra_s, -allowance), allowance)
         if num_prompt_tokens:

@@ -13,7 +13,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.config import ConfigError, EngineConfig
 from engine.draft_model import DraftModelProposer, _common_prefix_len
-from engine.draft_model import _DraftSequence as _DraftSeq
 from engine.engine import Engine
 from engine.proposers import DraftAsk
 from engine.request import FinishReason, Request, SamplingParams, StepOutput
@@ -214,8 +213,8 @@ def test_a_paced_catch_up_feeds_what_fits_in_its_time(target_dir: Path) -> None:
 
 
 def test_a_prompt_caught_up_beside_decoding_requests_keeps_their_pace(target_dir: Path) -> None:
-    """While two or more requests decode, the scheduler gives the catch-up the decode pace's allowance
-    over a decode-only step, and the proposer feeds what fits at its measured cost per token; one
+    """While two or more requests decode, the pacer gives the catch-up its allowance over a decode-only
+    step (`DecodePacer.catch_up_seconds`), and the proposer feeds what fits at its measured cost per token; one
     request alone is caught up as fast as it goes. The output is the plain engine's."""
     long_prompt = [(7 * i + 3) % 250 for i in range(40)]
     requests = lambda: [  # noqa: E731
@@ -229,7 +228,8 @@ def test_a_prompt_caught_up_beside_decoding_requests_keeps_their_pace(target_dir
     real_propose = proposer.propose
 
     def propose(asks, catch_up_s=None):
-        before = {a.request_id: len(proposer._sequences.get(a.request_id, _DraftSeq()).token_ids) for a in asks}
+        held = proposer._sequences
+        before = {a.request_id: len(held[a.request_id].token_ids) if a.request_id in held else 0 for a in asks}
         budget = proposer.catch_up_budget(catch_up_s)
         out = real_propose(asks, catch_up_s)
         fed = sum(len(proposer._sequences[r].token_ids) - n for r, n in before.items() if r in proposer._sequences)

@@ -221,3 +221,12 @@ def test_a_step_time_is_estimated_near_on_the_line_or_from_the_fastest() -> None
     times.observe(16, 0.100)
     assert times.estimate(15) == 0.100   # within a quarter: measured
     assert abs(times.estimate(8) - 0.060) < 1e-9   # on the line through (4, 0.040) and (16, 0.100)
+
+
+def test_a_catch_up_gets_the_pace_allowance_only_beside_other_decoding_requests() -> None:
+    times = DecodeStepTimes()
+    pacer = DecodePacer(1.5, times)
+    assert pacer.catch_up_seconds(2) is None   # nothing measured
+    times.observe(2, 0.040)
+    assert pacer.catch_up_seconds(1) is None   # alone: nobody else waits
+    assert abs(pacer.catch_up_seconds(2) - 0.020) < 1e-12
