@@ -60,8 +60,10 @@ _UNSETTLED_CODES = frozenset(
 
 
 # Codes that say the worker itself failed (unreachable, refused, reset, draining), not the request:
-# the gateway may send the request to another worker instead.
-_WORKER_FAILURE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+# the gateway may send the request to another worker instead. A worker never cancels a call on purpose;
+# a call that reaches its server as it stops (a drained worker, the moment its requests are done) is
+# cancelled by gRPC (the gateway's own cancel raises asyncio.CancelledError, never this code).
+_WORKER_FAILURE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 _STALLED = ErrorKind(503, "service_unavailable", "worker_stalled")
 
 

@@ -21,12 +21,14 @@ import httpx
 from tandem.v1 import common_pb2, worker_pb2_grpc
 from tests.e2e.stack import (
     _CHILD_ENV,
+    _HANDED_OUT,
     ROOT,
     WORKER_METADATA,
     _decode_args,
     _launch,
     _prefill_args,
     free_port,
+    hand_out,
     log_tails,
     stop_processes,
 )
@@ -36,13 +38,15 @@ def free_port_run(count: int, host: str = "127.0.0.1") -> int:
     """The first of `count` consecutive free ports (worker i of a role listens on the first + i)."""
     for _ in range(200):
         base = random.randrange(20000, 60000 - count)
+        if _HANDED_OUT.intersection(range(base, base + count)):
+            continue
         sockets = []
         try:
             for port in range(base, base + count):
                 s = socket.socket()
                 sockets.append(s)
                 s.bind((host, port))
-            return base
+            return hand_out(*range(base, base + count))
         except OSError:
             continue
         finally:

@@ -31,10 +31,25 @@ _CHILD_ENV = {"PYTHONUNBUFFERED": "1", "TANDEM_INTERNAL_TOKEN": INTERNAL_TOKEN}
 _WORKER_ENV = {"TANDEM_KV_GRANT_SECRET": secrets.token_urlsafe(24)}
 
 
+# Every port this test process has handed out: a port is released once chosen, and the kernel may offer it
+# again before the server it was chosen for binds it (two of one stack's ports then collide).
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port that no earlier call in this test process returned."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            return hand_out(port)
+
+
+def hand_out(*ports: int) -> int:
+    """Record `ports` as taken (free_port will not return them); the first."""
+    _HANDED_OUT.update(ports)
+    return ports[0]
 
 
 def child_pids(pid: int) -> list[int]:

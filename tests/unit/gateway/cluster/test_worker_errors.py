@@ -4,6 +4,7 @@ answered from one the client side raised on its own."""
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
 
@@ -75,3 +76,42 @@ def test_answers_a_fixed_line_where_grpc_or_an_exception_wrote_the_details(code,
     (grpc.StatusCode.RESOURCE_EXHAUSTED, True), (grpc.StatusCode.DATA_LOSS, True)])
 def test_a_code_the_client_side_can_raise_leaves_the_call_unsettled(code, is_settled) -> None:
     assert worker_error(_rpc_error(code, "x"), Role.PREFILL, "x:1").is_settled is is_settled
+
+
+def test_calls_that_reach_a_stopping_server_are_worker_failures() -> None:
+    """A worker's gRPC server that stops (a drained worker, the moment its last request is done) cancels
+    the calls that reach it meanwhile and refuses the later ones: both are the worker's failure, so a
+    request that had no token yet goes to another worker."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    async def calls_around_a_stop() -> set[grpc.StatusCode]:
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        codes: set[grpc.StatusCode] = set()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+
+            async def check(delay_s: float) -> None:
+                await asyncio.sleep(delay_s)
+                try:
+                    await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                except grpc.aio.AioRpcError as exc:
+                    error = worker_error(exc, Role.DECODE, f"127.0.0.1:{port}")
+                    assert error.is_worker_failure, exc.code()
+                    codes.add(exc.code())
+
+            calls = [asyncio.create_task(check(i * 0.0005)) for i in range(400)]
+            await asyncio.sleep(0.05)
+            await server.stop(grace=1)
+            await asyncio.gather(*calls)
+        return codes
+
+    codes: set[grpc.StatusCode] = set()
+    for _ in range(5):  # the race that cancels a call is narrow: a few stops make it near certain
+        codes |= asyncio.run(calls_around_a_stop())
+        if grpc.StatusCode.CANCELLED in codes:
+            break
+    assert grpc.StatusCode.UNAVAILABLE in codes and grpc.StatusCode.CANCELLED in codes
