@@ -3,6 +3,7 @@
     python benchmarks/engine_step.py                        # bundled model, batch 16 and 1, ~300-token contexts
     python benchmarks/engine_step.py --profile              # + time per C++ kernel call (per step)
     python benchmarks/engine_step.py --quantization none --dtype bfloat16 --profile
+    python benchmarks/engine_step.py --temperature 1.0 [--top-p 0.9] [--top-k 40]   # sampled, not greedy, steps
 
 Requests are prefilled with random prompts of --context tokens, then every step decodes the whole
 batch; the figures are medians over --steps steps of the process's CPU time (with one thread, the
@@ -24,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -108,9 +110,12 @@ class StepTimer:
         return f"{cpu:7.1f} ms CPU, {wall:7.1f} ms wall ({tokens / wall * 1000:6.1f} tokens/s)"
 
 
-def decode_ms(engine: Engine, batch: int, context: int, steps: int, profile: bool) -> StepTimer:
+def decode_ms(
+    engine: Engine, batch: int, context: int, steps: int, profile: bool, sampled: SamplingParams | None = None
+) -> StepTimer:
+    """`sampled`: the requests' sampling (None: greedy); its token limit and ignore_eos are set here."""
     generator = torch.Generator().manual_seed(batch)
-    sampling = SamplingParams(temperature=0, max_new_tokens=steps + 2, ignore_eos=True)
+    sampling = replace(sampled or SamplingParams(temperature=0), max_new_tokens=steps + 2, ignore_eos=True)
     for i in range(batch):
         ids = torch.randint(10, 40000, (context,), generator=generator).tolist()
         engine.add_request(Request(f"b{batch}-{i}", ids, sampling))
@@ -157,6 +162,9 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=256, help="prompt length to time a prefill of (0: none)")
     parser.add_argument("--prefill-runs", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--temperature", type=float, default=0.0, help="the decode steps' requests sample (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument(
         "--unfused", action="store_true", help="run each layer's modules, not the fused C++ layer (to see its kernels)"
     )
@@ -183,11 +191,15 @@ def main() -> None:
         f"{' (int8 activations)' if args.int8_activations else ''}, attention {args.attention_backend}, "
         f"{args.threads} thread(s), {args.context}-token contexts"
     )
+    sampled = None
+    if args.temperature:
+        sampled = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+        print(f"sampled decode steps: temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}")
     if args.prefill:
         timer = prefill_ms(engine, args.prefill, args.prefill_runs, args.profile)
         print(f"prefill of {args.prefill} tokens: {timer.describe(args.prefill)}", flush=True)
     for batch in (int(b) for b in args.batches.split(",")):
-        timer = decode_ms(engine, batch, args.context, args.steps, args.profile)
+        timer = decode_ms(engine, batch, args.context, args.steps, args.profile, sampled)
         print(f"batch {batch:3d}: {timer.describe(batch)} per decode step", flush=True)
 
 

@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from kernels.sampling import SEED_MIX, Sampler, SamplingBatch, truncated_sorted
+from kernels.sampling import Sampler, SamplingBatch, row_uniforms, truncated
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,8 +133,7 @@ def expand_to_rows(batch: SamplingBatch, num_drafts: Sequence[int]) -> SamplingB
 def target_probs(logits: torch.Tensor, rows: SamplingBatch) -> torch.Tensor:
     """logits: [R, V] fp32, `rows` one entry per row. Returns [R, V] fp32: the distribution
     `kernels.sampling.sample` draws each row's token from (one-hot on the argmax for greedy rows)."""
-    weights, sorted_ids = truncated_sorted(logits, rows)
-    probs = torch.zeros_like(logits).scatter_(1, sorted_ids, weights / weights.sum(dim=-1, keepdim=True))
+    probs = truncated(logits, rows).probs(logits.shape[-1])
     greedy = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
     return torch.where(rows.is_greedy.unsqueeze(1), greedy, probs)
 
@@ -149,10 +148,12 @@ def _sample_rows(
 ) -> tuple[list[bool], list[int]]:
     """(whether each draft is accepted, the token each row emits if it is the first rejected or the
     bonus row), for a batch with sampled rows; greedy rows compare with and emit the argmax."""
-    weights, sorted_ids = truncated_sorted(logits, rows)
-    p_sorted = weights / weights.sum(dim=-1, keepdim=True)
-    p = torch.zeros_like(logits).scatter_(1, sorted_ids, p_sorted)
-    noise, uniforms = _row_draws(rows, logits.shape[-1], logits.device)
+    candidates = truncated(logits, rows)
+    p_candidates = candidates.weights / candidates.weights.sum(dim=-1, keepdim=True)
+    p = candidates.probs(logits.shape[-1])
+    # Per row: first the uniform its emitted token is drawn with (as `sample` draws it), then the one that
+    # accepts or rejects its draft.
+    uniforms = row_uniforms(rows, logits.device, draws=2)
 
     drafts = torch.tensor(flat_drafts, dtype=torch.int64, device=logits.device)
     q = torch.zeros(len(draft_rows), logits.shape[-1], device=logits.device)
@@ -164,40 +165,21 @@ def _sample_rows(
     q_draft = q.gather(1, drafts.unsqueeze(1)).squeeze(1)
     is_greedy_draft = rows.is_greedy[draft_rows]
     # u < p/q, written without the division: q may be 0 where the draft model was sure it was not
-    is_accepted = torch.where(is_greedy_draft, drafts == argmax[draft_rows], uniforms[draft_rows] * q_draft < p_draft)
+    is_accepted = torch.where(
+        is_greedy_draft, drafts == argmax[draft_rows], uniforms[draft_rows, 1] * q_draft < p_draft
+    )
 
-    # Draft rows race on the residual max(p - q, 0); the others (each request's last row) on the
-    # weights `sample` races on, so a request with no drafts gets exactly the token `sample` gives.
-    race = weights.clone()
-    residual = (p_sorted[draft_rows] - q.gather(1, sorted_ids[draft_rows])).clamp(min=0.0)
+    # Draft rows draw from the residual max(p - q, 0); the others (each request's last row) from the
+    # weights `sample` draws from, so a request with no drafts gets exactly the token `sample` gives.
+    weights = candidates.weights.clone()
+    q_candidates = q if candidates.token_ids is None else q.gather(1, candidates.token_ids[draft_rows])
+    residual = (p_candidates[draft_rows] - q_candidates).clamp(min=0.0)
     # A rejection implies some residual mass; an all-zero residual is rounding, where p is right.
     has_residual = residual.sum(dim=-1, keepdim=True) > 0
-    race[draft_rows] = torch.where(has_residual, residual, p_sorted[draft_rows])
-    choice = (race / noise).argmax(dim=-1)  # exponential race: picks i with probability race[i] / sum
-    sampled = sorted_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
+    weights[draft_rows] = torch.where(has_residual, residual, p_candidates[draft_rows])
+    sampled = candidates.draw(uniforms[:, 0], weights)
     next_tokens = torch.where(rows.is_greedy, argmax, sampled)
     return is_accepted.tolist(), next_tokens.tolist()
-
-
-def _row_draws(rows: SamplingBatch, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(noise [R, V] Exp(1), uniforms [R] U[0, 1)) on `device`. A seeded row takes both from a CPU
-    generator seeded from (seed, step), the exponentials first, as `kernels.sampling` draws them:
-    the same numbers on every device, and the same race as `sample` for the same (seed, step)."""
-    num_rows = len(rows.steps)
-    noise = torch.empty(num_rows, vocab, device=device).exponential_()
-    uniforms = torch.rand(num_rows, device=device)
-    seeded_rows = [row for row, seed in enumerate(rows.seeds) if seed is not None]
-    mixed_seeds = [(seed * SEED_MIX + step) % (2**63) for seed, step in zip(rows.seeds, rows.steps) if seed is not None]
-    if seeded_rows:
-        seeded_noise = torch.empty(len(seeded_rows), vocab)
-        seeded_uniforms = torch.empty(len(seeded_rows))
-        for at, mixed_seed in enumerate(mixed_seeds):
-            gen = torch.Generator().manual_seed(mixed_seed)
-            seeded_noise[at].exponential_(generator=gen)
-            seeded_uniforms[at : at + 1].uniform_(generator=gen)
-        noise[seeded_rows] = seeded_noise.to(device)
-        uniforms[seeded_rows] = seeded_uniforms.to(device)
-    return noise, uniforms
 
 
 def first_rows(num_drafts: Sequence[int]) -> list[int]:

@@ -95,46 +95,119 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     logprobs_all = torch.log_softmax(logits, dim=-1)
     token_ids = logits.argmax(dim=-1)
     if not batch.all_greedy:
-        sampled = _sample_random(logits, batch)
+        sampled = truncated(logits, batch).draw(row_uniforms(batch, logits.device))
         token_ids = torch.where(batch.is_greedy, token_ids, sampled)
     return token_ids, logprobs_all.gather(1, token_ids.unsqueeze(1)).squeeze(1)
 
 
-def truncated_sorted(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, sorted_ids), both [B, V]: each row's probabilities after temperature, top-k, top-p and
-    min-p, in descending order and unnormalised (dropped tokens 0), and their token ids. What a
-    sampled row draws from, here and in `kernels.rejection_sampling`."""
+# A top-k or top-p row's candidates are found among its best _FIRST_CANDIDATES tokens, or four times as
+# many while that does not settle which tokens it keeps: no sort of the whole vocabulary.
+_FIRST_CANDIDATES = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    """What each row of a batch draws from: `weights` [B, C], its tokens' probabilities after temperature,
+    top-k, top-p and min-p, unnormalised (0: dropped, or padding), at `token_ids` [B, C] (None: C is the
+    vocabulary, in token order, for every row). A row with top-k or top-p (and a greedy row) lists its best
+    tokens in descending order; a row with neither lists the whole vocabulary in token order. Every row's
+    order depends on that row alone, so a seeded draw does too."""
+
+    weights: torch.Tensor
+    token_ids: torch.Tensor | None
+
+    def probs(self, vocab: int) -> torch.Tensor:
+        """[B, vocab]: each row's normalised distribution over the whole vocabulary."""
+        normalised = self.weights / self.weights.sum(dim=-1, keepdim=True)
+        if self.token_ids is None:
+            return normalised
+        return torch.zeros(self.weights.shape[0], vocab, device=self.weights.device).scatter_add_(
+            1, self.token_ids, normalised
+        )
+
+    def draw(self, uniforms: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """[B] token ids: row i's by inverse transform of `uniforms[i]` (U[0, 1)) over its weights (or the
+        `weights` given, [B, C] in the same order), so it takes token j with probability weight j / total."""
+        index = draw_index(self.weights if weights is None else weights, uniforms)
+        return (index if self.token_ids is None else self.token_ids.gather(1, index)).squeeze(1)
+
+
+def draw_index(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """[B, 1]: the column that `uniforms` [B] picks in each row of `weights` [B, C] by inverse transform:
+    the first whose cumulative weight passes u * total, which has a weight above 0 (the target is kept below
+    the total, where rounding could put it)."""
+    cdf = weights.cumsum(dim=-1)
+    total = cdf[:, -1]
+    target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target.unsqueeze(1), right=True)
+
+
+def truncated(logits: torch.Tensor, batch: SamplingBatch) -> Candidates:
+    """Each row's `Candidates` after temperature, top-k, top-p and min-p: what a sampled row draws from, here
+    and in `kernels.rejection_sampling`. A greedy row's are its best token (its draw is not used)."""
     scaled = logits / batch.temperatures.clamp(min=1e-5).unsqueeze(1)
-    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    top_ks = torch.where(batch.top_ks > 0, batch.top_ks, vocab).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(ranks >= top_ks, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop = (mass_before > batch.top_ps.unsqueeze(1)) | (probs < batch.min_ps.unsqueeze(1) * probs[:, :1])
+    num_rows, vocab = scaled.shape
+    top_ks = torch.where(
+        batch.is_greedy, 1, torch.where((batch.top_ks > 0) & (batch.top_ks < vocab), batch.top_ks, vocab)
+    )
+    is_ordered = (top_ks < vocab) | (batch.top_ps < 1)
+    ordered = is_ordered.nonzero().flatten().tolist()
+    if len(ordered) == num_rows:
+        return _best_tokens(scaled, top_ks, batch.top_ps, batch.min_ps)
+    # Some row keeps every token but those min-p drops: the rows list the whole vocabulary.
+    weights = torch.exp(scaled - scaled.amax(dim=-1, keepdim=True))
+    if bool((batch.min_ps > 0).any()):
+        weights = weights.masked_fill(weights < batch.min_ps.unsqueeze(1), 0.0)  # relative to the top token's 1
+    if not ordered:
+        return Candidates(weights, None)
+    token_ids = torch.arange(vocab, device=logits.device).expand(num_rows, vocab).clone()
+    rows = torch.tensor(ordered, device=logits.device)
+    best = _best_tokens(scaled[rows], top_ks[rows], batch.top_ps[rows], batch.min_ps[rows])
+    assert best.token_ids is not None
+    width = best.weights.shape[-1]
+    weights[rows] = torch.nn.functional.pad(best.weights, (0, vocab - width))
+    token_ids[rows] = torch.nn.functional.pad(best.token_ids, (0, vocab - width))
+    return Candidates(weights, token_ids)
+
+
+def _best_tokens(scaled: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor) -> Candidates:
+    """Candidates of rows that each have a top-k or a top-p, in descending order: the first `count` of
+    every row's best tokens, with `count` grown until each row's kept tokens lie within it (its top-k, or
+    the prefix whose mass passes its top-p: every token after it is dropped)."""
+    vocab = scaled.shape[-1]
+    has_top_k = top_ks < vocab
+    top = scaled.amax(dim=-1, keepdim=True)
+    # A row without top-k normalises over every token.
+    untruncated_total = None if bool(has_top_k.all()) else torch.exp(scaled - top).sum(dim=-1, keepdim=True)
+    count = min(vocab, max(_FIRST_CANDIDATES, int(torch.where(has_top_k, top_ks, 0).max())))
+    while True:
+        values, token_ids = scaled.topk(count, dim=-1)
+        ranks = torch.arange(count, device=scaled.device).unsqueeze(0)
+        exp = torch.exp(values - top).masked_fill(ranks >= top_ks.unsqueeze(1), 0.0)
+        total = exp.sum(dim=-1, keepdim=True)
+        if untruncated_total is not None:
+            total = torch.where(has_top_k.unsqueeze(1), total, untruncated_total)
+        probs = exp / total
+        mass = probs.cumsum(dim=-1)
+        if count == vocab or bool(((top_ks <= count) | (mass[:, -1] > top_ps)).all()):
+            break
+        count = min(vocab, 4 * count)
+    drop = (mass - probs > top_ps.unsqueeze(1)) | (probs < min_ps.unsqueeze(1) * probs[:, :1])
     drop[:, 0] = False  # the most likely token always survives
-    return probs.masked_fill(drop, 0.0), sorted_ids
+    return Candidates(probs.masked_fill(drop, 0.0), token_ids)
 
 
-def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    probs, sorted_ids = truncated_sorted(logits, batch)
-    noise = torch.empty_like(probs)
-    for row, (seed, step) in enumerate(zip(batch.seeds, batch.steps)):
-        if seed is None:
-            noise[row].exponential_()
-        else:
-            _seeded_exponential(noise[row], (seed * SEED_MIX + step) % (2**63))
-    choice = (probs / noise).argmax(dim=-1)  # exponential race: picks i with probability probs[i]
-    return sorted_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
-
-
-def _seeded_exponential(out: torch.Tensor, seed: int) -> None:
-    """Fill the contiguous row `out` with Exp(1) draws from a CPU generator seeded with `seed`: the
-    same numbers on every device (CUDA generators draw other sequences), so a seeded request gives
+def row_uniforms(batch: SamplingBatch, device: torch.device, draws: int = 1) -> torch.Tensor:
+    """[B, draws] U[0, 1) on `device` (squeezed to [B] for one draw). A seeded row takes them from a CPU
+    generator seeded from (seed, step), in order: the same numbers on every device, so a seeded request gives
     the same tokens wherever it runs."""
-    gen = torch.Generator().manual_seed(seed)
-    if out.device.type == "cpu":
-        out.exponential_(generator=gen)
-    else:
-        out.copy_(torch.empty(out.shape, dtype=out.dtype).exponential_(generator=gen))
+    uniforms = torch.rand(len(batch.steps), draws, device=device)
+    seeded = [row for row, seed in enumerate(batch.seeds) if seed is not None]
+    if seeded:
+        drawn = torch.empty(len(seeded), draws)
+        for at, row in enumerate(seeded):
+            seed = batch.seeds[row]
+            assert seed is not None
+            drawn[at].uniform_(generator=torch.Generator().manual_seed((seed * SEED_MIX + batch.steps[row]) % (2**63)))
+        uniforms[seeded] = drawn.to(device)
+    return uniforms.squeeze(1) if draws == 1 else uniforms

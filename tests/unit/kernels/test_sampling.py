@@ -8,7 +8,15 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels.sampling import SamplingBatch, TorchSampler, create_sampler, resolve_sampler, sample
+from kernels.sampling import (
+    SamplingBatch,
+    TorchSampler,
+    create_sampler,
+    draw_index,
+    resolve_sampler,
+    sample,
+    truncated,
+)
 
 
 def _batch(num_rows: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
@@ -117,6 +125,67 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_top() -> None:
     counts = _counts(_draws(logits, NUM_DRAWS, min_p=0.4), 4)  # keep p >= 0.2
     assert counts[2:].sum() == 0 and counts[1] > 0
     assert abs(float(counts[0] / counts.sum()) - 0.625) < 0.02
+
+
+def _sorted_reference(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[B, V]: each row's distribution after temperature, top-k, top-p and min-p, computed the plain way
+    (the whole vocabulary sorted), as the oracle of `truncated`, which sorts none of it."""
+    scaled = logits / batch.temperatures.clamp(min=1e-5).unsqueeze(1)
+    values, ids = scaled.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    top_ks = torch.where(batch.top_ks > 0, batch.top_ks, vocab).unsqueeze(1)
+    probs = values.masked_fill(torch.arange(vocab).unsqueeze(0) >= top_ks, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = (mass_before > batch.top_ps.unsqueeze(1)) | (probs < batch.min_ps.unsqueeze(1) * probs[:, :1])
+    drop[:, 0] = False
+    kept = probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(kept).scatter_(1, ids, kept / kept.sum(dim=-1, keepdim=True))
+
+
+def _rows(*settings: dict) -> SamplingBatch:
+    """One row per dict of `_batch`'s settings."""
+    rows = [_batch(1, **row) for row in settings]
+    return SamplingBatch(*(torch.cat([getattr(r, f) for r in rows]) for f in ("temperatures", "top_ps", "top_ks",
+                                                                               "min_ps", "is_greedy")),
+                         seeds=tuple(r.seeds[0] for r in rows), steps=tuple(r.steps[0] for r in rows))
+
+
+_SETTINGS = ({"top_p": 0.9}, {"top_p": 0.5}, {"top_k": 300}, {"top_k": 5, "top_p": 0.8},
+             {"min_p": 0.05}, {"temperature": 0.7, "top_p": 0.95, "min_p": 0.01}, {})
+
+
+def test_truncation_without_a_sort_equals_the_sorted_distribution() -> None:
+    """A flat row needs thousands of candidates to reach its top-p (the first 64 do not settle it); a top-k
+    above 64; min-p; a row with none of them (the whole vocabulary, in token order) in the same batch; a
+    masked token (-inf)."""
+    vocab = 20000
+    logits = _random_logits(7, vocab, seed=3)
+    logits[:, 7] = float("-inf")
+    logits[1] *= 0.05  # nearly flat
+    batch = _rows(*_SETTINGS)
+    reference = _sorted_reference(logits, batch)
+    assert torch.allclose(truncated(logits, batch).probs(vocab), reference, atol=1e-6)
+    for row in range(7):  # alone, where no row forces the whole vocabulary
+        alone = truncated(logits[row:row + 1], _rows(_SETTINGS[row])).probs(vocab)
+        assert torch.allclose(alone, reference[row:row + 1], atol=1e-6), row
+    assert int((reference[1] > 0).sum()) > 1000  # the flat row did need more than the first candidates
+
+
+def test_a_draw_never_lands_on_a_token_of_weight_zero() -> None:
+    weights = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0, 0.0], [1e-30, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    for u in (0.0, 0.2, 0.25, 0.5, 1.0 - 2**-24, 1.0):
+        picked = draw_index(weights, torch.full((2,), u)).flatten().tolist()
+        assert weights[0, picked[0]] > 0 and picked[1] == 0, (u, picked)
+
+
+def test_a_seeded_row_draws_the_same_token_whatever_the_rest_of_its_batch() -> None:
+    """Its candidates are listed in an order that depends on the row alone: alone, its top-p row lists
+    its best tokens; beside a row that keeps the whole vocabulary, the same tokens padded with zeros."""
+    logits = _random_logits(2, 3000, seed=5) * 0.3
+    for step in range(20):
+        alone, _ = sample(logits[:1], _batch(1, top_p=0.9, seeds=(11,), steps=(step,)))
+        mixed, _ = sample(logits, _rows({"top_p": 0.9, "seeds": (11,), "steps": (step,)}, {"seeds": (12,)}))
+        assert int(alone[0]) == int(mixed[0]), step
 
 
 def test_same_seed_and_step_give_the_same_draw() -> None:
