@@ -12,7 +12,7 @@ Where it differs from the torch sampler, because FlashInfer works so:
   among FlashInfer runs, on any batch position.
 - A seeded row's draw depends only on (seed, step), as in the torch sampler: it is drawn alone
   (FlashInfer's kernels fold the row's batch position into the Philox subsequence, so a batched
-  draw would change with it) with Philox seed `(seed * SEED_MIX + step) mod 2**63` at offset 0.
+  draw would change with it) with Philox seed `kernels.sampling.mixed_seed(seed, step)` at offset 0.
   One kernel launch per seeded row.
 - Unseeded rows are drawn together from torch's default CUDA generator (`torch.manual_seed` seeds it).
 - Top-p keeps a token when the mass of strictly more likely tokens is below top_p; the torch sampler
@@ -39,7 +39,7 @@ import flashinfer.sampling
 import torch
 
 from kernels.rejection_sampling import Verified, check_shapes, expand_to_rows, first_rows, verify, with_logprobs
-from kernels.sampling import SEED_MIX, Sampler, SamplingBatch, register_sampler
+from kernels.sampling import Sampler, SamplingBatch, mixed_seed, register_sampler
 
 MIN_TEMPERATURE = 1e-5  # as the torch sampler clamps it
 MIN_TOP_P = 1e-6  # top_p 0 means "the most likely token only"; FlashInfer needs a positive value
@@ -148,7 +148,7 @@ def chain_kwargs() -> dict[str, Any]:
 
 def philox_seed(seed: int, step: int) -> int:
     """The Philox seed of a seeded row's draw at `step` (the torch sampler's mixing of the two)."""
-    return (seed * SEED_MIX + step) % (2**63)
+    return mixed_seed(seed, step)
 
 
 @register_sampler("flashinfer")

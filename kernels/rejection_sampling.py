@@ -133,7 +133,8 @@ def expand_to_rows(batch: SamplingBatch, num_drafts: Sequence[int]) -> SamplingB
 def target_probs(logits: torch.Tensor, rows: SamplingBatch) -> torch.Tensor:
     """logits: [R, V] fp32, `rows` one entry per row. Returns [R, V] fp32: the distribution
     `kernels.sampling.sample` draws each row's token from (one-hot on the argmax for greedy rows)."""
-    probs = truncated(logits, rows).probs(logits.shape[-1])
+    candidates = truncated(logits, rows)
+    probs = candidates.spread(candidates.normalised(), logits.shape[-1])
     greedy = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
     return torch.where(rows.is_greedy.unsqueeze(1), greedy, probs)
 
@@ -149,8 +150,8 @@ def _sample_rows(
     """(whether each draft is accepted, the token each row emits if it is the first rejected or the
     bonus row), for a batch with sampled rows; greedy rows compare with and emit the argmax."""
     candidates = truncated(logits, rows)
-    p_candidates = candidates.weights / candidates.weights.sum(dim=-1, keepdim=True)
-    p = candidates.probs(logits.shape[-1])
+    p_candidates = candidates.normalised()
+    p = candidates.spread(p_candidates, logits.shape[-1])
     # Per row: first the uniform its emitted token is drawn with (as `sample` draws it), then the one that
     # accepts or rejects its draft.
     uniforms = row_uniforms(rows, logits.device, draws=2)

@@ -95,7 +95,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     logprobs_all = torch.log_softmax(logits, dim=-1)
     token_ids = logits.argmax(dim=-1)
     if not batch.all_greedy:
-        sampled = truncated(logits, batch).draw(row_uniforms(batch, logits.device))
+        sampled = truncated(logits, batch).draw(row_uniforms(batch, logits.device)[:, 0])
         token_ids = torch.where(batch.is_greedy, token_ids, sampled)
     return token_ids, logprobs_all.gather(1, token_ids.unsqueeze(1)).squeeze(1)
 
@@ -116,14 +116,16 @@ class Candidates:
     weights: torch.Tensor
     token_ids: torch.Tensor | None
 
-    def probs(self, vocab: int) -> torch.Tensor:
-        """[B, vocab]: each row's normalised distribution over the whole vocabulary."""
-        normalised = self.weights / self.weights.sum(dim=-1, keepdim=True)
+    def normalised(self) -> torch.Tensor:
+        """[B, C]: the weights as probabilities (each row sums to 1)."""
+        return self.weights / self.weights.sum(dim=-1, keepdim=True)
+
+    def spread(self, values: torch.Tensor, vocab: int) -> torch.Tensor:
+        """`values` [B, C], one per candidate, at their tokens of a [B, vocab] tensor (0 elsewhere; a
+        padding candidate's value is 0, so adding it changes nothing)."""
         if self.token_ids is None:
-            return normalised
-        return torch.zeros(self.weights.shape[0], vocab, device=self.weights.device).scatter_add_(
-            1, self.token_ids, normalised
-        )
+            return values
+        return torch.zeros(values.shape[0], vocab, device=values.device).scatter_add_(1, self.token_ids, values)
 
     def draw(self, uniforms: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """[B] token ids: row i's by inverse transform of `uniforms[i]` (U[0, 1)) over its weights (or the
@@ -176,12 +178,12 @@ def _best_tokens(scaled: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tenso
     the prefix whose mass passes its top-p: every token after it is dropped)."""
     vocab = scaled.shape[-1]
     has_top_k = top_ks < vocab
-    top = scaled.amax(dim=-1, keepdim=True)
+    values, token_ids = scaled.topk(min(vocab, max(_FIRST_CANDIDATES, int(torch.where(has_top_k, top_ks, 0).max()))))
+    top = values[:, :1]
     # A row without top-k normalises over every token.
     untruncated_total = None if bool(has_top_k.all()) else torch.exp(scaled - top).sum(dim=-1, keepdim=True)
-    count = min(vocab, max(_FIRST_CANDIDATES, int(torch.where(has_top_k, top_ks, 0).max())))
     while True:
-        values, token_ids = scaled.topk(count, dim=-1)
+        count = values.shape[-1]
         ranks = torch.arange(count, device=scaled.device).unsqueeze(0)
         exp = torch.exp(values - top).masked_fill(ranks >= top_ks.unsqueeze(1), 0.0)
         total = exp.sum(dim=-1, keepdim=True)
@@ -191,23 +193,26 @@ def _best_tokens(scaled: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tenso
         mass = probs.cumsum(dim=-1)
         if count == vocab or bool(((top_ks <= count) | (mass[:, -1] > top_ps)).all()):
             break
-        count = min(vocab, 4 * count)
+        values, token_ids = scaled.topk(min(vocab, 4 * count))
     drop = (mass - probs > top_ps.unsqueeze(1)) | (probs < min_ps.unsqueeze(1) * probs[:, :1])
     drop[:, 0] = False  # the most likely token always survives
     return Candidates(probs.masked_fill(drop, 0.0), token_ids)
 
 
+def mixed_seed(seed: int, step: int) -> int:
+    """The generator seed of a seeded row's draws at output position `step`."""
+    return (seed * SEED_MIX + step) % (2**63)
+
+
 def row_uniforms(batch: SamplingBatch, device: torch.device, draws: int = 1) -> torch.Tensor:
-    """[B, draws] U[0, 1) on `device` (squeezed to [B] for one draw). A seeded row takes them from a CPU
-    generator seeded from (seed, step), in order: the same numbers on every device, so a seeded request gives
-    the same tokens wherever it runs."""
+    """[B, draws] U[0, 1) on `device`. A seeded row takes them from a CPU generator seeded with
+    `mixed_seed(seed, step)`, in order: the same numbers on every device, so a seeded request gives the same
+    tokens wherever it runs."""
     uniforms = torch.rand(len(batch.steps), draws, device=device)
-    seeded = [row for row, seed in enumerate(batch.seeds) if seed is not None]
+    seeded = [(row, seed) for row, seed in enumerate(batch.seeds) if seed is not None]
     if seeded:
         drawn = torch.empty(len(seeded), draws)
-        for at, row in enumerate(seeded):
-            seed = batch.seeds[row]
-            assert seed is not None
-            drawn[at].uniform_(generator=torch.Generator().manual_seed((seed * SEED_MIX + batch.steps[row]) % (2**63)))
-        uniforms[seeded] = drawn.to(device)
-    return uniforms.squeeze(1) if draws == 1 else uniforms
+        for at, (row, seed) in enumerate(seeded):
+            drawn[at].uniform_(generator=torch.Generator().manual_seed(mixed_seed(seed, batch.steps[row])))
+        uniforms[[row for row, _ in seeded]] = drawn.to(device)
+    return uniforms

@@ -164,9 +164,11 @@ def test_truncation_without_a_sort_equals_the_sorted_distribution() -> None:
     logits[1] *= 0.05  # nearly flat
     batch = _rows(*_SETTINGS)
     reference = _sorted_reference(logits, batch)
-    assert torch.allclose(truncated(logits, batch).probs(vocab), reference, atol=1e-6)
+    candidates = truncated(logits, batch)
+    assert torch.allclose(candidates.spread(candidates.normalised(), vocab), reference, atol=1e-6)
     for row in range(7):  # alone, where no row forces the whole vocabulary
-        alone = truncated(logits[row:row + 1], _rows(_SETTINGS[row])).probs(vocab)
+        alone = truncated(logits[row:row + 1], _rows(_SETTINGS[row]))
+        alone = alone.spread(alone.normalised(), vocab)
         assert torch.allclose(alone, reference[row:row + 1], atol=1e-6), row
     assert int((reference[1] > 0).sum()) > 1000  # the flat row did need more than the first candidates
 
