@@ -113,6 +113,11 @@ class DiskTier:
 
     # ---- reads and writes ---------------------------------------------------------------
 
+    @property
+    def num_pending(self) -> int:
+        """Pages handed to the background writer and not yet seen written (settled on the engine thread)."""
+        return len(self._pending)
+
     def contains(self, digest: bytes) -> bool:
         """Whether the page named `digest` is on disk: in the index, or written since by another
         process sharing the directory (one stat per miss; a walk stops at its first)."""

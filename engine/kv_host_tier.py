@@ -37,7 +37,8 @@ class HostTier:
         self.pool = pool
         self.capacity_pages = capacity_bytes // page_bytes
         self.num_saved = self.num_loaded = 0
-        self.num_dropped = self.num_failed = 0  # copies in memory are never damaged nor away: the stats' shape
+        # Copies in memory are never damaged nor away, and are made at once: the stats' shape.
+        self.num_dropped = self.num_failed = self.num_pending = 0
         self._pages: collections.OrderedDict[bytes, torch.Tensor] = collections.OrderedDict()  # LRU first
         self._pin = pool.device.type == "cuda"
 
@@ -107,7 +108,15 @@ class TierChain:
 
     def stats(self) -> tuple[TierStats, ...]:
         return tuple(
-            TierStats(name, tier.num_pages, tier.num_saved, tier.num_loaded, tier.num_dropped, tier.num_failed)
+            TierStats(
+                name,
+                tier.num_pages,
+                tier.num_saved,
+                tier.num_loaded,
+                tier.num_dropped,
+                tier.num_failed,
+                tier.num_pending,
+            )
             for name, tier in (("host", self.host), ("disk", self.disk), ("store", self.store))
             if tier is not None
         )

@@ -45,6 +45,11 @@ class PageStore(Protocol):
         """Lookups that failed or got no answer in time, since start."""
         ...
 
+    @property
+    def num_pending_puts(self) -> int:
+        """Puts queued that have not reached the store yet."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class StoreAccess:
@@ -78,6 +83,10 @@ class StoreTier:
     @property
     def num_failed(self) -> int:
         return self.store.num_failures
+
+    @property
+    def num_pending(self) -> int:
+        return self.store.num_pending_puts
 
     @staticmethod
     def key(digest: bytes) -> str:

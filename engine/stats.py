@@ -27,7 +27,8 @@ class TierStats:
     """One tier of the prefix cache beyond the pool ("host", "disk" or "store": engine/kv_host_tier.py,
     engine/kv_disk_tier.py, engine/kv_store_tier.py): its pages now, and since start the pages saved to it,
     read back into the pool (cache hits it served), dropped as damaged, and lookups that failed (the store
-    did not answer in time, or at all: misses it may have held)."""
+    did not answer in time, or at all: misses it may have held); `num_pending`: saves still being written
+    in the background (a lookup elsewhere misses them until they land)."""
 
     tier: str
     num_pages: int
@@ -35,3 +36,4 @@ class TierStats:
     num_loaded: int
     num_dropped: int
     num_failed: int = 0
+    num_pending: int = 0

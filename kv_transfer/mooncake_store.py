@@ -126,6 +126,11 @@ class StoreClient:
     def is_connected(self) -> bool:
         return self._store is not None
 
+    @property
+    def num_pending_puts(self) -> int:
+        """Puts queued that have not reached the store (nor failed) yet."""
+        return self._pending_puts
+
     def _start_connecting(self) -> None:
         if self._connecting is None or self._connecting.done():
             self._connecting = self._calls.submit(self._connect_once)

@@ -134,7 +134,8 @@ class WorkerMetrics:
             "tandem_worker_kv_tier_pages",
             "The prefix cache's tiers beyond the pool (tier: host, disk, store): pages held now (stored), and since "
             "start pages saved to it (saved), read back as cache hits (loaded), dropped as damaged (dropped), "
-            "and lookups that failed (failed: the store did not answer, so the tokens were computed)",
+            "lookups that failed (failed: the store did not answer, so the tokens were computed), and saves still "
+            "being written in the background (pending)",
             ["tier", "state"],
             registry=r,
         )
@@ -169,6 +170,7 @@ class WorkerMetrics:
                 ("loaded", tier.num_loaded),
                 ("dropped", tier.num_dropped),
                 ("failed", tier.num_failed),
+                ("pending", tier.num_pending),
             ):
                 self.kv_tier_pages.labels(tier.tier, state).set(value)
 

@@ -45,6 +45,12 @@ def _store_pages(port: int, state: str) -> float:
     return float(found.group(1))
 
 
+def _puts_landed(ports: list[int], num_pages: int) -> bool:
+    """Whether the workers have put `num_pages` pages between them and none is still on its way."""
+    saved = sum(_store_pages(port, "saved") for port in ports)
+    return saved >= num_pages and not any(_store_pages(port, "pending") for port in ports)
+
+
 def _store_process(serve_pid: int) -> int:
     for pid in child_pids(serve_pid):
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -73,11 +79,15 @@ def test_a_prefix_one_prefill_worker_computed_the_other_reads_from_the_store_and
     cluster = start_cluster(tmp_path, 2, 1, *flags)
     try:
         computed = _generate(cluster.url, prompt)  # on one prefill worker, its pages put in the store
-        time.sleep(0.5)  # puts run in the background
-        from_store = _generate(cluster.url, prompt)  # on the other, which never saw it
         full_pages = (len(prompt) - 1) // PAGE  # every full page but the one with the last token
+        deadline = time.monotonic() + 30  # the puts run in the background: wait until they are in the store
+        while not _puts_landed(cluster.prefill_ports, full_pages):
+            assert time.monotonic() < deadline, "the first worker's puts did not reach the store"
+            time.sleep(0.1)
+        from_store = _generate(cluster.url, prompt)  # on the other, which never saw it
         assert computed["meta_info"]["cached_tokens"] == 0
-        assert from_store["meta_info"]["cached_tokens"] == full_pages * PAGE
+        failed = [_store_pages(port, "failed") for port in cluster.prefill_ports]
+        assert from_store["meta_info"]["cached_tokens"] == full_pages * PAGE, f"lookups that failed: {failed}"
         assert from_store["output_ids"] == computed["output_ids"]
         deadline = time.monotonic() + 10  # the gauges follow the engine's stats a moment later
         while sorted(loaded := [_store_pages(p, "loaded") for p in cluster.prefill_ports]) != [0, full_pages]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -110,8 +111,13 @@ def test_a_page_one_worker_puts_another_reads_back(store: RunningStore) -> None:
     writer = StoreTier(_connected(StoreClient(store.address, "127.0.0.1")), writer_pool, SECRET)
     reader = StoreTier(_connected(StoreClient(store.address, "127.0.0.1")), reader_pool, SECRET)
     digest = page_digest(b"root", [1, 2, 3, 4])
+    gate = threading.Event()
+    writer.store._puts.submit(gate.wait)  # hold the put lane: the put stays on its way
     writer.save(digest, 3)
+    assert writer.num_pending == 1 and not reader.contains(digest)
+    gate.set()
     writer.store.flush()
+    assert writer.num_pending == 0
     assert reader.contains(digest) and reader.load(digest, 6)
     assert torch.equal(reader_pool.tensor[6], writer_pool.tensor[3])
     assert (writer.num_saved, reader.num_loaded, reader.num_dropped) == (1, 1, 0)
