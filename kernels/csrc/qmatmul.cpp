@@ -36,18 +36,20 @@
 namespace tandem {
 namespace {
 
-// Rounded activations: q [m, k] int16, and per row and block the scale d and d * sum(q).
+// Rounded activations: q [m, k] int16, per row and block the scale d and d * sum(q), and per row and
+// 16 inputs the integer sum of q (h [m, 2 * nb]: what a format's offset costs, see the AVX2 tiles).
 struct QRows {
-  const int16_t* q;
   const float* d;
   const float* s;
+  const int16_t* q;
+  const int32_t* h;
   int64_t k, nb;
 };
 
 // One row: blocks of 32 floats -> int16 with scale amax / qmax, round half to even. A block holding
 // a NaN or an infinity gets a NaN scale, so its row's outputs are NaN (as a float matmul's would
 // be non-finite) instead of the value vanishing in the rounding.
-void quantize_row(const float* x, int64_t k, int qmax, int16_t* q, float* d_out, float* s_out) {
+void quantize_row(const float* x, int64_t k, int qmax, int16_t* q, float* d_out, float* s_out, int32_t* h_out) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const float* xb = x + b * kBlock;
     int16_t* qb = q + b * kBlock;
@@ -60,7 +62,9 @@ void quantize_row(const float* x, int64_t k, int qmax, int16_t* q, float* d_out,
     const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, mul)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, mul));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm512_cvtepi32_epi16(i0));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + 16), _mm512_cvtepi32_epi16(i1));
-    const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+    h_out[2 * b] = _mm512_reduce_add_epi32(i0);
+    h_out[2 * b + 1] = _mm512_reduce_add_epi32(i1);
+    const int sum = h_out[2 * b] + h_out[2 * b + 1];
 #else
     bool has_nan = false;
     float amax = 0.0f;
@@ -69,12 +73,15 @@ void quantize_row(const float* x, int64_t k, int qmax, int16_t* q, float* d_out,
       amax = std::fmax(amax, std::fabs(xb[i]));
     }
     const float id = amax != 0.0f ? static_cast<float>(qmax) / amax : 0.0f;
-    int sum = 0;
+    int halves[2] = {0, 0};
     for (int i = 0; i < kBlock; ++i) {
       const int v = std::isnan(xb[i]) ? 0 : static_cast<int>(std::nearbyint(xb[i] * id));
       qb[i] = static_cast<int16_t>(v);
-      sum += v;
+      halves[i / 16] += v;
     }
+    h_out[2 * b] = halves[0];
+    h_out[2 * b + 1] = halves[1];
+    const int sum = halves[0] + halves[1];
 #endif
     const bool is_finite = !has_nan && !std::isinf(amax);
     const float d = is_finite ? amax / static_cast<float>(qmax) : std::numeric_limits<float>::quiet_NaN();
@@ -132,6 +139,18 @@ inline const uint8_t* tail_at(const uint8_t* panel, int64_t b) {
   return panel + b / group_blocks(F) * group_bytes(F) + group_blocks(F) * Layout<F>::kBlockBytes;
 }
 
+#if defined(TANDEM_AVX512) || defined(TANDEM_AVX2)
+// The weights a tile reads 4 KiB after block `blk` (later blocks, then the next panels: a matmul reads
+// its segment front to back), asked for now. At one or two rows a tile does little work per byte, and
+// the hardware's prefetcher alone kept one core at about half its memory rate (docs/performance.md).
+constexpr int64_t kPrefetchBytes = 4096;
+template <QuantFormat F>
+inline void prefetch_ahead(const uint8_t* blk) {
+  for (int64_t o = 0; o < Layout<F>::kBlockBytes; o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + o), _MM_HINT_T0);
+}
+#endif
+
 #ifdef TANDEM_AVX512
 inline __m512 halves16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
@@ -171,6 +190,7 @@ void panel_tile(const uint8_t* panel, const QRows& x, int64_t r0, float* out, in
   const __m512i high_mask = _mm512_set1_epi16(((1 << L::kHighBits) - 1) << 4);
   for (int64_t b = 0; b < x.nb; ++b) {
     const uint8_t* blk = block_at<F>(panel, b);
+    prefetch_ahead<F>(blk);
     __m512i isum[R][L::kSums * kSplit];
     for (int r = 0; r < R; ++r)
       for (int s = 0; s < L::kSums * kSplit; ++s) isum[r][s] = _mm512_setzero_si512();
@@ -230,6 +250,7 @@ void panel_tile(const uint8_t* panel, const QRows& x, int64_t r0, float* out, in
 constexpr int kRowTile = 8;
 
 #elif defined(TANDEM_AVX2)
+constexpr int kBytesTileRows = 2;   // rows up to which codes with high bits take the byte-domain tile
 inline __m256 halves8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m128i load8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
 inline __m256i widen16(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -258,10 +279,98 @@ inline Scales<F> block_scales(const uint8_t* s, const uint8_t* tail, int half) {
   return w;
 }
 
+// The bits above chunk i's nibbles (u = 0: the low nibbles, 1: the high), moved to bits 4 and up of
+// each byte of `high` (the chunk's row of high bits), the others cleared.
+template <QuantFormat F>
+inline __m256i high_field(__m256i high, int i, int u, __m256i mask) {
+  constexpr int kBits = Layout<F>::kHighBits;
+  const int at = kBits * (2 * i + u) % 8;
+  if (at < 4) high = _mm256_slli_epi16(high, 4 - at);
+  else if (at > 4) high = _mm256_srli_epi16(high, at - 4);
+  return _mm256_and_si256(high, mask);   // the byte mask drops what a 16-bit shift carried across bytes
+}
+
+// One or two rows x one panel, for codes with bits above the nibble (Q5_x, Q6_K): a chunk's 32 bytes
+// (both halves of the panel) are put together in bytes, then widened by interleaving with zero, so
+// the integer lanes hold columns 0-3 and 8-11 (group 0) or 4-7 and 12-15 (group 1); the sums are put
+// back in column order before the float part, which is the two-halves tile's. A format's offset is
+// taken off the sums (offset * the 16 activations' sum) instead of off every weight: the same integers.
+template <QuantFormat F, int R>
+void panel_tile_bytes(const uint8_t* panel, const QRows& x, int64_t r0, float* out, int64_t ldo, int64_t cols) {
+  using L = Layout<F>;
+  constexpr int kChunks = 8 / L::kSums;   // chunks (4 inputs each) per integer sum
+  const __m256i low4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+  const __m256i high_mask = _mm256_set1_epi8(static_cast<char>(((1 << L::kHighBits) - 1) << 4));
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < x.nb; ++b) {
+    const uint8_t* blk = block_at<F>(panel, b);
+    prefetch_ahead<F>(blk);
+    const Scales<F> w[2] = {block_scales<F>(blk + value_bytes(F), tail_at<F>(panel, b), 0),
+                            block_scales<F>(blk + value_bytes(F), tail_at<F>(panel, b), 1)};
+    const int16_t* xq[R];
+    for (int r = 0; r < R; ++r) xq[r] = x.q + (r0 + r) * x.k + b * kBlock;
+#pragma GCC unroll 2
+    for (int h = 0; h < L::kSums; ++h) {
+      __m256i isum[R][2];
+      for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = zero;
+#pragma GCC unroll 8
+      for (int c = 0; c < kChunks; ++c) {
+        const int i = h * kChunks + c;
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * i));
+        const __m256i high = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(blk + 256 + 32 * (L::kHighBits * 2 * i / 8)));
+        const __m256i wa = _mm256_or_si256(_mm256_and_si256(v, low4), high_field<F>(high, i, 0, high_mask));
+        const __m256i wb = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4),
+                                           high_field<F>(high, i, 1, high_mask));
+        const __m256i a0 = _mm256_unpacklo_epi8(wa, zero), a1 = _mm256_unpackhi_epi8(wa, zero);
+        const __m256i b0 = _mm256_unpacklo_epi8(wb, zero), b1 = _mm256_unpackhi_epi8(wb, zero);
+        for (int r = 0; r < R; ++r) {
+          const __m256i xa = _mm256_set1_epi32(pair_at(xq[r] + 4 * i)), xb = _mm256_set1_epi32(pair_at(xq[r] + 4 * i + 2));
+          isum[r][0] = _mm256_add_epi32(isum[r][0], _mm256_add_epi32(_mm256_madd_epi16(a0, xa), _mm256_madd_epi16(b0, xb)));
+          isum[r][1] = _mm256_add_epi32(isum[r][1], _mm256_add_epi32(_mm256_madd_epi16(a1, xa), _mm256_madd_epi16(b1, xb)));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * x.nb + b;
+        if constexpr (L::kOffset > 0) {
+          const int32_t* hx = x.h + 2 * at;
+          const int32_t taken = L::kSums == 2 ? hx[h] : hx[0] + hx[1];
+          const __m256i off = _mm256_set1_epi32(L::kOffset * taken);
+          isum[r][0] = _mm256_sub_epi32(isum[r][0], off);
+          isum[r][1] = _mm256_sub_epi32(isum[r][1], off);
+        }
+        const __m256 dx = _mm256_set1_ps(x.d[at]);
+        const __m256i half0 = _mm256_permute2x128_si256(isum[r][0], isum[r][1], 0x20);
+        const __m256i half1 = _mm256_permute2x128_si256(isum[r][0], isum[r][1], 0x31);
+        acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half0), _mm256_mul_ps(w[0].d[h], dx), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half1), _mm256_mul_ps(w[1].d[h], dx), acc[r][1]);
+      }
+    }
+    if constexpr (L::kHasMins) {
+      for (int r = 0; r < R; ++r) {
+        const __m256 sx = _mm256_set1_ps(x.s[(r0 + r) * x.nb + b]);
+        acc[r][0] = _mm256_fmadd_ps(w[0].m, sx, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w[1].m, sx, acc[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float lanes[16];
+    _mm256_store_ps(lanes, acc[r][0]);
+    _mm256_store_ps(lanes + 8, acc[r][1]);
+    for (int64_t j = 0; j < cols; ++j) out[(r0 + r) * ldo + j] = lanes[j];
+  }
+}
+
 // R rows x one panel, as two halves of 8 columns (16 ymm registers hold no more).
 template <QuantFormat F, int R>
 void panel_tile(const uint8_t* panel, const QRows& x, int64_t r0, float* out, int64_t ldo, int64_t cols) {
   using L = Layout<F>;
+  if constexpr (L::kHighBits > 0 && R <= kBytesTileRows) {
+    panel_tile_bytes<F, R>(panel, x, r0, out, ldo, cols);
+    return;
+  }
   const __m256i low4 = _mm256_set1_epi16(0x0F), offset = _mm256_set1_epi16(L::kOffset);
   const __m256i high_mask = _mm256_set1_epi16(((1 << L::kHighBits) - 1) << 4);
   for (int half = 0; half < 2; ++half) {
@@ -269,6 +378,7 @@ void panel_tile(const uint8_t* panel, const QRows& x, int64_t r0, float* out, in
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < x.nb; ++b) {
       const uint8_t* blk = block_at<F>(panel, b);
+      if (half == 0) prefetch_ahead<F>(blk);
       __m256i isum[R][L::kSums];
       for (int r = 0; r < R; ++r)
         for (int s = 0; s < L::kSums; ++s) isum[r][s] = _mm256_setzero_si256();
@@ -404,10 +514,12 @@ void qmatmul(const float* x, int64_t m, const PackedMatrix& w, int qmax, float* 
   const int64_t k = w.k, nb = k / kBlock;
   const auto q = scratch<int16_t>(m * k);
   const auto d = scratch<float>(m * nb), s = scratch<float>(m * nb);
+  const auto h = scratch<int32_t>(m * 2 * nb);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) quantize_row(x + r * k, k, qmax, q.get() + r * k, &d[r * nb], &s[r * nb]);
+    for (int64_t r = begin; r < end; ++r)
+      quantize_row(x + r * k, k, qmax, q.get() + r * k, &d[r * nb], &s[r * nb], &h[r * 2 * nb]);
   });
-  const QRows rows{q.get(), d.get(), s.get(), k, nb};
+  const QRows rows{d.get(), s.get(), q.get(), h.get(), k, nb};
   int64_t panels = 0;
   for (int64_t i = 0; i < w.num_segments; ++i) panels += (w.segments[i].n + kPanel - 1) / kPanel;
   // Panels outer (every segment's, in one range the threads split): one panel's weights stay in L1
