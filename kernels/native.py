@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("bindings.cpp", "qmatmul.cpp", "attention.cpp", "layers.cpp", "decoder.cpp", "repack.cpp", "lora.cpp")
-_HEADERS = ("common.h", "kernels.h", "vec.h")
+_HEADERS = ("common.h", "kernels.h", "qrows.h", "vec.h")
 
 
 class KernelBuildError(RuntimeError):
