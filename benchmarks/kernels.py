@@ -86,6 +86,7 @@ def bench_file_matmul(path: Path, repeats: int) -> None:
 
     from kernels.packing import pack_gguf_blocks
     from kernels.quant import QuantFormat
+    from kernels.quant_linear import INT16_QMAX
 
     roles: dict[str, list] = {}
     tensors = gguf.GGUFReader(path).tensors
@@ -107,7 +108,7 @@ def bench_file_matmul(path: Path, repeats: int) -> None:
 
             def run(todo: list = todo, inputs: dict = inputs) -> None:
                 for w in todo:
-                    qmatmul(inputs[w.shape[1]], w.data, w.table, 32767)
+                    qmatmul(inputs[w.shape[1]], w.data, w.table, INT16_QMAX)
 
             seconds = best_of(repeats, run)
             weight_bytes = sum(w.num_bytes for w in todo)
