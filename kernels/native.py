@@ -12,7 +12,8 @@ environment on one machine shares one build. A build that is there is imported d
 torch's build step (which needs ninja and reads the sources' times), so an image can ship the build
 alone and no compiler.
 
-The sources: `qmatmul.cpp` (quantized matmul), `attention.cpp` (paged attention), `layers.cpp`
+The sources: `qmatmul.cpp` (quantized matmul), `qamx.cpp` (its AMX tiles, on Xeons that have
+them: `load().isa()` then ends in "+amx"), `attention.cpp` (paged attention), `layers.cpp`
 (norm, SiLU, rotary), `decoder.cpp` (a whole dense decoder layer in one call), `repack.cpp`
 (GGUF blocks -> matmul panels at load), `lora.cpp` (batched LoRA shrink and expand), each on raw
 pointers, and `bindings.cpp`, the only one that includes torch's extension headers (the slow part
@@ -34,8 +35,8 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("bindings.cpp", "qmatmul.cpp", "attention.cpp", "layers.cpp", "decoder.cpp", "repack.cpp", "lora.cpp")
-_HEADERS = ("common.h", "kernels.h", "qrows.h", "vec.h")
+_SOURCES = ("bindings.cpp", "qmatmul.cpp", "qamx.cpp", "attention.cpp", "layers.cpp", "decoder.cpp", "repack.cpp", "lora.cpp")
+_HEADERS = ("common.h", "kernels.h", "qamx.h", "qlayout.h", "qrows.h", "vec.h")
 
 
 class KernelBuildError(RuntimeError):

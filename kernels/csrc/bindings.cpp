@@ -5,6 +5,7 @@
 
 #include "common.h"
 #include "kernels.h"
+#include "qamx.h"
 
 namespace {
 
@@ -447,7 +448,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "in place y[rows, out_offset:+out] += scaling[slot] * t[rows, r_offset:+r] times b[slot]^T per segment",
         py::arg("t"), py::arg("b"), py::arg("seg_starts"), py::arg("seg_slots"), py::arg("scaling"), py::arg("y"),
         py::arg("r_offset"), py::arg("out_offset"), NoGil());
-  m.def("isa", &tandem::isa_name, "the instruction set the kernels were compiled for");
+  m.def("isa", [] { return std::string(tandem::isa_name()) + (tandem::amx_ready() ? "+amx" : ""); },
+        "the instruction set the kernels were compiled for (+amx: the matmul's AMX tiles run here)");
   m.def("repack_gguf", &repack_gguf, "one tensor's GGUF blocks -> its packed panels (uint8), rows in row_order",
         py::arg("raw"), py::arg("format"), py::arg("rows"), py::arg("cols"), py::arg("row_order") = py::none());
   py::class_<DecoderLayer>(m, "DecoderLayer", "one dense decoder layer over packed weights, in one call")

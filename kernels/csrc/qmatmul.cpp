@@ -1,6 +1,6 @@
 // Block-quantized matmul: float activations rounded to int16 blocks, packed weights of GGUF's block
-// formats, exact integer dot products per block (AVX-512 VNNI's vpdpwssd; AVX2's vpmaddwd), float32
-// scaling.
+// formats, exact integer dot products per block (AVX-512 VNNI's vpdpwssd; AVX2's vpmaddwd; on CPUs
+// with AMX, calls of kAmxMinRows rows or more take its int8 tiles: qamx.cpp), float32 scaling.
 //
 // Why int16 activations: the products of 16-bit activations and 4- to 8-bit weights are exact in
 // int32, twice as many per instruction as float32 FMAs, and an activation block keeps 1/65534 of its
@@ -24,6 +24,8 @@
 
 #include "common.h"
 #include "kernels.h"
+#include "qamx.h"
+#include "qlayout.h"
 #include "qrows.h"
 
 #include <ATen/Parallel.h>
@@ -63,30 +65,6 @@ inline float half_at(const uint8_t* p) {
   return out;
 }
 
-
-// A format's layout and arithmetic, at compile time (kernels.h has the byte sizes).
-template <QuantFormat F>
-struct Layout {
-  static constexpr bool kInt8 = F == QuantFormat::kQ8_0;
-  static constexpr int kHighBits = high_bits(F);
-  static constexpr int kHighRows = kHighBits ? 2 * kHighBits : 1;   // chunk i's high bits: row i / (8 / kHighRows)
-  static constexpr int kOffset = F == QuantFormat::kQ5_0 ? 16 : F == QuantFormat::kQ6_K ? 32 : 0;
-  static constexpr bool kHasMins = F == QuantFormat::kQ4_0 || F == QuantFormat::kQ4_1 || F == QuantFormat::kQ5_1 ||
-                                   F == QuantFormat::kQ4_K || F == QuantFormat::kQ5_K;
-  static constexpr int kSums = F == QuantFormat::kQ6_K ? 2 : 1;   // integer sums per block (Q6_K: per 16)
-  static constexpr int64_t kBlockBytes = value_bytes(F) + scale_bytes(F);
-};
-
-// Block b of a panel, and the D (and -Dmin) of its group (K-quants).
-template <QuantFormat F>
-inline const uint8_t* block_at(const uint8_t* panel, int64_t b) {
-  return panel + b / group_blocks(F) * group_bytes(F) + b % group_blocks(F) * Layout<F>::kBlockBytes;
-}
-template <QuantFormat F>
-inline const uint8_t* tail_at(const uint8_t* panel, int64_t b) {
-  return panel + b / group_blocks(F) * group_bytes(F) + group_blocks(F) * Layout<F>::kBlockBytes;
-}
-
 #if defined(TANDEM_AVX512) || defined(TANDEM_AVX2)
 // The weights a tile reads 4 KiB after block `blk` (later blocks, then the next panels: a matmul reads
 // its segment front to back), asked for now. At one or two rows a tile does little work per byte, and
@@ -100,31 +78,6 @@ inline void prefetch_ahead(const uint8_t* blk) {
 #endif
 
 #ifdef TANDEM_AVX512
-inline __m512 halves16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
-
-// The 16 columns' weight scales of a block (Q6_K: one per half) and offsets.
-template <QuantFormat F>
-struct Scales {
-  __m512 d[Layout<F>::kSums];
-  __m512 m;
-};
-template <QuantFormat F>
-inline Scales<F> block_scales(const uint8_t* s, const uint8_t* tail) {
-  Scales<F> w{};
-  if constexpr (F == QuantFormat::kQ6_K) {
-    const __m512 dd = halves16(tail);
-    for (int h = 0; h < 2; ++h) w.d[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(s + 16 * h))), dd);
-  } else if constexpr (is_k_quant(F)) {
-    w.d[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(load16(s))), halves16(tail));
-    w.m = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(load16(s + 16))), halves16(tail + 32));
-  } else {
-    w.d[0] = halves16(s);
-    if constexpr (Layout<F>::kHasMins) w.m = halves16(s + 32);
-  }
-  return w;
-}
-
 // R rows x one panel (16 columns). Integer sums use `kSplit` partial accumulators per row so that a
 // short tile is not bound by vpdpwssd's latency; integer addition is exact, so any split gives the
 // same sums.
@@ -227,16 +180,6 @@ inline Scales<F> block_scales(const uint8_t* s, const uint8_t* tail, int half) {
   return w;
 }
 
-// The bits above chunk i's nibbles (u = 0: the low nibbles, 1: the high), moved to bits 4 and up of
-// each byte of `high` (the chunk's row of high bits), the others cleared.
-template <QuantFormat F>
-inline __m256i high_field(__m256i high, int i, int u, __m256i mask) {
-  constexpr int kBits = Layout<F>::kHighBits;
-  const int at = kBits * (2 * i + u) % 8;
-  if (at < 4) high = _mm256_slli_epi16(high, 4 - at);
-  else if (at > 4) high = _mm256_srli_epi16(high, at - 4);
-  return _mm256_and_si256(high, mask);   // the byte mask drops what a 16-bit shift carried across bytes
-}
 
 // One or two rows x one panel, for codes with bits above the nibble (Q5_x, Q6_K): a chunk's 32 bytes
 // (both halves of the panel) are put together in bytes, then widened by interleaving with zero, so
@@ -460,19 +403,34 @@ constexpr std::array<PanelRows, kNumFormats> kPanelRows = panel_rows_by_format(s
 
 void qmatmul(const float* x, int64_t m, const PackedMatrix& w, int qmax, float* out) {
   const int64_t k = w.k, nb = k / kBlock;
-  const auto q = scratch<int16_t>(m * k);
-  const auto d = scratch<float>(m * nb), s = scratch<float>(m * nb);
-  const auto h = scratch<int32_t>(m * 2 * nb);
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      quantize_row(x + r * k, k, qmax, q.get() + r * k, &d[r * nb], &s[r * nb], &h[r * 2 * nb]);
+  // Many rows on a CPU with AMX: tiles of 16 rows, the rows past m rounded as zeros (qamx.h).
+  const bool on_tiles = m >= kAmxMinRows && amx_ready();
+  const int64_t rows = on_tiles ? (m + kAmxRows - 1) / kAmxRows * kAmxRows : m;
+  const auto q = scratch<int16_t>(rows * k);
+  const auto d = scratch<float>(rows * nb), s = scratch<float>(rows * nb);
+  const auto h = scratch<int32_t>(rows * 2 * nb);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      if (r < m) quantize_row(x + r * k, k, qmax, q.get() + r * k, &d[r * nb], &s[r * nb], &h[r * 2 * nb]);
+      else std::fill_n(q.get() + r * k, k, int16_t{0}), std::fill_n(&d[r * nb], nb, 0.0f), std::fill_n(&s[r * nb], nb, 0.0f);
+    }
   });
-  const QRows rows{d.get(), s.get(), q.get(), h.get(), k, nb};
+  const QRows qrows{d.get(), s.get(), q.get(), h.get(), k, nb};
+  std::unique_ptr<int8_t[]> hi;
+  std::unique_ptr<uint8_t[]> lo;
+  std::unique_ptr<float[]> tile_d, tile_s;
+  if (on_tiles) {
+    hi = scratch<int8_t>(rows * k), lo = scratch<uint8_t>(rows * k);
+    tile_d = scratch<float>(rows * nb), tile_s = scratch<float>(rows * nb);
+    tile_rows(qrows, rows, hi.get(), lo.get(), tile_d.get(), tile_s.get());
+  }
+  const QBytes tiles{hi.get(), lo.get(), tile_d.get(), tile_s.get()};
   int64_t panels = 0;
   for (int64_t i = 0; i < w.num_segments; ++i) panels += (w.segments[i].n + kPanel - 1) / kPanel;
   // Panels outer (every segment's, in one range the threads split): one panel's weights stay in L1
   // while every row tile passes over them.
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    const auto unpacked = on_tiles ? scratch<int8_t>(amx_scratch_bytes(k)) : nullptr;
     for (int64_t p = begin; p < end; ++p) {
       const PackedSegment* segment = w.segments;
       int64_t first = 0, col = 0;
@@ -485,8 +443,11 @@ void qmatmul(const float* x, int64_t m, const PackedMatrix& w, int qmax, float* 
       const int64_t local = p - first;
       const uint8_t* panel = segment->data + local * panel_bytes(segment->format, k);
       const int64_t cols = std::min<int64_t>(kPanel, segment->n - local * kPanel);
-      kPanelRows[static_cast<int>(segment->format)](panel, rows, m, out + col + local * kPanel, w.n, cols);
+      float* dst = out + col + local * kPanel;
+      if (on_tiles) amx_panel_rows(segment->format, panel, qrows, tiles, m, dst, w.n, cols, unpacked.get());
+      else kPanelRows[static_cast<int>(segment->format)](panel, qrows, m, dst, w.n, cols);
     }
+    if (on_tiles) amx_release();
   });
 }
 

@@ -10,7 +10,6 @@
 #include <limits>
 
 namespace tandem {
-namespace {
 
 // Rounded activations: q [m, k] int16, per row and block the scale d and d * sum(q), and per row and
 // 16 inputs the integer sum of q (h [m, 2 * nb]: what a format's offset costs, see the AVX2 tiles).
@@ -21,6 +20,8 @@ struct QRows {
   const int32_t* h;
   int64_t k, nb;
 };
+
+namespace {
 
 // One row: blocks of 32 floats -> int16 with scale amax / qmax, round half to even. A block holding
 // a NaN or an infinity gets a NaN scale, so its row's outputs are NaN (as a float matmul's would

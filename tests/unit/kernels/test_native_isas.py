@@ -1,6 +1,7 @@
 """The kernels' other instruction-set paths, each built in a child process (TANDEM_KERNEL_ARCH):
 AVX2 (x86-64-v3, what images are built for) and portable scalar code (x86-64). The quantized
-matmul gives the same bits on every path for every format, mixed-format weights included, with
+matmul gives the same bits on every path for every format (on a CPU with AMX, this process's 45
+rows run on its tiles), mixed-format weights included, with
 int16 and int8 activations (same integer sums, same float operations per column); attention (with
 and without a sliding window), RMSNorm, SiLU, GeLU-tanh and the LoRA shrink / expand agree to float
 rounding. Each build is
@@ -32,7 +33,7 @@ torch.save(compute(), {out!r})
 
 
 def compute() -> dict[str, torch.Tensor]:
-    """Every kernel on fixed inputs, with the kernels this process builds (the matmul's rows in
+    """Every kernel on fixed inputs, with the kernels this process builds (the matmul's 45 rows in
     tiles of every length, a partial last panel, every format from random GGUF blocks and a weight
     of three formats; attention over pages of both dtypes, GQA 3, a short last tile, with and without
     sliding windows; RMSNorm over head-sized rows; SiLU and GeLU-tanh over a width with a scalar tail;
@@ -45,7 +46,7 @@ def compute() -> dict[str, torch.Tensor]:
 
     kernels = native.load()
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(13, 512, generator=gen) * torch.rand(13, 1, generator=gen)
+    x = torch.randn(45, 512, generator=gen) * torch.rand(45, 1, generator=gen)
     out: dict[str, torch.Tensor] = {"isa": torch.tensor(list(kernels.isa().encode()))}
     weights = {fmt.name: pack(random_weight(fmt, 40, 512, seed=fmt.value)) for fmt in QuantFormat}
     formats = (QuantFormat.Q5_0, QuantFormat.Q8_0, QuantFormat.Q6_K)

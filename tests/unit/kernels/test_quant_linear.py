@@ -6,9 +6,12 @@ batch, across row tiles); non-finite activations; the Linear and Embedding layer
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
+from kernels import native
 from kernels.packing import pack
 from kernels.quant import BLOCK, QuantFormat, QuantizedWeight, quantize, reference_matmul
 from kernels.quant_linear import INT8_QMAX, INT16_QMAX, QuantizedEmbedding, QuantizedLinear, quantized_matmul
@@ -91,6 +94,16 @@ def test_each_row_is_the_same_whatever_else_is_in_the_batch(fmt: QuantFormat, in
     together = quantized_matmul(x, weight, int8_activations)
     for rows in (slice(0, 1), slice(3, 4), slice(5, 9), slice(9, 137), slice(70, 131), slice(1, 17)):
         assert torch.equal(quantized_matmul(x[rows], weight, int8_activations), together[rows])
+
+
+def test_on_a_cpu_with_amx_calls_of_many_rows_run_on_its_tiles() -> None:
+    """Where the CPU has AMX-INT8 (Xeons since Sapphire Rapids) and the build targets this CPU, the
+    kernels say so and calls of 32 rows or more run on the tiles (kernels/csrc/qamx.cpp), so the
+    tests above with such calls (137 and 67 rows against slices of one to 16) compare the tiles'
+    bits with the vector tiles'."""
+    if not native._cpu_has("amx_tile", "amx_int8") or os.environ.get("TANDEM_KERNEL_ARCH", "native") != "native":
+        pytest.skip("this CPU has no AMX, or the kernels are built for another")
+    assert native.load().isa().endswith("+amx")
 
 
 def test_a_non_finite_activation_makes_its_row_nan_and_no_other() -> None:
