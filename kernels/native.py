@@ -35,7 +35,16 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("bindings.cpp", "qmatmul.cpp", "qamx.cpp", "attention.cpp", "layers.cpp", "decoder.cpp", "repack.cpp", "lora.cpp")
+_SOURCES = (
+    "bindings.cpp",
+    "qmatmul.cpp",
+    "qamx.cpp",
+    "attention.cpp",
+    "layers.cpp",
+    "decoder.cpp",
+    "repack.cpp",
+    "lora.cpp",
+)
 _HEADERS = ("common.h", "kernels.h", "qamx.h", "qlayout.h", "qrows.h", "vec.h")
 
 
