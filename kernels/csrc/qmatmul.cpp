@@ -180,7 +180,6 @@ inline Scales<F> block_scales(const uint8_t* s, const uint8_t* tail, int half) {
   return w;
 }
 
-
 // One or two rows x one panel, for codes with bits above the nibble (Q5_x, Q6_K): a chunk's 32 bytes
 // (both halves of the panel) are put together in bytes, then widened by interleaving with zero, so
 // the integer lanes hold columns 0-3 and 8-11 (group 0) or 4-7 and 12-15 (group 1); the sums are put
@@ -411,8 +410,13 @@ void qmatmul(const float* x, int64_t m, const PackedMatrix& w, int qmax, float* 
   const auto h = scratch<int32_t>(rows * 2 * nb);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      if (r < m) quantize_row(x + r * k, k, qmax, q.get() + r * k, &d[r * nb], &s[r * nb], &h[r * 2 * nb]);
-      else std::fill_n(q.get() + r * k, k, int16_t{0}), std::fill_n(&d[r * nb], nb, 0.0f), std::fill_n(&s[r * nb], nb, 0.0f);
+      if (r < m) {
+        quantize_row(x + r * k, k, qmax, q.get() + r * k, &d[r * nb], &s[r * nb], &h[r * 2 * nb]);
+      } else {   // a tile's rows past m: zeros
+        std::fill_n(q.get() + r * k, k, int16_t{0});
+        std::fill_n(&d[r * nb], nb, 0.0f);
+        std::fill_n(&s[r * nb], nb, 0.0f);
+      }
     }
   });
   const QRows qrows{d.get(), s.get(), q.get(), h.get(), k, nb};
