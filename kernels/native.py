@@ -8,9 +8,10 @@ which). The build lands in `TANDEM_KERNEL_CACHE` (default: `$XDG_CACHE_HOME/tand
 `~/.cache/tandem/kernels`; `<python prefix>/share/tandem-kernels` where the home is not writable), named by
 a hash of the sources, the flags, torch's and Python's versions and, for `-march=native`, the CPU's
 flags, so an edit, another architecture or another torch builds anew, and every checkout and virtual
-environment on one machine shares one build. A build that is there is imported directly, without
-torch's build step (which needs ninja and reads the sources' times), so an image can ship the build
-alone and no compiler.
+environment on one machine shares one build. Processes that find no build take turns to compile it
+(a file lock that dies with its holder: a start killed mid-build blocks no later one). A build that is
+there is imported directly, without torch's build step (which needs ninja and reads the sources'
+times), so an image can ship the build alone and no compiler.
 
 The sources: `qmatmul.cpp` (quantized matmul), `qamx.cpp` (its AMX tiles, on Xeons that have
 them: `load().isa()` then ends in "+amx"), `attention.cpp` (paged attention), `layers.cpp`
@@ -22,6 +23,7 @@ of a build), which checks the tensors and calls them.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -125,12 +127,32 @@ def load() -> ModuleType:
     built = build_dir / f"{name}.so"
     if built.is_file() and (module := _import_built(name, built)) is not None:
         return module
-    from torch.utils import cpp_extension
-
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
+        lock_file = open(build_dir.parent / f"{name}.lock", "w")  # held for the whole build, below
     except OSError as exc:
         raise KernelBuildError(f"cannot create the kernel build directory {build_dir} ({exc})") from exc
+    with lock_file:
+        # One build per machine at a time: a process that finds another building waits for it, then
+        # imports what it built. The kernel drops the lock with its holder, so a builder that was killed
+        # (Ctrl-C during a first start, the OOM killer) leaves no lock that blocks the next start.
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process's build of Tandem's CPU kernels into %s", build_dir)
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+        if built.is_file() and (module := _import_built(name, built)) is not None:
+            return module
+        return _compile(name, build_dir, flags)
+
+
+def _compile(name: str, build_dir: Path, flags: list[str]) -> ModuleType:
+    """Compile the sources into `build_dir`; the caller holds the build lock."""
+    from torch.utils import cpp_extension
+
+    # torch's own build lock (a file it deletes when done) is left behind by a builder that was killed,
+    # and makes every later build wait for it forever; no builder is running now.
+    (build_dir / "lock").unlink(missing_ok=True)
     logger.info("compiling Tandem's CPU kernels into %s (once per machine, about a minute)", build_dir)
     started = time.perf_counter()
     try:

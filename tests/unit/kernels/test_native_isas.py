@@ -113,3 +113,28 @@ def test_a_build_in_the_cache_loads_with_no_compiler_and_no_ninja(tmp_path: Path
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == native.load().isa()
     assert sorted(path.name for path in (cache / name).iterdir()) == [f"{name}.so"]   # nothing was built
+
+
+def test_a_start_killed_while_it_compiles_does_not_stop_the_next_from_building(tmp_path: Path) -> None:
+    """A first start killed during its kernel build (Ctrl-C, the OOM killer) leaves torch's build lock
+    file behind; the next start builds the kernels all the same instead of waiting for it forever."""
+    import signal
+    import time
+
+    cache = tmp_path / "cache"
+    torch_lock = cache / native._build_name(native._flags()) / "lock"
+    env = {**os.environ, "TANDEM_KERNEL_CACHE": str(cache)}
+    code = "from kernels import native; print(native.load().isa())"
+    first = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not torch_lock.exists() and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=30)
+    assert torch_lock.exists()        # what the killed build left behind
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == native.load().isa()
+    assert not torch_lock.exists()
