@@ -16,7 +16,7 @@
 namespace tandem {
 
 constexpr int64_t kAmxRows = 16;      // rows of one tile
-constexpr int64_t kAmxMinRows = 32;   // calls of fewer rows take the vector tiles
+constexpr int64_t kAmxMinRows = 32;   // calls of fewer rows take the vector tiles (docs/performance.md)
 
 // Whether this build has the AMX path (compiled for a CPU with AMX-INT8) and Linux granted this
 // process the tile state (asked once per process); false on every other build and system.
@@ -38,8 +38,7 @@ void tile_rows(const QRows& x, int64_t rows, int8_t* hi, uint8_t* lo, float* d, 
 constexpr int64_t amx_scratch_bytes(int64_t k) { return k / kBlock * 512; }
 
 // Rows [0, m) of x times one panel of format f (cols of its 16 columns) into out (row stride ldo).
-// The calling
-// thread's tile state is configured here; amx_release gives it back once a thread is done.
+// The calling thread's tile state is configured here; amx_release gives it back once a thread is done.
 void amx_panel_rows(QuantFormat f, const uint8_t* panel, const QRows& x, const QBytes& bytes, int64_t m, float* out,
                     int64_t ldo, int64_t cols, int8_t* scratch);
 void amx_release();
