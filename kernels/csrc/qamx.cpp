@@ -82,8 +82,7 @@ void unpack_block(const uint8_t* blk, int8_t* dst) {
   using L = Layout<F>;
   const __m256i low4 = _mm256_set1_epi8(0x0F), offset = _mm256_set1_epi8(L::kOffset);
   [[maybe_unused]] const __m256i high_mask = _mm256_set1_epi8(static_cast<char>(((1 << L::kHighBits) - 1) << 4));
-  for (int64_t o = 0; o < Layout<F>::kBlockBytes; o += 64)   // the weights 4 KiB on (as the vector tiles do)
-    _mm_prefetch(reinterpret_cast<const char*>(blk + 4096 + o), _MM_HINT_T0);
+  prefetch_ahead<F>(blk);
   for (int i = 0; i < 8; ++i) {
     __m256i wa, wb;
     if constexpr (L::kInt8) {

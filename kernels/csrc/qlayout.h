@@ -34,6 +34,18 @@ inline const uint8_t* tail_at(const uint8_t* panel, int64_t b) {
   return panel + b / group_blocks(F) * group_bytes(F) + group_blocks(F) * Layout<F>::kBlockBytes;
 }
 
+#if defined(TANDEM_AVX512) || defined(TANDEM_AVX2)
+// The weights a tile reads 4 KiB after block `blk` (later blocks, then the next panels: a matmul reads
+// its segment front to back), asked for now. At one or two rows a tile does little work per byte, and
+// the hardware's prefetcher alone kept one core at about half its memory rate (docs/performance.md).
+constexpr int64_t kPrefetchBytes = 4096;
+template <QuantFormat F>
+inline void prefetch_ahead(const uint8_t* blk) {
+  for (int64_t o = 0; o < Layout<F>::kBlockBytes; o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + o), _MM_HINT_T0);
+}
+#endif
+
 #ifdef TANDEM_AVX2
 // The bits above chunk i's nibbles (u = 0: the low nibbles, 1: the high), moved to bits 4 and up of
 // each byte of `high` (the chunk's row of high bits), the others cleared.

@@ -65,18 +65,6 @@ inline float half_at(const uint8_t* p) {
   return out;
 }
 
-#if defined(TANDEM_AVX512) || defined(TANDEM_AVX2)
-// The weights a tile reads 4 KiB after block `blk` (later blocks, then the next panels: a matmul reads
-// its segment front to back), asked for now. At one or two rows a tile does little work per byte, and
-// the hardware's prefetcher alone kept one core at about half its memory rate (docs/performance.md).
-constexpr int64_t kPrefetchBytes = 4096;
-template <QuantFormat F>
-inline void prefetch_ahead(const uint8_t* blk) {
-  for (int64_t o = 0; o < Layout<F>::kBlockBytes; o += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + o), _MM_HINT_T0);
-}
-#endif
-
 #ifdef TANDEM_AVX512
 // R rows x one panel (16 columns). Integer sums use `kSplit` partial accumulators per row so that a
 // short tile is not bound by vpdpwssd's latency; integer addition is exact, so any split gives the
