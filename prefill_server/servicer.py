@@ -48,14 +48,32 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         # No await between the check and this line: CancelPrefill sees the grant either unspent or running.
         over = self._running[grant] = asyncio.Event()
+        received = time.perf_counter()
+        send: KVSend | None = None
         try:
-            return await self._prefill(request, tracing.caller_context(context.invocation_metadata()))
+            send = self._kv_send(request)  # checked before any compute
+            return await self._prefill(request, send, tracing.caller_context(context.invocation_metadata()), received)
         except (EngineError, KVTransferError) as exc:
             logger.warning("prefill %s failed: %s", request.request_id, exc)
             await abort_with(context, exc)
         finally:
+            self._end_once_written(grant, over, send)
+
+    def _end_once_written(self, grant: str, over: asyncio.Event, send: KVSend | None) -> None:
+        """Forget the Prefill of `grant` and set `over` once no write of its KV can still land in the
+        decode worker's pages: at once, unless the engine started the write, which a Prefill that timed
+        out or that its caller cancelled does not wait for; then when the write settles. By now the
+        engine has seen the request's abort (`_run_prefill`), so a write not started never starts."""
+
+        def end() -> None:
             del self._running[grant]
             over.set()
+
+        if send is None or not send.written.running():
+            end()
+            return
+        loop = asyncio.get_running_loop()
+        send.written.add_done_callback(lambda _: loop.call_soon_threadsafe(end))
 
     async def CancelPrefill(
         self, request: prefill_pb2.CancelPrefillRequest, context: grpc.aio.ServicerContext
@@ -74,11 +92,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return prefill_pb2.CancelPrefillResponse(was_running=True)
 
     async def _prefill(
-        self, request: prefill_pb2.PrefillRequest, trace: tracing.Context | None
+        self, request: prefill_pb2.PrefillRequest, send: KVSend, trace: tracing.Context | None, received: float
     ) -> prefill_pb2.PrefillResponse:
-        """Run the prompt and write its KV; `trace`: the caller's span, for this call's spans."""
-        received = time.perf_counter()
-        send = self._kv_send(request)  # checked before any compute
+        """Run the prompt and write its KV with `send`; `trace`: the caller's span, for this call's spans."""
         sampling = sampling_from_proto(request.sampling_params)
         if sampling.grammar is not None:  # compile off the engine thread, so running requests never wait
             await self.ctx.loop.prepare_grammar(sampling.grammar, self.ctx.config.grammar_compile_timeout_s)

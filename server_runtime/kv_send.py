@@ -33,7 +33,10 @@ logger = logging.getLogger(__name__)
 class KVSend:
     """Where a prefill-only request's KV goes: its pages from `first_page` on, one per page of `dst`. The
     decode worker's grant expires at `expires_unix_ms` (no write starts after it); the write may take
-    `timeout_s`. `written` settles with the write's `TransferStats` or its `KVTransferError`."""
+    `timeout_s`. `written` settles with the write's `TransferStats` or its `KVTransferError`. It is
+    running (`written.running()`) from the moment the engine computed the prompt, so once the engine has
+    seen the request's abort, a `written` that is neither running nor done never settles: no write
+    of this send was or will be started."""
 
     dst: RemotePages
     first_page: int
@@ -59,6 +62,7 @@ class KVSendConnector(KVConnector):
         send = req.kv_params
         if not isinstance(send, KVSend):
             return False
+        send.written.set_running_or_notify_cancel()  # from now on `written` settles: see KVSend
         src_pages = req.page_ids[send.first_page : send.first_page + len(send.dst.page_ids)]
         self._accepted.append((req.request_id, send, src_pages))
         return True

@@ -68,6 +68,21 @@ def is_alive(pid: int) -> bool:
         return False
 
 
+def wait_until_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP is delivered to each thread as it next runs; under load a thread may still answer a
+    request right after os.kill. Wait until every thread of `pid` reports state T (stopped)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                states.append(stat.read().rsplit(")", 1)[1].split()[0])
+        if all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"process {pid} did not stop within {timeout_s} s")
+
+
 class WorkerPages:
     """Page checks over a prefill and a decode worker's gRPC ports (`prefill_port`, `decode_port`)."""
 

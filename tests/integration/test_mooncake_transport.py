@@ -28,6 +28,7 @@ from kv_transfer import (  # noqa: E402 - after the skip
 )
 from engine.request import Request, SamplingParams  # noqa: E402
 from server_runtime.kv_send import KVSend, KVSendConnector, await_write  # noqa: E402
+from tests.e2e.stack import wait_until_stopped  # noqa: E402
 from tests.unit.kv_transfer.pools import make_pool, page_bytes, pool_bytes  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -131,21 +132,6 @@ time.sleep(600)
 """
 
 
-def _wait_until_stopped(pid: int, timeout_s: float = 10.0) -> None:
-    """SIGSTOP is delivered to each thread as it next runs; under load a thread may still answer a
-    request right after os.kill. Wait until every thread of `pid` reports state T (stopped)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        states = []
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/stat") as stat:
-                states.append(stat.read().rsplit(")", 1)[1].split()[0])
-        if all(state in ("T", "t") for state in states):
-            return
-        time.sleep(0.01)
-    raise TimeoutError(f"process {pid} did not stop within {timeout_s} s")
-
-
 @pytest.mark.parametrize("handshake_first", [True, False],
                          ids=["stalled-mid-session", "stalled-before-handshake"])
 def test_stalled_peer_times_out_instead_of_hanging(pair: Pair, handshake_first: bool) -> None:
@@ -162,7 +148,7 @@ def test_stalled_peer_times_out_instead_of_hanging(pair: Pair, handshake_first: 
         if handshake_first:
             sender.write_pages(src_pool.data_ptr(), [0, 1], dst).result(timeout=5.0)
         os.kill(peer.pid, signal.SIGSTOP)
-        _wait_until_stopped(peer.pid)
+        wait_until_stopped(peer.pid)
         start = time.monotonic()
         write = sender.write_pages(src_pool.data_ptr(), [2, 3], dst)
         assert time.monotonic() - start < 1.0 and not write.done()   # it never waits for the peer
