@@ -437,18 +437,23 @@ class EngineLoop:
             self.threads.after_step(seconds, scheduled.num_tokens)  # the forward's rows: decode, drafts, chunks
             self.metrics.torch_threads.set(self.threads.threads)
         self.metrics.observe_step(seconds, len(outputs), sum(o.token_id is not None for o in outputs))
-        for output in outputs:
-            self._deliver(output)
+        self._deliver(*outputs)
 
-    def _deliver(self, output: StepOutput) -> None:
-        sink = self._sinks.get(output.request_id)
-        if sink is None:
-            return
-        # a speculative step may give one request several outputs, its finish last: only that one ends it
-        if output.finish_reason is not None or output.request_id in self._prefill_only:
-            del self._sinks[output.request_id]
-            self._prefill_only.discard(output.request_id)
-        self._loop.call_soon_threadsafe(sink.put_nowait, output)
+    def _deliver(self, *outputs: StepOutput) -> None:
+        """Hand `outputs` to their requests' sinks, in order, with one wake of the event loop: a
+        step's outputs (one per running request) go together."""
+        delivered: list[tuple[asyncio.Queue, StepOutput]] = []
+        for output in outputs:
+            sink = self._sinks.get(output.request_id)
+            if sink is None:
+                continue
+            # a speculative step may give one request several outputs, its finish last: only that one ends it
+            if output.finish_reason is not None or output.request_id in self._prefill_only:
+                del self._sinks[output.request_id]
+                self._prefill_only.discard(output.request_id)
+            delivered.append((sink, output))
+        if delivered:
+            self._loop.call_soon_threadsafe(_put_each, delivered)
 
 
 @dataclass(frozen=True, slots=True)
@@ -459,6 +464,11 @@ class KvEvents:
     is_snapshot: bool
     stored: list[int]
     removed: list[int]
+
+
+def _put_each(delivered: list[tuple[asyncio.Queue, StepOutput]]) -> None:
+    for sink, output in delivered:
+        sink.put_nowait(output)
 
 
 def _set_result(future: asyncio.Future, result: Any) -> None:

@@ -110,8 +110,21 @@ class WorkerPages:
             if not any(held.values()):
                 return
             if time.monotonic() > deadline:
-                raise AssertionError(f"KV pages still held after the test: {held}")
+                raise AssertionError(f"KV pages still held after the test: {held}\n{self.warnings()}")
             time.sleep(0.1)
+
+    def log_files(self) -> list[Path]:
+        return []
+
+    def warnings(self, num_lines: int = 30) -> str:
+        """The last `num_lines` WARNING and ERROR lines of the services' logs: why a page may be held."""
+        lines = [
+            f"{path.name}: {line}"
+            for path in self.log_files()
+            for line in path.read_text(errors="replace").splitlines()
+            if " WARNING " in line or " ERROR " in line
+        ]
+        return "\n".join(lines[-num_lines:])
 
 
 @dataclass
@@ -139,6 +152,9 @@ class Stack(WorkerPages):
         reply = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
         reply.raise_for_status()
         return reply.text
+
+    def log_files(self) -> list[Path]:
+        return [self.log_path]
 
     def stop(self) -> list[int]:
         """SIGINT the supervisor (as Ctrl-C would); returns child pids still alive after it exits."""
@@ -344,6 +360,9 @@ class Services(WorkerPages):
 
     def logs(self, num_chars: int = 3000) -> str:
         return log_tails(self.log_dir, num_chars)
+
+    def log_files(self) -> list[Path]:
+        return sorted(self.log_dir.glob("*.log"))
 
 
 @contextlib.contextmanager

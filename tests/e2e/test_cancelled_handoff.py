@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.e2e.stack import WORKER_METADATA, Services, running_services, wait_until_stopped
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2_grpc
+from tests.e2e.stack import WORKER_METADATA, Services, running_services, wait_until_stopped
 
 pytestmark = pytest.mark.slow
 
