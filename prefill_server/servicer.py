@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -73,7 +74,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             end()
             return
         loop = asyncio.get_running_loop()
-        send.written.add_done_callback(lambda _: loop.call_soon_threadsafe(end))
+
+        def end_soon(_: object) -> None:  # on the transport's thread
+            with contextlib.suppress(RuntimeError):  # the worker has stopped: nobody waits any more
+                loop.call_soon_threadsafe(end)
+
+        send.written.add_done_callback(end_soon)
 
     async def CancelPrefill(
         self, request: prefill_pb2.CancelPrefillRequest, context: grpc.aio.ServicerContext
