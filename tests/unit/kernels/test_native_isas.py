@@ -10,8 +10,10 @@ cached, so only the first run compiles."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -118,9 +120,6 @@ def test_a_build_in_the_cache_loads_with_no_compiler_and_no_ninja(tmp_path: Path
 def test_a_start_killed_while_it_compiles_does_not_stop_the_next_from_building(tmp_path: Path) -> None:
     """A first start killed during its kernel build (Ctrl-C, the OOM killer) leaves torch's build lock
     file behind; the next start builds the kernels all the same instead of waiting for it forever."""
-    import signal
-    import time
-
     cache = tmp_path / "cache"
     torch_lock = cache / native._build_name(native._flags()) / "lock"
     env = {**os.environ, "TANDEM_KERNEL_CACHE": str(cache)}
