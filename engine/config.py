@@ -178,6 +178,8 @@ class EngineConfig:
     about that many times a decode-only step's time, by its prompt tokens (engine/pacing.py); it
     needs chunking to split a prompt. A prompt with at most `unpaced_prompt_tokens` left to compute
     after its cached prefix runs whole, outside that pace (0: every prompt is paced).
+    `overlap_schedule`: the server runtime queues a decode step that is certain while the step before
+    it computes (engine/overlap.py); the tokens are the same either way.
 
     `device` is where the weights, the KV pool and every per-step tensor live ("cpu", "cuda",
     "cuda:<n>"; the entry point resolves "auto"). Quantized weights compute in a CPU kernel, so a
@@ -204,6 +206,7 @@ class EngineConfig:
     speculative_draft_policy: str = "auto"  # one of DRAFT_POLICIES
     max_decode_slowdown: float | None = 1.5
     unpaced_prompt_tokens: int = 64
+    overlap_schedule: bool = True
     max_loras: int = 0
     max_lora_rank: int = 16
     context_len: int | None = None

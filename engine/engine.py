@@ -348,11 +348,9 @@ class Engine:
 
     def abort(self, request_id: str, message: str = "aborted", write_settled: bool = False) -> StepOutput | None:
         """End a request, freeing its pages. None if nothing was held, if it was still RECEIVING, or if
-        its KV is being sent (its pages are freed once `poll_kv` sees the send over).
-
-        A receiving request's written pages sit out the connector's write grace unless `write_settled`
-        says no KV write into them can still be in flight.
-        """
+        its KV is being sent (its pages are freed once `poll_kv` sees the send over). A receiving request's
+        written pages sit out the connector's write grace unless `write_settled` says no KV write into
+        them can still be in flight."""
         if self._drop_reservation(request_id, write_settled):
             return None
         if request_id in self._sending:  # a send may be reading its pages: they go when it is over
@@ -483,8 +481,12 @@ class Engine:
         if self.scheduler.pacer is not None:
             self.scheduler.pacer.observe(scheduled.num_decode_tokens, num_prompt_tokens, seconds)
 
-    def update(self, scheduled: SchedulerOutput, output: ModelOutput) -> list[StepOutput]:
-        """Record what `execute` computed for `scheduled`; the step's `StepOutput`s."""
+    def update(
+        self, scheduled: SchedulerOutput, output: ModelOutput, writing: frozenset[str] = frozenset()
+    ) -> list[StepOutput]:
+        """Record what `execute` computed for `scheduled`; the step's `StepOutput`s. `writing`: the requests of
+        a step computing after it (engine/overlap.py), whose pages stay held until its own update."""
+        self.scheduler.release_parked(writing)
         outputs = self.scheduler.update_from_output(scheduled, output, self.weights_id)
         for req in scheduled.aborted + scheduled.requests:
             if req.is_finished and self._requests.pop(req.request_id, None) is not None:

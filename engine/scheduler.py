@@ -87,6 +87,8 @@ class Scheduler:
         self.num_accepted_tokens = 0  # of those, accepted
         self.num_rejecting_steps = 0  # request-steps that rejected a draft
         self._preempted: list[Request] = []  # this step's, for its SchedulerOutput
+        self.writing: frozenset[str] = frozenset()  # requests whose pages a step still computing writes into
+        self._parked: list[int] = []  # pages of requests in `writing` that finished: freed once it is over
 
     @property
     def has_work(self) -> bool:
@@ -396,10 +398,23 @@ class Scheduler:
         self.release_pages(req)
 
     def release_pages(self, req: Request) -> None:
-        """Give back every page `req` holds (cached ones lose its reference)."""
+        """Give back every page `req` holds (cached ones lose its reference); a request in `writing`
+        gives them back at `release_parked`, since a step still computing writes into them
+        (engine/overlap.py)."""
         if req.page_ids:
-            self.pages.release(req.page_ids)
+            if req.request_id in self.writing:
+                self._parked.extend(req.page_ids)
+            else:
+                self.pages.release(req.page_ids)
             req.page_ids = []
+
+    def release_parked(self, writing: frozenset[str] = frozenset()) -> None:
+        """The step that wrote into the parked pages is over: give them back. `writing`: the requests
+        of the step computing from now on."""
+        if self._parked:
+            self.pages.release(self._parked)
+            self._parked = []
+        self.writing = writing
 
     def reserve(
         self, num_tokens: int, priority: int = 0, may_preempt: bool = True, num_held_pages: int = 0

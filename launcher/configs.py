@@ -177,6 +177,7 @@ def engine_config(args: argparse.Namespace, role: str, is_embedding: bool) -> En
             speculative_draft_policy=args.speculative_draft_policy,
             max_decode_slowdown=args.max_decode_slowdown,
             unpaced_prompt_tokens=args.unpaced_prompt_tokens,
+            overlap_schedule=not args.disable_overlap_schedule,
             max_loras=0 if is_embedding else max_loras(args),
             max_lora_rank=args.max_lora_rank,
             context_len=args.context_length,

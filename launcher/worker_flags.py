@@ -173,6 +173,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--max-decode-slowdown's pace: its streams wait that step once. 0: every prompt is paced",
     )
     p.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="schedule each step only once the one before it is over (SGLang's flag). By default a "
+        "decode step that is certain (nothing waits, no drafts, no grammar) is chosen and queued "
+        "while the step before it computes, so forward passes run back to back; the tokens are the "
+        "same either way",
+    )
+    p.add_argument(
         "--speculative-algorithm",
         choices=SPECULATIVE_ALGORITHMS,
         default=field_default(EngineConfig, "speculative_algorithm"),

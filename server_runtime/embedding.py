@@ -17,8 +17,8 @@ import torch
 
 from engine.embedder import Embedder, EmbeddingModelInfo, load_embedder
 from engine.stats import EngineStats
+from server_runtime.blocking import BlockingWork, Lane
 from server_runtime.config import WorkerConfig
-from server_runtime.engine_loop import BlockingWork, Lane
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,14 +30,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import torch
-
 from engine.engine import Engine
 from engine.errors import InvalidRequestError, WouldPreemptError
 from engine.kv_connector import ReservedPages
 from engine.kv_host_tier import TierReads
+from engine.overlap import AheadStep, execute_ahead, plan_ahead, settle_ahead
 from engine.request import FinishReason, Request, StepOutput
 from engine.step_records import ModelOutput, SchedulerOutput
+from server_runtime.blocking import BlockingWork, use_device
 from server_runtime.metrics import WorkerMetrics
 from server_runtime.threads import ThreadTuner
 from tandem.sampling import GrammarSpec
@@ -46,7 +46,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _TICK_S = 0.25
-_BLOCKING_THREADS = 4  # a grammar compile, an embedder batch and checkpoint opens at once, with room
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,72 +60,8 @@ class _Command:
 
 
 _STEP_DONE = _Command(lambda engine, is_in_step: None, None)  # the compute thread's signal
+_Computed = tuple[ModelOutput, float]  # a step's output and the seconds its computation took
 _WAKE = _Command(lambda engine, is_in_step: None, None, is_during_step=True)  # only ends a wait for commands
-
-
-class BlockingWork:
-    """A process's one executor for blocking calls off the event loop. Threads start as needed.
-
-    `run` takes any free thread; a `Lane` runs its calls one at a time. Calls already running when
-    the caller stops waiting (cancelled, timed out) run to their end.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._executor = concurrent.futures.ThreadPoolExecutor(_BLOCKING_THREADS, thread_name_prefix="blocking")
-
-    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        """Start `fn(*args)` on the executor; the returned future is the event loop's."""
-        return self._loop.run_in_executor(self._executor, fn, *args)
-
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on the executor; returns its result or raises its exception."""
-        return await self.submit(fn, *args)
-
-    def lane(self) -> Lane:
-        return Lane(self)
-
-    def close(self) -> None:
-        """Drop queued calls and stop taking new ones; calls already running end on their own."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-class Lane:
-    """Calls on `BlockingWork`, one at a time, in arrival order: for work that is single-threaded
-    (the embedder) or that must not pile up (grammar compiles). A call whose caller stopped
-    waiting keeps the lane until it ends, so abandoned calls never overlap the next."""
-
-    def __init__(self, work: BlockingWork) -> None:
-        self._work = work
-        self._free = asyncio.Lock()
-
-    async def run(self, fn: Callable[..., T], *args: Any, timeout_s: float | None = None) -> T:
-        """`fn(*args)` once the lane is free. `timeout_s` bounds the call itself, not the wait for
-        the lane: past it, TimeoutError (the call goes on, holding the lane)."""
-        await self._free.acquire()
-        try:
-            call = self._work.submit(fn, *args)
-        except BaseException:
-            self._free.release()
-            raise
-        call.add_done_callback(self._release)
-        return await asyncio.wait_for(asyncio.shield(call), timeout_s)
-
-    def _release(self, call: asyncio.Future) -> None:
-        self._free.release()
-        if not call.cancelled():
-            call.exception()  # collected here: a caller that stopped waiting has had its answer
-
-
-def use_device(device: str) -> None:
-    """Make `device` (an `EngineConfig.device`) this thread's current CUDA device when it names one by
-    index. CUDA's current device is per thread, and what does not follow a tensor's device (streams,
-    events, FlashInfer's kernels, CUDA-graph capture and replay) follows it: a worker on cuda:1 calls
-    this on the thread that builds its engine and on the engine thread. No-op for "cpu" and "cuda"
-    (device 0, the default)."""
-    index = torch.device(device).index if device.startswith("cuda") else None
-    if index is not None:
-        torch.cuda.set_device(index)
 
 
 class EngineLoop:
@@ -150,6 +85,7 @@ class EngineLoop:
         self._loop = loop
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._deferred: list[_Command] = []  # arrived during the last step, to run before the queue
+        self._queued: tuple[AheadStep, concurrent.futures.Future[_Computed]] | None = None  # the step after
         self._compute = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="engine-compute", initializer=use_device, initargs=(engine.config.device,)
         )
@@ -161,6 +97,7 @@ class EngineLoop:
         self._grammar_lane = self.work.lane()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.num_steps = 0
+        self.num_overlapped_steps = 0  # of those, queued while the step before them computed
 
     def start(self) -> None:
         self._thread.start()
@@ -341,7 +278,10 @@ class EngineLoop:
         use_device(self.engine.config.device)
         next_tick = 0.0
         while not self._stopped.is_set():
-            self._drain_commands(block=not self.engine.has_work)
+            if self._queued is None:
+                self._drain_commands(block=not self.engine.has_work)
+            else:
+                self._answer_during_step()  # a step is queued or computing: nothing else may touch the engine
             self.engine.poll_kv()  # the connector's sends, expired reservations, quarantine
             now = time.monotonic()
             if now >= next_tick:
@@ -349,7 +289,7 @@ class EngineLoop:
                 self.metrics.observe_stats(self.engine.stats())
                 self._publish_kv_events()
                 next_tick = now + _TICK_S
-            if self.engine.has_work:
+            if self._queued is not None or self.engine.has_work:
                 self._step()
 
     def _drain_commands(self, block: bool) -> None:
@@ -367,6 +307,21 @@ class EngineLoop:
             except queue.Empty:
                 return
 
+    def _answer_during_step(self) -> None:
+        """Run the queued commands that may run while a step computes; keep the others for after it."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            self._during_step(command)
+
+    def _during_step(self, command: _Command) -> None:
+        if command is _STEP_DONE:
+            return
+        if not (command.is_during_step and self._execute(command, is_in_step=True)):
+            self._deferred.append(command)
+
     def _execute(self, command: _Command, is_in_step: bool) -> bool:
         """Run `command`; False when it must wait for the step's end (it raised WouldPreemptError)."""
         future = command.future
@@ -382,17 +337,17 @@ class EngineLoop:
             self._loop.call_soon_threadsafe(_set_result, future, result)
         return True
 
-    def _execute_step(self, scheduled: SchedulerOutput, kv_on_its_way: bool) -> ModelOutput:
-        """`Engine.execute` on the compute thread, on the threads the tuner picks there (torch's count
-        is per thread); the engine thread meanwhile runs the commands that may run during a step and
-        keeps the others for after it. Raises what the step raised."""
-        if scheduled.is_empty:
-            return self.engine.execute(scheduled)
-        computing = self._compute.submit(self._compute_step, scheduled, kv_on_its_way)
+    def _submit(self, fn: Callable[..., _Computed], *args: Any) -> concurrent.futures.Future[_Computed]:
+        """Queue a step on the compute thread; its end wakes the engine thread's wait for commands."""
+        computing = self._compute.submit(fn, *args)
         computing.add_done_callback(lambda _: self._commands.put(_STEP_DONE))
-        while (command := self._commands.get()) is not _STEP_DONE:
-            if not (command.is_during_step and self._execute(command, is_in_step=True)):
-                self._deferred.append(command)
+        return computing
+
+    def _wait(self, computing: concurrent.futures.Future[_Computed]) -> _Computed:
+        """The step's result, once the compute thread has it; meanwhile the engine thread runs the
+        commands that may run during a step and keeps the others for after it. Raises what the step raised."""
+        while not computing.done():
+            self._during_step(self._commands.get())
         return computing.result()
 
     def _schedule(self, kv_on_its_way: bool) -> SchedulerOutput:
@@ -408,36 +363,77 @@ class EngineLoop:
             self.threads.before_step(kv_on_its_way=kv_on_its_way)
         return self.engine.schedule()
 
-    def _compute_step(self, scheduled: SchedulerOutput, kv_on_its_way: bool) -> ModelOutput:
-        """On the compute thread."""
+    def _compute_step(self, scheduled: SchedulerOutput, kv_on_its_way: bool) -> _Computed:
+        """On the compute thread: `Engine.execute` on the threads the tuner picks (torch's count is per
+        thread), which it then tells how long the step took."""
+        return self._timed(lambda: self.engine.execute(scheduled), scheduled.num_tokens, kv_on_its_way)
+
+    def _compute_ahead(
+        self, ahead: AheadStep, previous: concurrent.futures.Future[_Computed], kv_on_its_way: bool
+    ) -> _Computed:
+        """On the compute thread, right after the step before `ahead` (so `previous` is done)."""
+        before, _ = previous.result()  # raises what that step raised: this one cannot run without it
+        return self._timed(lambda: execute_ahead(self.engine, ahead, before), ahead.computed.num_tokens, kv_on_its_way)
+
+    def _timed(self, compute: Callable[[], ModelOutput], rows: int, kv_on_its_way: bool) -> _Computed:
         if self.threads is not None:
             self.threads.before_step(kv_on_its_way=kv_on_its_way)
-        return self.engine.execute(scheduled)
+        started = time.perf_counter()
+        output = compute()
+        seconds = time.perf_counter() - started
+        if self.threads is not None and rows:
+            self.threads.after_step(seconds, rows)  # the forward's rows: decode, drafts, chunks
+        return output, seconds
 
     def _step(self) -> None:
+        """Take the step queued ahead or schedule one and compute it; queue the next one while it
+        computes when that one is certain (engine/overlap.py); then record and deliver its outputs."""
         kv_on_its_way = self.engine.num_receiving > 0
-        started = time.perf_counter()
+        ahead: AheadStep | None = None
+        if self._queued is not None:
+            ahead, computing = self._queued
+            scheduled = ahead.scheduled
+            self._queued = None
+        else:
+            try:
+                scheduled = self._schedule(kv_on_its_way)
+            except Exception:
+                self._fail_step()
+                return
+            computing = self._submit(self._compute_step, scheduled, kv_on_its_way)
+        if self.engine.config.overlap_schedule and not self._deferred:
+            if (after := plan_ahead(self.engine.scheduler, scheduled)) is not None:
+                self._queued = (after, self._submit(self._compute_ahead, after, computing, kv_on_its_way))
         try:
-            scheduled = self._schedule(kv_on_its_way)
-            outputs = self.engine.update(scheduled, self._execute_step(scheduled, kv_on_its_way))
+            output, seconds = self._wait(computing)
+            if ahead is not None:
+                scheduled, output = settle_ahead(ahead, output)
+            writing = self._queued[0].request_ids if self._queued is not None else frozenset()
+            outputs = self.engine.update(scheduled, output, writing)
         except Exception:
-            logger.exception("engine step failed; aborting the requests it held")
-            for request_id in list(self._sinks):
-                output = self.engine.abort(request_id, "internal error in the engine step")
-                self._deliver(
-                    output
-                    or StepOutput(
-                        request_id, None, None, FinishReason.ABORT, abort_message="internal error in the engine step"
-                    )
-                )
+            self._fail_step()
             return
         self.num_steps += 1
-        seconds = time.perf_counter() - started
-        if self.threads is not None and not scheduled.is_empty:
-            self.threads.after_step(seconds, scheduled.num_tokens)  # the forward's rows: decode, drafts, chunks
+        if self.threads is not None:
             self.metrics.torch_threads.set(self.threads.threads)
-        self.metrics.observe_step(seconds, len(outputs), sum(o.token_id is not None for o in outputs))
+        if ahead is not None:
+            self.num_overlapped_steps += 1
+        num_tokens = sum(o.token_id is not None for o in outputs)
+        self.metrics.observe_step(seconds, len(outputs), num_tokens, is_overlapped=ahead is not None)
         self._deliver(*outputs)
+
+    def _fail_step(self) -> None:
+        """A step failed: once the step queued after it is over too (it fails with it), abort every
+        request the engine loop serves."""
+        logger.exception("engine step failed; aborting the requests it held")
+        if self._queued is not None:
+            concurrent.futures.wait([self._queued[1]])
+            self._queued = None
+        self.engine.scheduler.release_parked()
+        message = "internal error in the engine step"
+        for request_id in list(self._sinks):
+            output = self.engine.abort(request_id, message)
+            self._deliver(output or StepOutput(request_id, None, None, FinishReason.ABORT, abort_message=message))
 
     def _deliver(self, *outputs: StepOutput) -> None:
         """Hand `outputs` to their requests' sinks, in order, with one wake of the event loop: a

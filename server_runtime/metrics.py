@@ -112,6 +112,11 @@ class WorkerMetrics:
         self.generation_tokens = Counter(
             "tandem_worker_generation_tokens", "Tokens sampled by this worker's engine", registry=r
         )
+        self.overlapped_steps = Counter(
+            "tandem_worker_overlapped_steps",
+            "Engine steps queued while the step before them computed (--disable-overlap-schedule: none)",
+            registry=r,
+        )
         self.preemptions = Gauge(
             "tandem_worker_preemptions",
             "Running requests paused for lack of KV pages (recomputed later) since start",
@@ -142,9 +147,12 @@ class WorkerMetrics:
         self._num_prompt_tokens = 0
         self._num_cached_tokens = 0
 
-    def observe_step(self, seconds: float, num_outputs: int, num_tokens: int) -> None:
-        """One engine step took `seconds` and produced `num_outputs` outputs, `num_tokens` of them tokens."""
+    def observe_step(self, seconds: float, num_outputs: int, num_tokens: int, is_overlapped: bool = False) -> None:
+        """One engine step took `seconds` to compute and produced `num_outputs` outputs, `num_tokens` of them
+        tokens; `is_overlapped`: it was queued while the step before it computed."""
         self.step_seconds.observe(seconds)
+        if is_overlapped:
+            self.overlapped_steps.inc()
         self.step_batch_size.observe(num_outputs)
         if num_tokens:
             self.generation_tokens.inc(num_tokens)

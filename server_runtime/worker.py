@@ -30,10 +30,11 @@ from engine.runner import FaultHooks
 from engine.weights import open_checkpoint
 from kv_transfer import create_transport
 from kv_transfer.mooncake_store import StoreClient
+from server_runtime.blocking import use_device
 from server_runtime.config import WorkerConfig
 from server_runtime.context import EngineFacts, WorkerContext
 from server_runtime.embedding import EmbeddingContext, start_embedding
-from server_runtime.engine_loop import EngineLoop, use_device
+from server_runtime.engine_loop import EngineLoop
 from server_runtime.kv_grants import store_page_key
 from server_runtime.kv_receive import KVReceiveConnector
 from server_runtime.kv_send import KVSendConnector

@@ -11,8 +11,14 @@ from engine.errors import InvalidRequestError
 from engine.kv_pool import KVLayout
 from engine.request import FinishReason, SamplingParams, StepOutput
 from gateway.cluster.convert import sampling_to_proto
-from server_runtime.convert import (check_layout_matches, finish_to_proto, layout_to_proto, sampling_from_proto,
-                                    spec_from_proto, token_to_proto)
+from server_runtime.convert import (
+    check_layout_matches,
+    finish_to_proto,
+    layout_to_proto,
+    sampling_from_proto,
+    spec_from_proto,
+    token_to_proto,
+)
 from tandem.limits import DEFAULT_MAX_NEW_TOKENS
 from tandem.sampling import GrammarKind, GrammarSpec, SamplingSpec
 from tandem.v1 import common_pb2

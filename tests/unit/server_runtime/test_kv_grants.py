@@ -9,7 +9,6 @@ import pytest
 from server_runtime.kv_grants import GrantChecker, GrantError, IssuedGrants, grant_key, sign
 from tandem.v1 import common_pb2
 
-
 SECRET = "the-workers-grant-secret-0123456789"
 TOKEN = "the-cluster-internal-token-0123456789"   # what the gateway holds too
 

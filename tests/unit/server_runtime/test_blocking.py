@@ -1,4 +1,4 @@
-"""The blocking-work side of server_runtime/engine_loop.py: `BlockingWork` and its `Lane`s. The engine
+"""server_runtime/blocking.py: `BlockingWork` and its `Lane`s, and `use_device`. The engine
 thread itself runs in the integration tests."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from server_runtime.engine_loop import BlockingWork
+from server_runtime.blocking import BlockingWork
 
 
 def test_run_returns_results_and_raises_errors_off_the_event_loop() -> None:
@@ -51,7 +51,7 @@ def test_a_lane_runs_one_call_at_a_time_even_after_its_caller_gave_up() -> None:
 
 def test_an_indexed_cuda_device_becomes_the_threads_current_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """CUDA's current device is per thread; what the engine thread selects (no GPU here: the call is recorded)."""
-    from server_runtime.engine_loop import use_device
+    from server_runtime.blocking import use_device
 
     selected: list[int] = []
     monkeypatch.setattr(torch.cuda, "set_device", selected.append)
