@@ -16,8 +16,8 @@ import pytest
 
 pytest.importorskip("mooncake.store", reason="Mooncake Store is not installed")
 
-from tests.e2e.cluster_stack import assert_no_pages_held, start_cluster  # noqa: E402 - after the skip
-from tests.e2e.stack import child_pids, free_port, is_alive  # noqa: E402
+from tests.e2e.cluster_stack import assert_no_pages_held, free_port_run, start_cluster  # noqa: E402 - after the skip
+from tests.e2e.stack import child_pids, is_alive  # noqa: E402
 
 PAGE = 16
 NEW_TOKENS = 12
@@ -67,7 +67,7 @@ def test_a_prefix_one_prefill_worker_computed_the_other_reads_from_the_store_and
     flags = (
         "--kv-store",
         "--kv-store-port",
-        str(free_port()),
+        str(free_port_run(2)),  # the store's metrics listen on the next port
         "--kv-store-gb",
         "0.5",
         "--router-policy",

@@ -27,6 +27,7 @@ from engine.kv_pool import KVLayout, KVPool  # noqa: E402 - after the skip
 from engine.kv_store_tier import TAG_BYTES, StoreTier, page_tag  # noqa: E402
 from engine.prefix_cache import page_digest  # noqa: E402
 from kv_transfer.mooncake_store import StoreClient  # noqa: E402
+from tests.e2e.cluster_stack import free_port_run  # noqa: E402
 from tests.e2e.stack import child_pids, free_port, is_alive  # noqa: E402
 from tests.integration.test_mooncake_binding import listening_sockets  # noqa: E402
 
@@ -57,7 +58,7 @@ class RunningStore:
 
 
 def start_store(log: Path, port: int | None = None) -> RunningStore:
-    port = port or free_port()
+    port = port or free_port_run(2)  # the store's metrics listen on port + 1
     seen = log.stat().st_size if log.exists() else 0  # a restart appends to the same log
     process = subprocess.Popen(
         [sys.executable, "-m", "launcher", "kv-store", "--port", str(port), "--memory-gb", "0.25"],
