@@ -2,8 +2,9 @@
 
 Single-threaded by contract: every method must be called from the same thread (the server
 runtime's engine loop), with two exceptions: while `execute` computes a step on another thread, that
-thread may call `reserve(..., may_preempt=False)` and `slow_tier_digests`; and `read_slow_tiers` may
-run on any thread. Two ways in:
+thread may call `reserve(..., may_preempt=False)` and `slow_tier_digests` (and, when the step computes
+from shadow requests, `update` the step before it and `poll_kv`: engine/overlap.py); and
+`read_slow_tiers` may run on any thread. Two ways in:
 - `add_request`: a prompt to prefill (and decode, unless `is_prefill_only`), or the confirmation of a
   reservation;
 - `reserve`: a request whose prompt KV another process writes into its pages (all but the prompt's

@@ -9,7 +9,10 @@ the exception to their caller, a failing step aborts the requests it held.
 Each step's forward pass runs on a compute thread (the kernels release the GIL) while the engine
 thread waits for it: meanwhile it answers the commands that may run during a step (`reserve`, which
 then preempts nobody) and keeps the others, in order, for the step's end. So a decode worker answers
-a reservation in the time of the call, not of the step it arrived in.
+a reservation in the time of the call, not of the step it arrived in. When the next step is a certain
+decode step (engine/overlap.py), it is queued on the compute thread right behind the step computing,
+and the step's update and delivery run while the next one computes; the other commands then wait until
+no step is queued (with one pending, nothing more is planned ahead).
 
 Blocking calls that are not the engine's (opening a checkpoint, compiling a grammar, the
 embedder's batches) run on `BlockingWork`'s executor; what they produce for the engine enters it
@@ -67,9 +70,10 @@ _WAKE = _Command(lambda engine, is_in_step: None, None, is_during_step=True)  # 
 class EngineLoop:
     """The engine thread, its compute thread and the process's `BlockingWork` (`work`), owned together:
     `start()` starts the engine thread, `stop()` ends them all. Once started only the engine thread
-    touches `engine`, except `Engine.execute`, which the compute thread runs while the engine thread
-    answers reservations alone, and `Engine.schedule` where it runs a draft model, which the compute
-    thread runs while the engine thread waits."""
+    touches `engine`, except `Engine.execute` (and `execute_ahead`, on shadow requests), which the
+    compute thread runs while the engine thread answers reservations (and updates the step before an
+    overlapped one), and `Engine.schedule` where it runs a draft model, which the compute thread runs
+    while the engine thread waits."""
 
     def __init__(
         self,
