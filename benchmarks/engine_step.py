@@ -179,6 +179,7 @@ def main() -> None:
         kv_cache_dtype=args.kv_cache_dtype,
         max_total_tokens=32768,
         chunked_prefill_size=max(512, args.prefill),
+        max_decode_slowdown=None,  # the decode pace would let the prompts in a few at a time: no full batch
     )
     if args.profile:
         install_timers()  # before the model is built: layers keep the kernel functions they find
