@@ -17,7 +17,8 @@ It plans ahead only when step N+1 is certain to be exactly that: nothing waits t
 loads, no request is part-way through its prompt, no proposer drafts (drafts depend on N's token),
 no request follows a grammar (its matcher must take N's token before it masks N+1's logits), and
 every request that N does not certainly finish (its token limit, the context) gets one page of room
-without preempting anyone. Otherwise the next step is scheduled after N as usual.
+without preempting anyone. Otherwise the next step is scheduled after N as usual. The engine loop
+plans nothing ahead while the MoE expert distribution is recorded either (a thrown-away row would count).
 
 A request that N finishes anyway (a stop token) is computed once more in N+1 and that row thrown
 away; since N+1 writes its KV into the request's pages, `Scheduler.writing` keeps them from being
