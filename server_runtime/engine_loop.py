@@ -406,7 +406,11 @@ class EngineLoop:
                 return
             computing = self._submit(self._compute_step, scheduled, kv_on_its_way)
         # not while experts are counted: a row the step ahead computes for a finished request would count
-        if self.engine.config.overlap_schedule and not self._deferred and not self._counts_experts:
+        if (
+            self.engine.config.overlap_schedule
+            and not self._deferred
+            and not self.engine.runner.expert_recorder.is_recording
+        ):
             if (after := plan_ahead(self.engine.scheduler, scheduled)) is not None:
                 self._queued = (after, self._submit(self._compute_ahead, after, computing, kv_on_its_way))
         try:
@@ -426,10 +430,6 @@ class EngineLoop:
         num_tokens = sum(o.token_id is not None for o in outputs)
         self.metrics.observe_step(seconds, len(outputs), num_tokens, is_overlapped=ahead is not None)
         self._deliver(*outputs)
-
-    @property
-    def _counts_experts(self) -> bool:
-        return self.engine.runner.expert_recorder.is_recording
 
     def _fail_step(self) -> None:
         """A step failed: once the step queued after it is over too (it fails with it), abort every
